@@ -1,0 +1,599 @@
+//! Parsing and validation of the `Idempotency-Key` request header (draft-ietf-httpapi-idempotency-key-header-07).
+//!
+//! The draft defines the value as an RFC 8941 sf-string (`"8e03978e-40d5-43e8-bc93-6894a57f9324"`).
+//! Many clients (Stripe-style SDKs) send the key bare, without quotes, so a bare value of visible
+//! ASCII is accepted too unless [`KeyPolicy::strict`] is set. The rules, in the order applied:
+//!
+//! 1. Optional whitespace (SP / HTAB) around the field value is trimmed, as for any HTTP field.
+//! 2. An empty value, a non-ASCII byte or a control character makes the key invalid.
+//! 3. A value starting with `"` is parsed as an sf-string, all or nothing: escapes other than
+//!    `\"` and `\\`, a missing closing quote, trailing characters or parameters make it invalid.
+//! 4. Any other value is a bare key: visible ASCII (0x21–0x7E) only, so no spaces; rejected in strict mode.
+//! 5. The key is the unquoted value (`"abc"` and `abc` are the same key); it must be 1..=`max_len`
+//!    characters long and, with [`KeyFormat::Uuid`], a hyphenated UUID.
+//!
+//! Error messages are shown to clients as problem details, so they are specific, but they never
+//! echo the key: a key may carry data the client did not mean to have logged or reflected.
+//! For the same reason [`IdempotencyKey`] prints only a prefix of the key's SHA-256.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// Which shape of key the server requires, beyond the generic rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyFormat {
+    /// Any key that satisfies the generic rules.
+    #[default]
+    Any,
+    /// The key must be a UUID in its hyphenated form (`8e03978e-40d5-43e8-bc93-6894a57f9324`).
+    Uuid,
+}
+
+/// How strictly keys are validated.
+#[derive(Debug, Clone)]
+pub struct KeyPolicy {
+    /// When set, only the draft's sf-string form (`"abc"`) is accepted; a bare `abc` is invalid.
+    pub strict: bool,
+    /// The maximum length of the unquoted key, in characters (the key is ASCII, so also bytes).
+    pub max_len: usize,
+    /// The required key format.
+    pub format: KeyFormat,
+}
+
+impl Default for KeyPolicy {
+    /// Lenient: bare keys accepted, at most 255 characters, any format.
+    fn default() -> Self {
+        Self {
+            strict: false,
+            max_len: 255,
+            format: KeyFormat::Any,
+        }
+    }
+}
+
+/// Why a request's idempotency key was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The header is absent.
+    #[error("the Idempotency-Key header is required")]
+    Missing,
+    /// The header is present but malformed; the message is meant for the client and never
+    /// contains the key itself.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn invalid(msg: impl Into<String>) -> KeyError {
+    KeyError::Invalid(msg.into())
+}
+
+/// A validated idempotency key.
+///
+/// Its `Debug` and `Display` output is `IdempotencyKey(<hash prefix>)`: the raw key is never
+/// printed, so it cannot leak into logs by accident.
+#[derive(Clone, PartialEq, Eq)]
+pub struct IdempotencyKey {
+    key: String,
+    // Computed once: the hash is what storage and logs use, the raw key rarely.
+    hash: [u8; 32],
+}
+
+impl IdempotencyKey {
+    fn new(key: String) -> Self {
+        let hash: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        Self { key, hash }
+    }
+
+    /// The unquoted key.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.key
+    }
+
+    /// SHA-256 of the unquoted key's bytes.
+    #[must_use]
+    pub fn hash(&self) -> [u8; 32] {
+        self.hash
+    }
+
+    /// The first 12 hex characters of [`hash`](Self::hash): the only form of the key logs may carry.
+    #[must_use]
+    pub fn hash_prefix(&self) -> String {
+        hex::encode(&self.hash[..6])
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdempotencyKey({})", self.hash_prefix())
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// Parses and validates one `Idempotency-Key` field value.
+///
+/// `raw` is the field value's bytes as received (header values may hold any byte but CR, LF and NUL).
+///
+/// # Errors
+/// [`KeyError::Invalid`] with a client-facing explanation when the value breaks any rule listed
+/// in the [module documentation](self).
+pub fn parse_value(raw: &[u8], policy: &KeyPolicy) -> Result<IdempotencyKey, KeyError> {
+    let value = trim_ows(raw);
+    if value.is_empty() {
+        return Err(invalid("the Idempotency-Key header is empty"));
+    }
+    // Byte checks come first so that the messages below can assume printable ASCII.
+    if !value.is_ascii() {
+        return Err(invalid(
+            "the key contains a non-ASCII byte; keys must be printable ASCII (0x20-0x7E)",
+        ));
+    }
+    if value.iter().any(u8::is_ascii_control) {
+        return Err(invalid(
+            "the key contains a control character; keys must be printable ASCII (0x20-0x7E)",
+        ));
+    }
+
+    let key = if value.first() == Some(&b'"') {
+        parse_sf_string(value)?
+    } else {
+        parse_bare(value, policy)?
+    };
+
+    let len = key.len();
+    if len == 0 {
+        return Err(invalid(
+            "the key is empty; it must be at least 1 character long",
+        ));
+    }
+    if len > policy.max_len {
+        return Err(invalid(format!(
+            "the key is {len} characters long; the limit is {}",
+            policy.max_len
+        )));
+    }
+    if policy.format == KeyFormat::Uuid && !is_hyphenated_uuid(&key) {
+        return Err(invalid(
+            "the key must be a UUID in hyphenated form, e.g. \"8e03978e-40d5-43e8-bc93-6894a57f9324\" (IDEMGATE_KEY_FORMAT=uuid)",
+        ));
+    }
+    Ok(IdempotencyKey::new(key))
+}
+
+/// Reads the key from `headers` under `name`.
+///
+/// The proxy may be configured with another header name than `Idempotency-Key`, hence `name`.
+///
+/// # Errors
+/// [`KeyError::Missing`] when no such header is present; [`KeyError::Invalid`] when it appears on
+/// more than one line (the client's intent is ambiguous) or its value is invalid (see [`parse_value`]).
+pub fn from_headers(
+    headers: &http::HeaderMap,
+    name: &http::HeaderName,
+    policy: &KeyPolicy,
+) -> Result<IdempotencyKey, KeyError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(first) = values.next() else {
+        return Err(KeyError::Missing);
+    };
+    if values.next().is_some() {
+        return Err(invalid(format!(
+            "the {} header appears more than once; send exactly one key",
+            display_name(name)
+        )));
+    }
+    parse_value(first.as_bytes(), policy)
+}
+
+/// `HeaderName` is stored lowercase; show the conventional spelling for the default name.
+fn display_name(name: &http::HeaderName) -> &str {
+    if name.as_str() == "idempotency-key" {
+        "Idempotency-Key"
+    } else {
+        name.as_str()
+    }
+}
+
+/// Strips HTTP optional whitespace (SP / HTAB) from both ends.
+fn trim_ows(raw: &[u8]) -> &[u8] {
+    let is_ows = |b: &u8| *b == b' ' || *b == b'\t';
+    let start = raw.iter().position(|b| !is_ows(b)).unwrap_or(raw.len());
+    let end = raw
+        .iter()
+        .rposition(|b| !is_ows(b))
+        .map_or(start, |i| i + 1);
+    raw.get(start..end).unwrap_or_default()
+}
+
+/// Parses a value that starts with `"` as an RFC 8941 item holding an sf-string, all or nothing.
+fn parse_sf_string(value: &[u8]) -> Result<String, KeyError> {
+    let item = sfv::Parser::new(value)
+        .parse::<sfv::Item>()
+        .map_err(|e| {
+            // sfv's messages name the problem and a byte index, never the input itself.
+            invalid(format!(
+                "the key is not a valid sf-string: {e}; a quoted key is a single \"...\" string whose only escapes are \\\" and \\\\"
+            ))
+        })?;
+    if !item.params.is_empty() {
+        // The draft defines no parameters; accepting and dropping them would make `"a";x=1`
+        // and `"a";x=2` silently collide.
+        return Err(invalid(
+            "the key must be a plain sf-string; parameters (\";name=value\") are not allowed",
+        ));
+    }
+    match item.bare_item.as_string() {
+        Some(s) => Ok(s.as_str().to_owned()),
+        // Unreachable given the leading quote, but an error beats a panic.
+        None => Err(invalid("the key must be an sf-string, e.g. \"abc\"")),
+    }
+}
+
+/// Accepts a bare (unquoted) key of visible ASCII, outside strict mode.
+fn parse_bare(value: &[u8], policy: &KeyPolicy) -> Result<String, KeyError> {
+    if policy.strict {
+        return Err(invalid(
+            "a bare key is not accepted in strict mode: send it as a quoted sf-string, e.g. \"abc\"",
+        ));
+    }
+    // Control and non-ASCII bytes were rejected already; what is left to refuse is the space.
+    if value.contains(&b' ') {
+        return Err(invalid(
+            "a bare key cannot contain spaces; send it as a quoted sf-string, e.g. \"a b\"",
+        ));
+    }
+    match std::str::from_utf8(value) {
+        Ok(s) => Ok(s.to_owned()),
+        Err(_) => Err(invalid("the key must be printable ASCII (0x20-0x7E)")),
+    }
+}
+
+/// True for the 36-character hyphenated UUID form only; `uuid` alone would also accept the
+/// simple, braced and URN forms, which would let one UUID be spelled several ways.
+fn is_hyphenated_uuid(key: &str) -> bool {
+    key.len() == 36 && uuid::Uuid::try_parse(key).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{HeaderMap, HeaderName, HeaderValue};
+
+    const UUID: &str = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+
+    fn lenient() -> KeyPolicy {
+        KeyPolicy::default()
+    }
+
+    fn strict() -> KeyPolicy {
+        KeyPolicy {
+            strict: true,
+            ..KeyPolicy::default()
+        }
+    }
+
+    fn uuid_policy() -> KeyPolicy {
+        KeyPolicy {
+            format: KeyFormat::Uuid,
+            ..KeyPolicy::default()
+        }
+    }
+
+    #[test]
+    fn valid_values() {
+        let long_255 = "a".repeat(255);
+        let quoted_255 = format!("\"{long_255}\"");
+        let quoted_uuid = format!("\"{UUID}\"");
+        let cases: Vec<(&str, &[u8], KeyPolicy, &str)> = vec![
+            ("quoted", b"\"abc\"", lenient(), "abc"),
+            ("quoted uuid", quoted_uuid.as_bytes(), lenient(), UUID),
+            ("escaped quote", br#""a\"b""#, lenient(), "a\"b"),
+            ("escaped backslash", br#""a\\b""#, lenient(), "a\\b"),
+            ("quoted with space", b"\"a b\"", lenient(), "a b"),
+            ("bare", b"abc", lenient(), "abc"),
+            ("bare uuid", UUID.as_bytes(), lenient(), UUID),
+            (
+                "bare punctuation",
+                b"k_1-2.3:4/5+6=",
+                lenient(),
+                "k_1-2.3:4/5+6=",
+            ),
+            ("bare with inner quote", b"a\"b", lenient(), "a\"b"),
+            ("quoted in strict mode", b"\"abc\"", strict(), "abc"),
+            ("leading/trailing SP", b"  \"abc\"  ", lenient(), "abc"),
+            ("leading/trailing HTAB", b"\tabc\t", lenient(), "abc"),
+            ("255 bare", long_255.as_bytes(), lenient(), &long_255),
+            ("255 quoted", quoted_255.as_bytes(), lenient(), &long_255),
+            (
+                "custom max_len exact",
+                b"abcd",
+                KeyPolicy {
+                    max_len: 4,
+                    ..lenient()
+                },
+                "abcd",
+            ),
+            ("uuid format bare", UUID.as_bytes(), uuid_policy(), UUID),
+            (
+                "uuid format quoted",
+                quoted_uuid.as_bytes(),
+                uuid_policy(),
+                UUID,
+            ),
+            (
+                "uuid format uppercase",
+                b"8E03978E-40D5-43E8-BC93-6894A57F9324",
+                uuid_policy(),
+                "8E03978E-40D5-43E8-BC93-6894A57F9324",
+            ),
+        ];
+        for (name, raw, policy, want) in cases {
+            match parse_value(raw, &policy) {
+                Ok(key) => assert_eq!(key.as_str(), want, "{name}"),
+                Err(e) => panic!("{name}: unexpected error {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_values() {
+        let long_256 = "a".repeat(256);
+        let quoted_256 = format!("\"{long_256}\"");
+        let cases: Vec<(&str, &[u8], KeyPolicy, &str)> = vec![
+            ("empty", b"", lenient(), "empty"),
+            ("only whitespace", b" \t ", lenient(), "empty"),
+            ("empty sf-string", b"\"\"", lenient(), "empty"),
+            (
+                "unterminated quote",
+                b"\"abc",
+                lenient(),
+                "unterminated string",
+            ),
+            (
+                "bad escape",
+                br#""\a""#,
+                lenient(),
+                "invalid escape sequence",
+            ),
+            ("dangling escape", br#""abc\"#, lenient(), "sf-string"),
+            (
+                "trailing garbage",
+                b"\"abc\"x",
+                lenient(),
+                "trailing characters",
+            ),
+            (
+                "two strings",
+                b"\"a\", \"b\"",
+                lenient(),
+                "trailing characters",
+            ),
+            ("parameters", b"\"abc\";p=1", lenient(), "parameters"),
+            ("bare parameter flag", b"\"abc\";p", lenient(), "parameters"),
+            (
+                "non-ASCII quoted",
+                b"\"caf\xC3\xA9\"",
+                lenient(),
+                "non-ASCII",
+            ),
+            ("non-ASCII bare", b"caf\xC3\xA9", lenient(), "non-ASCII"),
+            (
+                "control char bare",
+                b"ab\x01c",
+                lenient(),
+                "control character",
+            ),
+            (
+                "control char quoted",
+                b"\"ab\x01c\"",
+                lenient(),
+                "control character",
+            ),
+            ("inner HTAB", b"a\tb", lenient(), "control character"),
+            ("DEL", b"ab\x7F", lenient(), "control character"),
+            ("space in bare", b"a b", lenient(), "spaces"),
+            ("bare in strict mode", b"abc", strict(), "strict mode"),
+            (
+                "256 bare",
+                long_256.as_bytes(),
+                lenient(),
+                "256 characters long; the limit is 255",
+            ),
+            (
+                "256 quoted",
+                quoted_256.as_bytes(),
+                lenient(),
+                "256 characters long; the limit is 255",
+            ),
+            (
+                "custom max_len",
+                b"abcde",
+                KeyPolicy {
+                    max_len: 4,
+                    ..lenient()
+                },
+                "5 characters long; the limit is 4",
+            ),
+            ("not a uuid", b"abc", uuid_policy(), "UUID"),
+            (
+                "uuid simple form",
+                b"8e03978e40d543e8bc936894a57f9324",
+                uuid_policy(),
+                "UUID",
+            ),
+            (
+                "uuid braced form",
+                b"{8e03978e-40d5-43e8-bc93-6894a57f9324}",
+                uuid_policy(),
+                "UUID",
+            ),
+            (
+                "uuid with bad digit",
+                b"8e03978e-40d5-43e8-bc93-6894a57f932g",
+                uuid_policy(),
+                "UUID",
+            ),
+        ];
+        for (name, raw, policy, want) in cases {
+            match parse_value(raw, &policy) {
+                Ok(key) => panic!("{name}: accepted as {key:?}"),
+                Err(KeyError::Missing) => panic!("{name}: Missing instead of Invalid"),
+                Err(KeyError::Invalid(msg)) => {
+                    assert!(msg.contains(want), "{name}: message {msg:?} lacks {want:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn messages_never_contain_the_key() {
+        let secret = "s3cr3tvalue";
+        let cases: Vec<(String, KeyPolicy)> = vec![
+            (format!("\"{secret}"), lenient()),
+            (format!("\"{secret}\"x"), lenient()),
+            (format!("\"{secret}\";p=1"), lenient()),
+            (format!("\"{secret}\\a\""), lenient()),
+            (format!("{secret} x"), lenient()),
+            (secret.to_owned(), strict()),
+            (secret.to_owned(), uuid_policy()),
+            (
+                secret.to_owned(),
+                KeyPolicy {
+                    max_len: 3,
+                    ..lenient()
+                },
+            ),
+        ];
+        for (raw, policy) in cases {
+            match parse_value(raw.as_bytes(), &policy) {
+                Err(KeyError::Invalid(msg)) => assert!(!msg.contains(secret), "{msg}"),
+                other => panic!("{raw:?}: expected Invalid, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn quoted_and_bare_are_the_same_key() {
+        let quoted = parse_value(b"\"abc\"", &lenient()).expect("quoted");
+        let bare = parse_value(b"abc", &lenient()).expect("bare");
+        assert_eq!(quoted, bare);
+        assert_eq!(quoted.hash(), bare.hash());
+        assert_eq!(quoted.hash_prefix(), bare.hash_prefix());
+    }
+
+    #[test]
+    fn hash_is_sha256_of_the_unquoted_key() {
+        let key = parse_value(b"\"abc\"", &lenient()).expect("valid");
+        // SHA-256("abc") from FIPS 180-2.
+        let want = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        assert_eq!(hex::encode(key.hash()), want);
+        assert_eq!(key.hash_prefix(), &want[..12]);
+    }
+
+    #[test]
+    fn debug_and_display_are_redacted() {
+        let key = parse_value(b"\"my-secret-key\"", &lenient()).expect("valid");
+        let expected = format!("IdempotencyKey({})", key.hash_prefix());
+        for shown in [format!("{key:?}"), format!("{key:#?}"), format!("{key}")] {
+            assert!(!shown.contains("my-secret-key"), "{shown}");
+            assert_eq!(shown, expected);
+        }
+    }
+
+    #[test]
+    fn from_headers_cases() {
+        let name = HeaderName::from_static("idempotency-key");
+        let policy = lenient();
+
+        let empty = HeaderMap::new();
+        assert_eq!(from_headers(&empty, &name, &policy), Err(KeyError::Missing));
+
+        let mut one = HeaderMap::new();
+        one.insert(&name, HeaderValue::from_static("\"abc\""));
+        assert_eq!(
+            from_headers(&one, &name, &policy).map(|k| k.as_str().to_owned()),
+            Ok("abc".to_owned())
+        );
+
+        let mut two = HeaderMap::new();
+        two.append(&name, HeaderValue::from_static("\"abc\""));
+        two.append(&name, HeaderValue::from_static("\"abc\""));
+        match from_headers(&two, &name, &policy) {
+            Err(KeyError::Invalid(msg)) => {
+                assert!(
+                    msg.contains("Idempotency-Key header appears more than once"),
+                    "{msg}"
+                );
+            }
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+
+        let mut blank = HeaderMap::new();
+        blank.insert(&name, HeaderValue::from_static(""));
+        assert!(matches!(
+            from_headers(&blank, &name, &policy),
+            Err(KeyError::Invalid(_))
+        ));
+
+        let mut obs_text = HeaderMap::new();
+        let value =
+            HeaderValue::from_bytes(b"caf\xC3\xA9").expect("obs-text is a valid header value");
+        obs_text.insert(&name, value);
+        assert!(matches!(
+            from_headers(&obs_text, &name, &policy),
+            Err(KeyError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn from_headers_custom_name() {
+        let custom = HeaderName::from_static("x-request-key");
+        let mut headers = HeaderMap::new();
+        headers.insert("idempotency-key", HeaderValue::from_static("other"));
+        assert_eq!(
+            from_headers(&headers, &custom, &lenient()),
+            Err(KeyError::Missing)
+        );
+        headers.insert(&custom, HeaderValue::from_static("abc"));
+        let key = from_headers(&headers, &custom, &lenient()).expect("valid");
+        assert_eq!(key.as_str(), "abc");
+
+        headers.append(&custom, HeaderValue::from_static("abc"));
+        match from_headers(&headers, &custom, &lenient()) {
+            Err(KeyError::Invalid(msg)) => assert!(msg.contains("x-request-key"), "{msg}"),
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn never_panics_on_arbitrary_bytes() {
+        // Every single byte and every pair, under both modes: errors are fine, panics are not.
+        for policy in [lenient(), strict(), uuid_policy()] {
+            for a in 0..=255u8 {
+                let _ = parse_value(&[a], &policy);
+                for b in 0..=255u8 {
+                    let _ = parse_value(&[b'"', a, b], &policy);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn key_format_serde_names() {
+        assert_eq!(
+            serde_json::to_string(&KeyFormat::Uuid).expect("serialize"),
+            "\"uuid\""
+        );
+        assert_eq!(
+            serde_json::from_str::<KeyFormat>("\"any\"").expect("deserialize"),
+            KeyFormat::Any
+        );
+    }
+}
