@@ -1,0 +1,398 @@
+//! The decisions of SPEC §2: what a key's record means for a request — new,
+//! replay, in flight, mismatch, takeover, lease lost — independent of HTTP and
+//! of SQL. Every door (reservation API, proxy, layer) goes through [`Engine`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::store::{
+    Claim, ClaimRequest, KeyState, Record, Recovery, Store, StoreError, StoredResponse,
+};
+
+/// Lease and TTL bounds, and how long a caller may wait on a holder.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Lease when the caller names none.
+    pub default_lease: Duration,
+    /// Longest lease a caller may ask for.
+    pub max_lease: Duration,
+    /// TTL when the caller names none.
+    pub default_ttl: Duration,
+    /// Longest TTL a caller may ask for.
+    pub max_ttl: Duration,
+    /// Cap on `Prefer: wait=N`.
+    pub max_wait: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            default_lease: Duration::from_secs(30),
+            max_lease: Duration::from_secs(3600),
+            default_ttl: Duration::from_secs(86_400),
+            max_ttl: Duration::from_secs(7 * 86_400),
+            max_wait: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A request to reserve a key.
+#[derive(Debug, Clone)]
+pub struct ReserveRequest {
+    /// Scope of the key.
+    pub tenant: String,
+    /// SHA-256 of the raw key.
+    pub key_hash: [u8; 32],
+    /// The request's fingerprint, if known.
+    pub fingerprint: Option<String>,
+    /// Lease for a new holder (already within [`Limits`]).
+    pub lease_seconds: u32,
+    /// TTL for a new record (already within [`Limits`]).
+    pub ttl_seconds: u32,
+    /// How long to wait for an in-flight holder (`Prefer: wait`), capped by
+    /// [`Limits::max_wait`].
+    pub wait: Option<Duration>,
+}
+
+/// The caller now holds the key.
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    /// The fencing token for commit, release, extend and checkpoint.
+    pub reservation_id: Uuid,
+    /// 1 for a new key; more for a takeover.
+    pub attempt: i32,
+    /// When the lease ends.
+    pub lease_expires_at: DateTime<Utc>,
+    /// When the key is forgotten.
+    pub expires_at: DateTime<Utc>,
+    /// The previous holder's last recovery point, on a takeover.
+    pub recovery: Option<Recovery>,
+}
+
+/// What a reserve comes to.
+#[derive(Debug, Clone)]
+pub enum ReserveOutcome {
+    /// New key, or takeover of one whose holder's lease ended.
+    Reserved(Reservation),
+    /// Completed before: replay the stored response.
+    Completed(Record),
+    /// Another holder's lease is alive.
+    InFlight {
+        /// Whole seconds until that lease ends (at least 1).
+        retry_after: u64,
+    },
+    /// The key was used with another fingerprint.
+    Mismatch,
+}
+
+/// Why a holder's write was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No reservation with that id exists for this tenant.
+    NotFound,
+    /// The id was taken over.
+    TakenOver,
+    /// The id was released, or the record expired.
+    Expired,
+    /// The key was completed by this id (with another response, for a commit).
+    AlreadyCompleted,
+}
+
+impl Refusal {
+    /// A sentence for the client.
+    pub fn detail(self) -> &'static str {
+        match self {
+            Refusal::NotFound => "no reservation with this id exists for this tenant",
+            Refusal::TakenOver => {
+                "the lease ended and another caller took the key over; this reservation id is dead"
+            }
+            Refusal::Expired => {
+                "this reservation was released or its key expired; the key is new again"
+            }
+            Refusal::AlreadyCompleted => {
+                "this reservation is already completed (with a different response, for a commit)"
+            }
+        }
+    }
+}
+
+/// What a commit comes to.
+#[derive(Debug, Clone)]
+pub enum CommitOutcome {
+    /// Stored now.
+    Committed(Record),
+    /// The same response was stored before by this id.
+    AlreadyCommitted(Record),
+    /// Refused.
+    Refused(Refusal),
+}
+
+/// An engine error: only the store can fail.
+pub type EngineError = StoreError;
+
+/// The idempotency engine: one per process, cheap to share behind an `Arc`.
+pub struct Engine {
+    store: Arc<dyn Store>,
+    limits: Limits,
+    waiters: Waiters,
+}
+
+// === impl Engine ===
+
+impl Engine {
+    /// An engine over `store`.
+    pub fn new(store: Arc<dyn Store>, limits: Limits) -> Engine {
+        Engine {
+            store,
+            limits,
+            waiters: Waiters::default(),
+        }
+    }
+
+    /// The bounds it enforces.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The store underneath.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Reserves a key; with `wait`, holds the caller while another holder's
+    /// lease is alive, without holding a database connection in between.
+    pub async fn reserve(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        let Some(wait) = req.wait.map(|w| w.min(self.limits.max_wait)) else {
+            return self.claim(req).await;
+        };
+        let slot = (req.tenant.clone(), req.key_hash);
+        let notify = self.waiters.subscribe(&slot);
+        let outcome = self.claim_waiting(req, Instant::now() + wait, &notify).await;
+        self.waiters.unsubscribe(&slot, notify);
+        outcome
+    }
+
+    async fn claim(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        let claim = self
+            .store
+            .reserve(&ClaimRequest {
+                tenant: req.tenant.clone(),
+                key_hash: req.key_hash,
+                fingerprint: req.fingerprint.clone(),
+                reservation_id: Uuid::new_v4(),
+                lease_seconds: req.lease_seconds,
+                ttl_seconds: req.ttl_seconds,
+            })
+            .await?;
+        Ok(decide(claim, req.fingerprint.as_deref()))
+    }
+
+    async fn claim_waiting(
+        &self,
+        req: &ReserveRequest,
+        deadline: Instant,
+        notify: &Notify,
+    ) -> Result<ReserveOutcome, EngineError> {
+        let mut poll = Duration::from_millis(20);
+        loop {
+            // Created before the read, so a commit that lands between the read
+            // and the sleep still wakes us.
+            let notified = notify.notified();
+            let outcome = self.claim(req).await?;
+            let now = Instant::now();
+            let ReserveOutcome::InFlight { retry_after } = outcome else {
+                return Ok(outcome);
+            };
+            if now >= deadline {
+                return Ok(outcome);
+            }
+            // Sleep until a local commit or release wakes us, the next poll (a
+            // holder in another process), or the lease's end, whichever is
+            // first; the poll interval grows so a long wait stays cheap.
+            let nap = poll
+                .min(deadline - now)
+                .min(Duration::from_secs(retry_after));
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep(nap) => {}
+            }
+            poll = (poll * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Stores the response of reservation `id` and completes its key.
+    pub async fn commit(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<CommitOutcome, EngineError> {
+        if let Some(record) = self.store.complete(tenant, id, response).await? {
+            self.waiters.wake(&record.tenant, &record.key_hash);
+            return Ok(CommitOutcome::Committed(record));
+        }
+        let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
+            return Ok(CommitOutcome::Refused(Refusal::NotFound));
+        };
+        let record = found.record;
+        Ok(
+            match refusal_for(&record, id, found.now, Refusal::AlreadyCompleted) {
+                Refusal::AlreadyCompleted if record.response.as_ref() == Some(response) => {
+                    CommitOutcome::AlreadyCommitted(record)
+                }
+                refusal => CommitOutcome::Refused(refusal),
+            },
+        )
+    }
+
+    /// Forgets an in-flight key whose effect never started.
+    pub async fn release(&self, tenant: &str, id: Uuid) -> Result<Result<(), Refusal>, EngineError> {
+        if let Some(key_hash) = self.store.release(tenant, id).await? {
+            self.waiters.wake(tenant, &key_hash);
+            return Ok(Ok(()));
+        }
+        self.refusal(tenant, id).await.map(Err)
+    }
+
+    /// Extends the lease of reservation `id`.
+    pub async fn extend(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Result<DateTime<Utc>, Refusal>, EngineError> {
+        match self.store.extend(tenant, id, lease_seconds).await? {
+            Some(until) => Ok(Ok(until)),
+            None => self.refusal(tenant, id).await.map(Err),
+        }
+    }
+
+    /// Records a recovery point for reservation `id`.
+    pub async fn checkpoint(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        recovery: &Recovery,
+    ) -> Result<Result<Record, Refusal>, EngineError> {
+        match self.store.checkpoint(tenant, id, recovery).await? {
+            Some(record) => Ok(Ok(record)),
+            None => self.refusal(tenant, id).await.map(Err),
+        }
+    }
+
+    /// The record that reservation `id` belongs to, with whether `id` is still
+    /// its live holder.
+    pub async fn get(
+        &self,
+        tenant: &str,
+        id: Uuid,
+    ) -> Result<Option<(Record, Option<Refusal>)>, EngineError> {
+        let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
+            return Ok(None);
+        };
+        let live = found.record.reservation_id == id
+            && found.now < found.record.expires_at
+            && found.record.state == KeyState::InFlight;
+        let refusal = (!live).then(|| refusal_for(&found.record, id, found.now, Refusal::AlreadyCompleted));
+        Ok(Some((found.record, refusal)))
+    }
+
+    /// Why a write by `id` did not apply.
+    async fn refusal(&self, tenant: &str, id: Uuid) -> Result<Refusal, EngineError> {
+        Ok(match self.store.find_by_reservation(tenant, id).await? {
+            None => Refusal::NotFound,
+            Some(found) => refusal_for(&found.record, id, found.now, Refusal::AlreadyCompleted),
+        })
+    }
+}
+
+/// Classifies a record that a write by `id` could not touch.
+fn refusal_for(record: &Record, id: Uuid, now: DateTime<Utc>, completed: Refusal) -> Refusal {
+    if now >= record.expires_at {
+        Refusal::Expired
+    } else if record.reservation_id != id {
+        Refusal::TakenOver
+    } else if record.state == KeyState::Completed {
+        completed
+    } else {
+        Refusal::Expired
+    }
+}
+
+/// What the record returned by a claim means for this caller.
+fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome {
+    let record = claim.record;
+    if claim.claimed {
+        return ReserveOutcome::Reserved(Reservation {
+            reservation_id: record.reservation_id,
+            attempt: record.attempt,
+            lease_expires_at: record.lease_expires_at.unwrap_or(claim.now),
+            expires_at: record.expires_at,
+            recovery: record.recovery,
+        });
+    }
+    // Both fingerprints known and different: the key was reused (any state).
+    if let (Some(stored), Some(given)) = (record.fingerprint.as_deref(), fingerprint)
+        && stored != given
+    {
+        return ReserveOutcome::Mismatch;
+    }
+    match record.state {
+        KeyState::Completed => ReserveOutcome::Completed(record),
+        KeyState::InFlight => {
+            let left = record
+                .lease_expires_at
+                .map(|until| (until - claim.now).num_milliseconds())
+                .unwrap_or(0);
+            // Whole seconds, rounded up, never 0: "retry now" would only spin.
+            let retry_after = u64::try_from((left + 999) / 1000).unwrap_or(0).max(1);
+            ReserveOutcome::InFlight { retry_after }
+        }
+    }
+}
+
+type Slot = (String, [u8; 32]);
+
+/// In-process wake-ups for callers waiting on a key (`Prefer: wait`).
+#[derive(Default)]
+struct Waiters {
+    slots: Mutex<HashMap<Slot, Arc<Notify>>>,
+}
+
+// === impl Waiters ===
+
+impl Waiters {
+    /// The slot's notifier, shared by every waiter on the key; it stays in the
+    /// map until the last of them leaves.
+    fn subscribe(&self, slot: &Slot) -> Arc<Notify> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots.entry(slot.clone()).or_default().clone()
+    }
+
+    /// Drops the slot when the last waiter leaves.
+    fn unsubscribe(&self, slot: &Slot, notify: Arc<Notify>) {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(current) = slots.get(slot)
+            && Arc::ptr_eq(current, &notify)
+            && Arc::strong_count(&notify) <= 2
+        {
+            slots.remove(slot);
+        }
+    }
+
+    fn wake(&self, tenant: &str, key_hash: &[u8]) {
+        let Ok(hash) = <[u8; 32]>::try_from(key_hash) else {
+            return;
+        };
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = slots.get(&(tenant.to_owned(), hash)) {
+            n.notify_waiters();
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! Where idempotency records live: the [`Store`] trait the engine drives, and its
+//! implementations. SQL lives only below this module.
+
+pub mod postgres;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+pub use postgres::PgStore;
+
+/// The state of a key's record (SPEC §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyState {
+    /// Reserved: a holder owns the effect and has not committed its result yet.
+    InFlight,
+    /// The result is stored and is replayed to every retry.
+    Completed,
+}
+
+impl KeyState {
+    /// The spelling used in the database and in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyState::InFlight => "in_flight",
+            KeyState::Completed => "completed",
+        }
+    }
+}
+
+/// A response as stored for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// Header lines in order, names as given.
+    pub headers: Vec<(String, String)>,
+    /// Body bytes.
+    pub body: Vec<u8>,
+}
+
+/// Progress recorded by a holder inside a multi-step effect, handed to whoever
+/// takes the key over after a crash.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Recovery {
+    /// The name of the last step that completed.
+    pub recovery_point: String,
+    /// Whatever the holder needs to resume from that step.
+    #[schema(value_type = Object, nullable)]
+    pub data: Option<serde_json::Value>,
+}
+
+/// One key's record, as read from the store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    /// The tenant that owns the key.
+    pub tenant: String,
+    /// SHA-256 of the raw key.
+    pub key_hash: Vec<u8>,
+    /// The request fingerprint, when the first caller gave or implied one.
+    pub fingerprint: Option<String>,
+    /// In flight or completed.
+    pub state: KeyState,
+    /// The fencing token of the current holder.
+    pub reservation_id: Uuid,
+    /// When the current lease ends (in flight only).
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// 1 for the first holder, +1 for every takeover.
+    pub attempt: i32,
+    /// The last recovery point, if the holder recorded one.
+    pub recovery: Option<Recovery>,
+    /// The stored response (completed only).
+    pub response: Option<StoredResponse>,
+    /// When the key was first reserved; the TTL counts from here.
+    pub created_at: DateTime<Utc>,
+    /// When the response was stored.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// Until then the key is remembered; from then on it is new again.
+    pub expires_at: DateTime<Utc>,
+}
+
+/// What a reserve asks the store to do atomically.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// Scope of the key.
+    pub tenant: String,
+    /// SHA-256 of the raw key.
+    pub key_hash: [u8; 32],
+    /// The request's fingerprint, if any.
+    pub fingerprint: Option<String>,
+    /// The id to hand out if the claim succeeds.
+    pub reservation_id: Uuid,
+    /// Lease length for the new holder.
+    pub lease_seconds: u32,
+    /// TTL of a new record.
+    pub ttl_seconds: u32,
+}
+
+/// What the store found or did for a [`ClaimRequest`].
+///
+/// The store claims the key — inserts it, resets an expired record, or takes
+/// over an in-flight one whose lease ended and whose fingerprint is compatible —
+/// in one atomic step; otherwise it returns the record untouched. What the
+/// record means for the caller is the engine's decision.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// True when this request now holds the key.
+    pub claimed: bool,
+    /// The record after the step.
+    pub record: Record,
+    /// The database's clock at the step: every process agrees on it.
+    pub now: DateTime<Utc>,
+}
+
+/// A record found through one of its reservation ids (current or dead).
+#[derive(Debug, Clone)]
+pub struct Found {
+    /// The key's record as it is now.
+    pub record: Record,
+    /// The database's clock.
+    pub now: DateTime<Utc>,
+}
+
+/// Connection pool figures for the metrics endpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolStats {
+    /// Open connections.
+    pub size: u32,
+    /// Open connections not in use.
+    pub idle: u32,
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be reached or timed out: the caller should retry later.
+    #[error("the store is unavailable: {0}")]
+    Unavailable(String),
+    /// Anything else: a bug or a schema mismatch.
+    #[error("store error: {0}")]
+    Other(String),
+}
+
+/// Result of a store operation.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// The operations the engine needs, each one atomic across every process that
+/// shares the database. Writes addressed by reservation id apply only while that
+/// id is the key's current holder and the record has not expired; they return
+/// `None` otherwise, and the engine asks [`Store::find_by_reservation`] why.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims the key or returns its record as it stands (see [`Claim`]).
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Claim>;
+    /// Stores the response and completes the key.
+    async fn complete(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<Option<Record>>;
+    /// Forgets an in-flight key: it is new again at once. Returns its key hash.
+    async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>>;
+    /// Moves the lease end to now + `lease_seconds`.
+    async fn extend(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Option<DateTime<Utc>>>;
+    /// Records a recovery point.
+    async fn checkpoint(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        recovery: &Recovery,
+    ) -> Result<Option<Record>>;
+    /// The record a reservation id belongs or belonged to, if it still exists.
+    async fn find_by_reservation(&self, tenant: &str, reservation_id: Uuid)
+    -> Result<Option<Found>>;
+    /// Deletes up to `limit` expired records without waiting on locked rows;
+    /// returns how many it deleted.
+    async fn prune_expired_batch(&self, limit: i64) -> Result<u64>;
+    /// Succeeds when the database answers.
+    async fn ping(&self) -> Result<()>;
+    /// Pool figures, where the store has a pool.
+    fn pool_stats(&self) -> Option<PoolStats>;
+}

@@ -1,0 +1,454 @@
+//! The PostgreSQL store: every transition is one statement, made atomic across
+//! processes by the primary key's row lock, with the database's `now()` as the
+//! one clock all processes share.
+
+use std::str::FromStr;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{ConnectOptions, FromRow};
+use uuid::Uuid;
+
+use super::{
+    Claim, ClaimRequest, Found, KeyState, PoolStats, Record, Recovery, Result, Store, StoreError,
+    StoredResponse,
+};
+
+/// The PostgreSQL schema migrations (`migrations/postgres`).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+
+/// How the pool behaves; the defaults suit one idemgate process.
+#[derive(Debug, Clone)]
+pub struct PgSettings {
+    /// Most connections the pool opens.
+    pub max_connections: u32,
+    /// How long a request waits for a connection before answering 503.
+    pub acquire_timeout: Duration,
+    /// Server-side limit on one statement, so a hung database gives a 503.
+    pub statement_timeout: Duration,
+}
+
+impl Default for PgSettings {
+    fn default() -> Self {
+        PgSettings {
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(3),
+            statement_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A [`Store`] over a PostgreSQL pool.
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+}
+
+// === impl PgStore ===
+
+impl PgStore {
+    /// Builds a pool for `url` without connecting yet: the server can start,
+    /// and recover, while the database is away.
+    pub fn connect_lazy(url: &str, settings: &PgSettings) -> Result<PgStore> {
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Other(format!("invalid PostgreSQL URL: {e}")))?
+            .options([(
+                "statement_timeout",
+                format!("{}", settings.statement_timeout.as_millis()),
+            )])
+            .log_statements(tracing::log::LevelFilter::Trace);
+        let pool = PgPoolOptions::new()
+            .max_connections(settings.max_connections)
+            .acquire_timeout(settings.acquire_timeout)
+            .connect_lazy_with(options);
+        Ok(PgStore { pool })
+    }
+
+    /// Wraps an existing pool.
+    pub fn from_pool(pool: PgPool) -> PgStore {
+        PgStore { pool }
+    }
+
+    /// The pool, for tests and tools.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies the pending migrations.
+    pub async fn migrate(&self) -> Result<()> {
+        MIGRATOR.run(&self.pool).await.map_err(|e| match e {
+            sqlx::migrate::MigrateError::Execute(e) => classify(e),
+            other => StoreError::Other(other.to_string()),
+        })
+    }
+}
+
+/// Every column of `idempotency_keys`, in the order [`KeyRow`] reads them.
+const KEY_COLUMNS: &str = "tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, \
+     attempt, recovery_point, recovery_data, response_status, response_headers, response_body, \
+     created_at, completed_at, expires_at";
+
+#[derive(FromRow)]
+struct KeyRow {
+    tenant: String,
+    key_hash: Vec<u8>,
+    fingerprint: Option<String>,
+    state: String,
+    reservation_id: Uuid,
+    lease_expires_at: Option<DateTime<Utc>>,
+    attempt: i32,
+    recovery_point: Option<String>,
+    recovery_data: Option<serde_json::Value>,
+    response_status: Option<i32>,
+    response_headers: Option<serde_json::Value>,
+    response_body: Option<Vec<u8>>,
+    created_at: DateTime<Utc>,
+    completed_at: Option<DateTime<Utc>>,
+    expires_at: DateTime<Utc>,
+}
+
+#[derive(FromRow)]
+struct ClaimRow {
+    claimed: bool,
+    db_now: DateTime<Utc>,
+    #[sqlx(flatten)]
+    row: KeyRow,
+}
+
+#[derive(FromRow)]
+struct FoundRow {
+    db_now: DateTime<Utc>,
+    #[sqlx(flatten)]
+    row: KeyRow,
+}
+
+impl TryFrom<KeyRow> for Record {
+    type Error = StoreError;
+
+    fn try_from(r: KeyRow) -> Result<Record> {
+        let state = match r.state.as_str() {
+            "in_flight" => KeyState::InFlight,
+            "completed" => KeyState::Completed,
+            other => return Err(StoreError::Other(format!("unknown key state {other:?}"))),
+        };
+        let response = match r.response_status {
+            Some(status) => {
+                let headers: Vec<(String, String)> = match r.response_headers {
+                    Some(h) => serde_json::from_value(h)
+                        .map_err(|e| StoreError::Other(format!("stored headers: {e}")))?,
+                    None => Vec::new(),
+                };
+                Some(StoredResponse {
+                    status: u16::try_from(status)
+                        .map_err(|_| StoreError::Other(format!("stored status {status}")))?,
+                    headers,
+                    body: r.response_body.unwrap_or_default(),
+                })
+            }
+            None => None,
+        };
+        Ok(Record {
+            tenant: r.tenant,
+            key_hash: r.key_hash,
+            fingerprint: r.fingerprint,
+            state,
+            reservation_id: r.reservation_id,
+            lease_expires_at: r.lease_expires_at,
+            attempt: r.attempt,
+            recovery: r.recovery_point.map(|recovery_point| Recovery {
+                recovery_point,
+                data: r.recovery_data,
+            }),
+            response,
+            created_at: r.created_at,
+            completed_at: r.completed_at,
+            expires_at: r.expires_at,
+        })
+    }
+}
+
+/// Sorts sqlx errors into "try again later" and "broken".
+fn classify(e: sqlx::Error) -> StoreError {
+    match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            // 08: connection exception; 57: operator intervention (shutdown,
+            // statement timeout 57014); 53: insufficient resources.
+            if code.starts_with("08") || code.starts_with("57") || code.starts_with("53") {
+                StoreError::Unavailable(e.to_string())
+            } else {
+                StoreError::Other(e.to_string())
+            }
+        }
+        _ => StoreError::Other(e.to_string()),
+    }
+}
+
+fn headers_json(headers: &[(String, String)]) -> serde_json::Value {
+    serde_json::Value::Array(
+        headers
+            .iter()
+            .map(|(n, v)| serde_json::json!([n, v]))
+            .collect(),
+    )
+}
+
+// The claim: insert a new record, or — under the row lock that ON CONFLICT
+// takes — reset an expired one or take over an in-flight one whose lease ended
+// (fingerprints compatible). When neither applies the DO UPDATE is skipped and
+// the second branch reads the record as it stands. Both branches run in one
+// round trip.
+static RESERVE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH claimed AS (
+            INSERT INTO idempotency_keys AS k
+                (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
+                 created_at, expires_at)
+            VALUES ($1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 1,
+                    now(), now() + make_interval(secs => $6))
+            ON CONFLICT (tenant, key_hash) DO UPDATE SET
+                fingerprint = CASE WHEN k.expires_at <= now() THEN EXCLUDED.fingerprint
+                                   ELSE COALESCE(k.fingerprint, EXCLUDED.fingerprint) END,
+                state = 'in_flight',
+                reservation_id = EXCLUDED.reservation_id,
+                lease_expires_at = EXCLUDED.lease_expires_at,
+                attempt = CASE WHEN k.expires_at <= now() THEN 1 ELSE k.attempt + 1 END,
+                recovery_point = CASE WHEN k.expires_at <= now() THEN NULL ELSE k.recovery_point END,
+                recovery_data = CASE WHEN k.expires_at <= now() THEN NULL ELSE k.recovery_data END,
+                response_status = NULL,
+                response_headers = NULL,
+                response_body = NULL,
+                created_at = CASE WHEN k.expires_at <= now() THEN now() ELSE k.created_at END,
+                completed_at = NULL,
+                expires_at = CASE WHEN k.expires_at <= now() THEN EXCLUDED.expires_at
+                                  ELSE k.expires_at END
+            WHERE k.expires_at <= now()
+               OR (k.state = 'in_flight' AND k.lease_expires_at <= now()
+                   AND (k.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL
+                        OR k.fingerprint = EXCLUDED.fingerprint))
+            RETURNING {KEY_COLUMNS}
+        ), fenced AS (
+            INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
+            SELECT tenant, reservation_id, key_hash FROM claimed
+        )
+        SELECT true AS claimed, now() AS db_now, {KEY_COLUMNS} FROM claimed
+        UNION ALL
+        SELECT false, now(), {KEY_COLUMNS} FROM idempotency_keys
+         WHERE tenant = $1 AND key_hash = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+    )
+});
+
+/// Restricts a statement on `idempotency_keys k` to the row whose current
+/// holder is reservation `$2` of tenant `$1`, while the record is alive.
+const CURRENT_HOLDER: &str = "k.tenant = $1 AND k.reservation_id = $2
+       AND k.key_hash = (SELECT r.key_hash FROM idempotency_reservations r
+                          WHERE r.tenant = $1 AND r.reservation_id = $2)
+       AND k.state = 'in_flight' AND k.expires_at > now()";
+
+static COMPLETE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idempotency_keys k SET state = 'completed', response_status = $3,
+                response_headers = $4, response_body = $5, completed_at = now(),
+                lease_expires_at = NULL
+          WHERE {CURRENT_HOLDER}
+      RETURNING {KEY_COLUMNS}"
+    )
+});
+
+static RELEASE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idempotency_keys k SET expires_at = now(), lease_expires_at = now()
+          WHERE {CURRENT_HOLDER}
+      RETURNING k.key_hash"
+    )
+});
+
+static EXTEND: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idempotency_keys k SET lease_expires_at = now() + make_interval(secs => $3)
+          WHERE {CURRENT_HOLDER}
+      RETURNING k.lease_expires_at"
+    )
+});
+
+static CHECKPOINT: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idempotency_keys k SET recovery_point = $3, recovery_data = $4
+          WHERE {CURRENT_HOLDER}
+      RETURNING {KEY_COLUMNS}"
+    )
+});
+
+static FIND: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT now() AS db_now, {KEY_COLUMNS} FROM idempotency_keys k
+          WHERE k.tenant = $1
+            AND k.key_hash = (SELECT r.key_hash FROM idempotency_reservations r
+                               WHERE r.tenant = $1 AND r.reservation_id = $2)"
+    )
+});
+
+#[async_trait]
+impl Store for PgStore {
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Claim> {
+        // The second branch reads with the statement's snapshot: when another
+        // transaction inserted the row after that snapshot was taken, the
+        // claim is skipped and the read sees nothing. The next statement has a
+        // fresh snapshot, so a retry settles it.
+        for _ in 0..5 {
+            let row: Option<ClaimRow> = sqlx::query_as(RESERVE.as_str())
+                .bind(&req.tenant)
+                .bind(&req.key_hash[..])
+                .bind(&req.fingerprint)
+                .bind(req.reservation_id)
+                .bind(f64::from(req.lease_seconds))
+                .bind(f64::from(req.ttl_seconds))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(classify)?;
+            if let Some(row) = row {
+                return Ok(Claim {
+                    claimed: row.claimed,
+                    now: row.db_now,
+                    record: row.row.try_into()?,
+                });
+            }
+        }
+        Err(StoreError::Unavailable(
+            "the record kept changing under the claim; try again".into(),
+        ))
+    }
+
+    async fn complete(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<Option<Record>> {
+        let row: Option<KeyRow> = sqlx::query_as(COMPLETE.as_str())
+            .bind(tenant)
+            .bind(reservation_id)
+            .bind(i32::from(response.status))
+            .bind(headers_json(&response.headers))
+            .bind(&response.body)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        row.map(Record::try_from).transpose()
+    }
+
+    async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        // Expiring the record at once makes the key new again (SPEC §2) and
+        // kills the id; the pruning job deletes the row later.
+        sqlx::query_scalar(RELEASE.as_str())
+            .bind(tenant)
+            .bind(reservation_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)
+    }
+
+    async fn extend(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Option<DateTime<Utc>>> {
+        sqlx::query_scalar(EXTEND.as_str())
+            .bind(tenant)
+            .bind(reservation_id)
+            .bind(f64::from(lease_seconds))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)
+    }
+
+    async fn checkpoint(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        recovery: &Recovery,
+    ) -> Result<Option<Record>> {
+        let row: Option<KeyRow> = sqlx::query_as(CHECKPOINT.as_str())
+            .bind(tenant)
+            .bind(reservation_id)
+            .bind(&recovery.recovery_point)
+            .bind(&recovery.data)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        row.map(Record::try_from).transpose()
+    }
+
+    async fn find_by_reservation(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+    ) -> Result<Option<Found>> {
+        let row: Option<FoundRow> = sqlx::query_as(FIND.as_str())
+            .bind(tenant)
+            .bind(reservation_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        row.map(|r| {
+            Ok(Found {
+                now: r.db_now,
+                record: r.row.try_into()?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn prune_expired_batch(&self, limit: i64) -> Result<u64> {
+        // SKIP LOCKED: rows a reservation (or another pruner) holds are left
+        // for the next pass, so pruning never waits on live traffic and two
+        // pruners never delete the same row.
+        let deleted: i64 = sqlx::query_scalar(
+            "WITH doomed AS (
+                SELECT tenant, key_hash FROM idempotency_keys
+                 WHERE expires_at <= now()
+                 ORDER BY expires_at
+                 LIMIT $1
+                 FOR UPDATE SKIP LOCKED
+            ), gone AS (
+                DELETE FROM idempotency_keys k USING doomed d
+                 WHERE k.tenant = d.tenant AND k.key_hash = d.key_hash
+                   AND k.expires_at <= now()
+             RETURNING k.tenant, k.key_hash
+            ), fences AS (
+                DELETE FROM idempotency_reservations r USING gone g
+                 WHERE r.tenant = g.tenant AND r.key_hash = g.key_hash
+            )
+            SELECT count(*) FROM gone",
+        )
+        .bind(limit)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(classify)?;
+        Ok(u64::try_from(deleted).unwrap_or(0))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+            .map_err(classify)
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        let size = self.pool.size();
+        let idle = u32::try_from(self.pool.num_idle()).unwrap_or(u32::MAX);
+        Some(PoolStats { size, idle })
+    }
+}
