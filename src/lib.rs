@@ -1,1 +1,13 @@
-//! idemgate placeholder
+//! idemgate: the HTTP `Idempotency-Key` header (IETF draft -07) done on the
+//! server side, as one engine behind several doors.
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod config;
+pub mod engine;
+pub mod fingerprint;
+pub mod key;
+pub mod prune;
+pub mod server;
+pub mod store;
+pub mod telemetry;

@@ -1,0 +1,195 @@
+//! Errors of the HTTP doors as RFC 9457 `application/problem+json`, with the
+//! slugs SPEC §5 fixes. Internal error text never reaches a client.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+use crate::key::KeyError;
+use crate::store::StoreError;
+
+/// The base of every problem `type`; the slug follows it.
+pub const PROBLEM_BASE: &str = "https://idemgate.dev/problems/";
+
+/// The problem document.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Problem {
+    /// `https://idemgate.dev/problems/<slug>`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// A short summary of the problem type.
+    pub title: String,
+    /// The HTTP status.
+    pub status: u16,
+    /// What went wrong in this occurrence, and what to do.
+    pub detail: String,
+    /// Seconds to wait before retrying (request-in-flight, store-unavailable).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_seconds: Option<u64>,
+}
+
+/// Every error an HTTP door answers with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// 400 key-missing.
+    #[error("the Idempotency-Key header is required")]
+    KeyMissing,
+    /// 400 key-invalid.
+    #[error("{0}")]
+    KeyInvalid(String),
+    /// 400 invalid-request.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// 401 unauthorized.
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    /// 404 not-found.
+    #[error("{0}")]
+    NotFound(String),
+    /// 409 request-in-flight.
+    #[error("a request with this key is still being processed")]
+    InFlight {
+        /// Seconds until the holder's lease ends.
+        retry_after: u64,
+    },
+    /// 409 lease-lost.
+    #[error("{0}")]
+    LeaseLost(&'static str),
+    /// 422 key-reused.
+    #[error("this key was already used with a different request payload")]
+    KeyReused,
+    /// 413 payload-too-large.
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    /// 503 store-unavailable.
+    #[error("the idempotency store is unavailable; retry shortly")]
+    StoreUnavailable,
+    /// 500 internal: a bug. The text is logged, never sent.
+    #[error("internal error")]
+    Internal(String),
+}
+
+/// Result of a handler.
+pub type Result<T, E = ApiError> = std::result::Result<T, E>;
+
+/// Seconds a client is told to wait while the store is away.
+const STORE_RETRY_AFTER: u64 = 2;
+
+// === impl ApiError ===
+
+impl ApiError {
+    /// The status code.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::KeyMissing | ApiError::KeyInvalid(_) | ApiError::InvalidRequest(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::InFlight { .. } | ApiError::LeaseLost(_) => StatusCode::CONFLICT,
+            ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The slug that ends the problem `type`.
+    pub fn slug(&self) -> &'static str {
+        match self {
+            ApiError::KeyMissing => "key-missing",
+            ApiError::KeyInvalid(_) => "key-invalid",
+            ApiError::InvalidRequest(_) => "invalid-request",
+            ApiError::Unauthorized(_) => "unauthorized",
+            ApiError::NotFound(_) => "not-found",
+            ApiError::InFlight { .. } => "request-in-flight",
+            ApiError::LeaseLost(_) => "lease-lost",
+            ApiError::KeyReused => "key-reused",
+            ApiError::PayloadTooLarge(_) => "payload-too-large",
+            ApiError::StoreUnavailable => "store-unavailable",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            ApiError::KeyMissing => "Idempotency-Key missing",
+            ApiError::KeyInvalid(_) => "Idempotency-Key invalid",
+            ApiError::InvalidRequest(_) => "Invalid request",
+            ApiError::Unauthorized(_) => "Unauthorized",
+            ApiError::NotFound(_) => "Not found",
+            ApiError::InFlight { .. } => "Request in flight",
+            ApiError::LeaseLost(_) => "Lease lost",
+            ApiError::KeyReused => "Idempotency-Key reused",
+            ApiError::PayloadTooLarge(_) => "Payload too large",
+            ApiError::StoreUnavailable => "Store unavailable",
+            ApiError::Internal(_) => "Internal error",
+        }
+    }
+
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            ApiError::InFlight { retry_after } => Some(*retry_after),
+            ApiError::StoreUnavailable => Some(STORE_RETRY_AFTER),
+            _ => None,
+        }
+    }
+
+    /// The problem document.
+    pub fn problem(&self) -> Problem {
+        Problem {
+            type_: format!("{PROBLEM_BASE}{}", self.slug()),
+            title: self.title().into(),
+            status: self.status().as_u16(),
+            detail: self.to_string(),
+            retry_after_seconds: self.retry_after(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let ApiError::Internal(reason) = &self {
+            tracing::error!(error = %reason, "internal error");
+        }
+        let problem = self.problem();
+        let body = serde_json::to_vec(&problem).unwrap_or_default();
+        let mut res = (self.status(), body).into_response();
+        let headers = res.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(secs) = problem.retry_after_seconds {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if matches!(self, ApiError::Unauthorized(_)) {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"idemgate\""),
+            );
+        }
+        res
+    }
+}
+
+impl From<KeyError> for ApiError {
+    fn from(e: KeyError) -> Self {
+        match e {
+            KeyError::Missing => ApiError::KeyMissing,
+            KeyError::Invalid(why) => ApiError::KeyInvalid(why),
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Unavailable(why) => {
+                tracing::warn!(error = %why, "store unavailable");
+                ApiError::StoreUnavailable
+            }
+            StoreError::Other(why) => ApiError::Internal(why),
+        }
+    }
+}

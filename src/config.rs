@@ -1,0 +1,319 @@
+//! Typed settings: every one a flag or an `IDEMGATE_*` environment variable
+//! (flag first), parsed and validated once at start-up so a bad value fails
+//! fast with the setting's name.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+use secrecy::{ExposeSecret, SecretString};
+use subtle::ConstantTimeEq;
+
+use crate::engine::Limits;
+use crate::fingerprint::{FingerprintPolicy, JsonPointer};
+use crate::key::{KeyFormat, KeyPolicy};
+
+/// Where the records live.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// Database URL: postgres://… (any number of idemgate processes) or
+    /// sqlite://… (one process per file).
+    #[arg(long, env = "DATABASE_URL", default_value = "sqlite://idemgate.db")]
+    pub database_url: String,
+
+    /// Most database connections this process opens.
+    #[arg(long, env = "IDEMGATE_DB_MAX_CONNECTIONS", default_value_t = 16)]
+    pub db_max_connections: u32,
+
+    /// Seconds a request waits for a database connection before it answers
+    /// 503 store-unavailable.
+    #[arg(long, env = "IDEMGATE_DB_ACQUIRE_TIMEOUT", default_value_t = 3)]
+    pub db_acquire_timeout: u64,
+
+    /// Seconds one statement may run before the database cancels it.
+    #[arg(long, env = "IDEMGATE_DB_STATEMENT_TIMEOUT", default_value_t = 5)]
+    pub db_statement_timeout: u64,
+
+    /// Do not apply pending migrations at start.
+    #[arg(long, env = "IDEMGATE_NO_MIGRATE")]
+    pub no_migrate: bool,
+}
+
+/// How keys, fingerprints and leases are handled: the published policy.
+#[derive(Debug, Clone, Args)]
+pub struct PolicyArgs {
+    /// Reject bare (unquoted) keys: only RFC 8941 sf-strings are accepted.
+    #[arg(long, env = "IDEMGATE_STRICT_KEY", default_value_t = false, action = clap::ArgAction::Set)]
+    pub strict_key: bool,
+
+    /// Longest key accepted, in characters after unquoting.
+    #[arg(long, env = "IDEMGATE_KEY_MAX_LEN", default_value_t = 255,
+          value_parser = clap::value_parser!(u16).range(1..=4096))]
+    pub key_max_len: u16,
+
+    /// Key format: `any` or `uuid`.
+    #[arg(long, env = "IDEMGATE_KEY_FORMAT", default_value = "any", value_parser = parse_key_format)]
+    pub key_format: KeyFormat,
+
+    /// JSON Pointers left out of the fingerprint, comma-separated
+    /// (e.g. /sent_at,/metadata/trace_id).
+    #[arg(long, env = "IDEMGATE_FINGERPRINT_IGNORE", value_delimiter = ',', value_parser = parse_pointer)]
+    pub fingerprint_ignore: Vec<JsonPointer>,
+
+    /// Methods the proxy and the layer guard, comma-separated.
+    #[arg(long, env = "IDEMGATE_METHODS", value_delimiter = ',', default_value = "POST,PATCH",
+          value_parser = parse_method)]
+    pub methods: Vec<String>,
+
+    /// Largest stored response body (and proxied request body), in bytes.
+    #[arg(long, env = "IDEMGATE_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    pub max_body_bytes: usize,
+
+    /// Lease in seconds when a reservation names none.
+    #[arg(long, env = "IDEMGATE_DEFAULT_LEASE", default_value_t = 30)]
+    pub default_lease: u32,
+
+    /// Longest lease in seconds a reservation may ask for.
+    #[arg(long, env = "IDEMGATE_MAX_LEASE", default_value_t = 3600)]
+    pub max_lease: u32,
+
+    /// Seconds a key is remembered when a reservation names no TTL.
+    #[arg(long, env = "IDEMGATE_DEFAULT_TTL", default_value_t = 86_400)]
+    pub default_ttl: u32,
+
+    /// Longest TTL in seconds a reservation may ask for.
+    #[arg(long, env = "IDEMGATE_MAX_TTL", default_value_t = 7 * 86_400)]
+    pub max_ttl: u32,
+
+    /// Longest `Prefer: wait=N` honoured, in seconds.
+    #[arg(long, env = "IDEMGATE_MAX_WAIT", default_value_t = 10)]
+    pub max_wait: u32,
+}
+
+/// Settings of `idemgate serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "IDEMGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+
+    /// Bearer tokens and their tenants: tenant:token,tenant:token. Without
+    /// tokens the server is open, single-tenant, and loopback-only.
+    #[arg(long, env = "IDEMGATE_TOKENS", hide_env_values = true, value_parser = parse_tokens)]
+    pub tokens: Option<Tokens>,
+
+    /// Seconds between pruning passes (0 turns the job off).
+    #[arg(long, env = "IDEMGATE_PRUNE_INTERVAL", default_value_t = 60)]
+    pub prune_interval: u64,
+
+    /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
+    #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE", default_value_t = 30)]
+    pub shutdown_grace: u64,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+}
+
+/// Bearer tokens mapped to tenants. `Debug` never shows a token.
+#[derive(Clone, Default)]
+pub struct Tokens(Vec<(String, SecretString)>);
+
+// === impl Tokens ===
+
+impl Tokens {
+    /// Tokens from `(tenant, token)` pairs.
+    pub fn new(pairs: impl IntoIterator<Item = (String, String)>) -> Tokens {
+        Tokens(
+            pairs
+                .into_iter()
+                .map(|(t, s)| (t, SecretString::from(s)))
+                .collect(),
+        )
+    }
+
+    /// No token configured: open, single-tenant mode.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The tenant `token` belongs to. Every configured token is compared, in
+    /// constant time over equal-length digests, so neither a match's position
+    /// nor a token's length shows in the timing.
+    pub fn tenant_for(&self, token: &str) -> Option<&str> {
+        use sha2::{Digest, Sha256};
+        let given = Sha256::digest(token.as_bytes());
+        let mut found = None;
+        for (tenant, secret) in &self.0 {
+            let want = Sha256::digest(secret.expose_secret().as_bytes());
+            if bool::from(given.ct_eq(&want)) && found.is_none() {
+                found = Some(tenant.as_str());
+            }
+        }
+        found
+    }
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|(t, _)| format!("{t}:[redacted]")))
+            .finish()
+    }
+}
+
+fn parse_tokens(s: &str) -> Result<Tokens, String> {
+    let mut pairs = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let Some((tenant, token)) = item.split_once(':') else {
+            return Err("each entry must be tenant:token (e.g. acme:s3cret)".into());
+        };
+        let tenant = tenant.trim();
+        if tenant.is_empty() || token.is_empty() {
+            return Err("a tenant and its token must both be non-empty".into());
+        }
+        if !tenant
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(format!(
+                "tenant {tenant:?} may hold only letters, digits, '-', '_' and '.'"
+            ));
+        }
+        pairs.push((tenant.to_owned(), token.to_owned()));
+    }
+    Ok(Tokens::new(pairs))
+}
+
+fn parse_key_format(s: &str) -> Result<KeyFormat, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "any" => Ok(KeyFormat::Any),
+        "uuid" => Ok(KeyFormat::Uuid),
+        _ => Err("expected `any` or `uuid`".into()),
+    }
+}
+
+fn parse_pointer(s: &str) -> Result<JsonPointer, String> {
+    JsonPointer::parse(s.trim())
+}
+
+fn parse_method(s: &str) -> Result<String, String> {
+    let m = s.trim().to_ascii_uppercase();
+    http::Method::from_bytes(m.as_bytes())
+        .map(|_| m)
+        .map_err(|_| format!("{s:?} is not an HTTP method"))
+}
+
+/// A setting that cannot be used, named as the operator wrote it.
+#[derive(Debug, thiserror::Error)]
+#[error("{setting}: {problem}")]
+pub struct ConfigError {
+    /// The environment variable (and flag) at fault.
+    pub setting: &'static str,
+    /// What is wrong and how to fix it.
+    pub problem: String,
+}
+
+// === impl PolicyArgs ===
+
+impl PolicyArgs {
+    /// Checks the values that clap cannot check alone.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("IDEMGATE_DEFAULT_LEASE", self.default_lease),
+            ("IDEMGATE_MAX_LEASE", self.max_lease),
+            ("IDEMGATE_DEFAULT_TTL", self.default_ttl),
+            ("IDEMGATE_MAX_TTL", self.max_ttl),
+        ];
+        for (setting, v) in positive {
+            if v == 0 {
+                return Err(ConfigError {
+                    setting,
+                    problem: "must be at least 1 second".into(),
+                });
+            }
+        }
+        if self.default_lease > self.max_lease {
+            return Err(ConfigError {
+                setting: "IDEMGATE_DEFAULT_LEASE",
+                problem: format!("{} exceeds IDEMGATE_MAX_LEASE ({})", self.default_lease, self.max_lease),
+            });
+        }
+        if self.default_ttl > self.max_ttl {
+            return Err(ConfigError {
+                setting: "IDEMGATE_DEFAULT_TTL",
+                problem: format!("{} exceeds IDEMGATE_MAX_TTL ({})", self.default_ttl, self.max_ttl),
+            });
+        }
+        if self.max_body_bytes == 0 {
+            return Err(ConfigError {
+                setting: "IDEMGATE_MAX_BODY_BYTES",
+                problem: "must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The engine's bounds.
+    pub fn limits(&self) -> Limits {
+        let secs = |s: u32| Duration::from_secs(u64::from(s));
+        Limits {
+            default_lease: secs(self.default_lease),
+            max_lease: secs(self.max_lease),
+            default_ttl: secs(self.default_ttl),
+            max_ttl: secs(self.max_ttl),
+            max_wait: secs(self.max_wait),
+        }
+    }
+
+    /// The key rules.
+    pub fn key_policy(&self) -> KeyPolicy {
+        KeyPolicy {
+            strict: self.strict_key,
+            max_len: usize::from(self.key_max_len),
+            format: self.key_format,
+        }
+    }
+
+    /// The fingerprint rules.
+    pub fn fingerprint_policy(&self) -> FingerprintPolicy {
+        FingerprintPolicy {
+            ignore: self.fingerprint_ignore.clone(),
+        }
+    }
+}
+
+// === impl ServeArgs ===
+
+impl ServeArgs {
+    /// Refuses settings the server must not start with; protected mode first.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let open = self.tokens.as_ref().is_none_or(Tokens::is_empty);
+        if open && !self.listen.ip().is_loopback() {
+            return Err(ConfigError {
+                setting: "IDEMGATE_TOKENS",
+                problem: format!(
+                    "refusing to listen on {} without tokens (protected mode): anyone who can \
+                     reach it could read and complete every key. Set IDEMGATE_TOKENS=tenant:token,… \
+                     or listen on a loopback address (IDEMGATE_LISTEN=127.0.0.1:8080)",
+                    self.listen
+                ),
+            });
+        }
+        self.policy.validate()
+    }
+}
+
+/// Log output format.
+pub fn log_format_is_json() -> Result<bool, ConfigError> {
+    match std::env::var("IDEMGATE_LOG_FORMAT").ok().as_deref() {
+        None | Some("") | Some("human") | Some("text") | Some("pretty") => Ok(false),
+        Some("json") => Ok(true),
+        Some(_) => Err(ConfigError {
+            setting: "IDEMGATE_LOG_FORMAT",
+            problem: "expected `human` or `json`".into(),
+        }),
+    }
+}

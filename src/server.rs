@@ -1,0 +1,99 @@
+//! Wiring for the subcommands: open the store, build the state, run the
+//! server and the pruning job.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+
+use crate::api::{self, App, AppState};
+use crate::config::{ServeArgs, StoreArgs};
+use crate::engine::Engine;
+use crate::prune;
+use crate::store::postgres::PgSettings;
+use crate::store::{PgStore, Store};
+
+/// Opens the store `DATABASE_URL` names, applying migrations unless told not to.
+pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<dyn Store>> {
+    let url = args.database_url.trim();
+    let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or_default();
+    match scheme {
+        "postgres" | "postgresql" => {
+            let settings = PgSettings {
+                max_connections: args.db_max_connections.max(1),
+                acquire_timeout: Duration::from_secs(args.db_acquire_timeout.max(1)),
+                statement_timeout: Duration::from_secs(args.db_statement_timeout.max(1)),
+            };
+            let store = PgStore::connect_lazy(url, &settings)
+                .context("DATABASE_URL: not a usable PostgreSQL URL")?;
+            if migrate {
+                store.migrate().await.context(
+                    "could not apply migrations to the PostgreSQL database named by DATABASE_URL \
+                     (is it running and reachable? --no-migrate skips this step)",
+                )?;
+            }
+            Ok(Arc::new(store))
+        }
+        "sqlite" => anyhow::bail!(
+            "DATABASE_URL: the embedded SQLite store is not available in this build yet; \
+             set DATABASE_URL=postgres://USER@HOST:PORT/DB (e.g. postgres://postgres@127.0.0.1:5432/postgres)"
+        ),
+        _ => anyhow::bail!(
+            "DATABASE_URL: expected a postgres://… or sqlite://… URL, got scheme {scheme:?}"
+        ),
+    }
+}
+
+/// The reservation API's state from its settings.
+pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
+    AppState(Arc::new(App {
+        engine: Engine::new(store, args.policy.limits()),
+        tokens: args.tokens.clone().unwrap_or_default(),
+        key_policy: args.policy.key_policy(),
+        fingerprint_policy: args.policy.fingerprint_policy(),
+        max_body_bytes: args.policy.max_body_bytes,
+        methods: args.policy.methods.clone(),
+    }))
+}
+
+/// `idemgate serve`: runs until SIGTERM or ctrl-c.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    args.validate()?;
+    let store = open_store(&args.store, !args.store.no_migrate).await?;
+    let state = app_state(&args, store.clone());
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("IDEMGATE_LISTEN: cannot listen on {}", args.listen))?;
+    if state.tokens.is_empty() {
+        tracing::warn!(
+            listen = %args.listen,
+            "no IDEMGATE_TOKENS: open single-tenant mode (tenant \"default\"), loopback only"
+        );
+    }
+    let pruner = (args.prune_interval > 0).then(|| {
+        tokio::spawn(prune::run(
+            store,
+            Duration::from_secs(args.prune_interval),
+        ))
+    });
+    // Make the metric visible before the first pass.
+    crate::telemetry::record_pruned(0);
+    tracing::info!(
+        listen = %listener.local_addr()?,
+        docs = %format!("http://{}/docs", listener.local_addr()?),
+        "idemgate serve is listening"
+    );
+    api::serve(
+        listener,
+        api::router(state),
+        Duration::from_secs(args.shutdown_grace),
+        api::shutdown_signal(),
+    )
+    .await?;
+    if let Some(p) = pruner {
+        p.abort();
+    }
+    tracing::info!("idemgate serve stopped");
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! Logs (tracing, human or JSON) and the Prometheus metrics of SPEC §10. No
+//! key, token or body ever goes into a log line or a label.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tracing_subscriber::EnvFilter;
+
+use crate::store::PoolStats;
+
+/// Installs the global tracing subscriber: human by default, JSON when asked,
+/// level from `RUST_LOG` (default `info`).
+pub fn init_tracing(json: bool) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // A second init (tests, embedding) keeps the first subscriber.
+    let _ = if json {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// The process-wide Prometheus recorder, installed on first use.
+pub fn metrics_handle() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let builder = PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                Matcher::Full("idemgate_request_duration_seconds".into()),
+                &[
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0,
+                ],
+            )
+            .unwrap_or_else(|_| PrometheusBuilder::new());
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be global (an embedding application's);
+        // ours then still renders what it was given directly.
+        let _ = metrics::set_global_recorder(recorder);
+        describe();
+        handle
+    })
+}
+
+fn describe() {
+    metrics::describe_counter!(
+        "idemgate_requests_total",
+        "Requests by door (mode) and idempotency outcome."
+    );
+    metrics::describe_histogram!(
+        "idemgate_request_duration_seconds",
+        metrics::Unit::Seconds,
+        "Time spent deciding a request, by door and outcome."
+    );
+    metrics::describe_counter!("idemgate_pruned_total", "Expired records deleted.");
+    metrics::describe_gauge!(
+        "idemgate_db_pool_connections",
+        "Database pool connections by state (idle, active)."
+    );
+}
+
+/// The outcomes of SPEC §10.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A new key was reserved.
+    Created,
+    /// A stored response was replayed.
+    Replayed,
+    /// 409: another holder is in flight.
+    Conflict,
+    /// 422: the key was reused with another payload.
+    Mismatch,
+    /// 400: no key where one is required.
+    Missing,
+    /// 400: a malformed key.
+    Invalid,
+    /// An expired lease was taken over.
+    Takeover,
+    /// A key was released.
+    Released,
+    /// Not guarded: passed straight through.
+    Passthrough,
+}
+
+impl Outcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Created => "created",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::Missing => "missing",
+            Outcome::Invalid => "invalid",
+            Outcome::Takeover => "takeover",
+            Outcome::Released => "released",
+            Outcome::Passthrough => "passthrough",
+        }
+    }
+}
+
+/// Counts one request of door `mode` and how long its decision took.
+pub fn record(mode: &'static str, outcome: Outcome, elapsed: Duration) {
+    let labels = [("mode", mode), ("outcome", outcome.as_str())];
+    metrics::counter!("idemgate_requests_total", &labels).increment(1);
+    metrics::histogram!("idemgate_request_duration_seconds", &labels).record(elapsed.as_secs_f64());
+}
+
+/// Counts pruned records.
+pub fn record_pruned(n: u64) {
+    metrics::counter!("idemgate_pruned_total").increment(n);
+}
+
+/// Publishes the pool gauges.
+pub fn record_pool(stats: PoolStats) {
+    let idle = f64::from(stats.idle);
+    let active = f64::from(stats.size.saturating_sub(stats.idle));
+    metrics::gauge!("idemgate_db_pool_connections", "state" => "idle").set(idle);
+    metrics::gauge!("idemgate_db_pool_connections", "state" => "active").set(active);
+}
