@@ -238,13 +238,19 @@ impl PolicyArgs {
         if self.default_lease > self.max_lease {
             return Err(ConfigError {
                 setting: "IDEMGATE_DEFAULT_LEASE",
-                problem: format!("{} exceeds IDEMGATE_MAX_LEASE ({})", self.default_lease, self.max_lease),
+                problem: format!(
+                    "{} exceeds IDEMGATE_MAX_LEASE ({})",
+                    self.default_lease, self.max_lease
+                ),
             });
         }
         if self.default_ttl > self.max_ttl {
             return Err(ConfigError {
                 setting: "IDEMGATE_DEFAULT_TTL",
-                problem: format!("{} exceeds IDEMGATE_MAX_TTL ({})", self.default_ttl, self.max_ttl),
+                problem: format!(
+                    "{} exceeds IDEMGATE_MAX_TTL ({})",
+                    self.default_ttl, self.max_ttl
+                ),
             });
         }
         if self.max_body_bytes == 0 {

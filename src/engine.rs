@@ -173,7 +173,9 @@ impl Engine {
         };
         let slot = (req.tenant.clone(), req.key_hash);
         let notify = self.waiters.subscribe(&slot);
-        let outcome = self.claim_waiting(req, Instant::now() + wait, &notify).await;
+        let outcome = self
+            .claim_waiting(req, Instant::now() + wait, &notify)
+            .await;
         self.waiters.unsubscribe(&slot, notify);
         outcome
     }
@@ -252,7 +254,11 @@ impl Engine {
     }
 
     /// Forgets an in-flight key whose effect never started.
-    pub async fn release(&self, tenant: &str, id: Uuid) -> Result<Result<(), Refusal>, EngineError> {
+    pub async fn release(
+        &self,
+        tenant: &str,
+        id: Uuid,
+    ) -> Result<Result<(), Refusal>, EngineError> {
         if let Some(key_hash) = self.store.release(tenant, id).await? {
             self.waiters.wake(tenant, &key_hash);
             return Ok(Ok(()));
@@ -299,7 +305,8 @@ impl Engine {
         let live = found.record.reservation_id == id
             && found.now < found.record.expires_at
             && found.record.state == KeyState::InFlight;
-        let refusal = (!live).then(|| refusal_for(&found.record, id, found.now, Refusal::AlreadyCompleted));
+        let refusal =
+            (!live).then(|| refusal_for(&found.record, id, found.now, Refusal::AlreadyCompleted));
         Ok(Some((found.record, refusal)))
     }
 

@@ -21,7 +21,17 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 
 /// Which shape of key the server requires, beyond the generic rules.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum KeyFormat {
     /// Any key that satisfies the generic rules.

@@ -71,12 +71,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             "no IDEMGATE_TOKENS: open single-tenant mode (tenant \"default\"), loopback only"
         );
     }
-    let pruner = (args.prune_interval > 0).then(|| {
-        tokio::spawn(prune::run(
-            store,
-            Duration::from_secs(args.prune_interval),
-        ))
-    });
+    let pruner = (args.prune_interval > 0)
+        .then(|| tokio::spawn(prune::run(store, Duration::from_secs(args.prune_interval))));
     // Make the metric visible before the first pass.
     crate::telemetry::record_pruned(0);
     tracing::info!(

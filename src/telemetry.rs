@@ -32,8 +32,8 @@ pub fn metrics_handle() -> &'static PrometheusHandle {
             .set_buckets_for_metric(
                 Matcher::Full("idemgate_request_duration_seconds".into()),
                 &[
-                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                    5.0, 10.0,
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0,
                 ],
             )
             .unwrap_or_else(|_| PrometheusBuilder::new());

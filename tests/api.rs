@@ -7,7 +7,8 @@ use common::app::{TestApp, fresh_key};
 use common::pg::TestDb;
 use serde_json::json;
 
-const CHARGE: &str = r#"{"request":{"method":"POST","path":"/charges","body":{"amount":500,"currency":"eur"}}}"#;
+const CHARGE: &str =
+    r#"{"request":{"method":"POST","path":"/charges","body":{"amount":500,"currency":"eur"}}}"#;
 
 async fn app() -> (TestDb, TestApp) {
     let db = TestDb::new().await;
@@ -94,7 +95,10 @@ async fn duplicate_in_flight_is_409_with_retry_after() {
     let dup = app.reserve(&key, r#"{"lease_seconds":20}"#).await;
     dup.assert_problem(409, "request-in-flight");
     let retry_after: u64 = dup.header("retry-after").parse().unwrap();
-    assert!((19..=20).contains(&retry_after), "Retry-After {retry_after}");
+    assert!(
+        (19..=20).contains(&retry_after),
+        "Retry-After {retry_after}"
+    );
     assert_eq!(dup.body["retry_after_seconds"], retry_after);
 }
 
@@ -103,8 +107,11 @@ async fn other_payload_is_422_in_flight_and_completed() {
     let (_db, app) = app().await;
     let key = fresh_key();
     let id = app.reserve(&key, CHARGE).await.reservation_id();
-    let other = r#"{"request":{"method":"POST","path":"/charges","body":{"amount":501,"currency":"eur"}}}"#;
-    app.reserve(&key, other).await.assert_problem(422, "key-reused");
+    let other =
+        r#"{"request":{"method":"POST","path":"/charges","body":{"amount":501,"currency":"eur"}}}"#;
+    app.reserve(&key, other)
+        .await
+        .assert_problem(422, "key-reused");
     // Another path, another method: another request too.
     let other_path = CHARGE.replace("/charges", "/refunds");
     app.reserve(&key, &other_path)
@@ -114,12 +121,16 @@ async fn other_payload_is_422_in_flight_and_completed() {
         app.act(&id, "commit", r#"{"status":200}"#).await.status,
         200
     );
-    app.reserve(&key, other).await.assert_problem(422, "key-reused");
+    app.reserve(&key, other)
+        .await
+        .assert_problem(422, "key-reused");
 
     // Caller-computed fingerprints are compared as given.
     let key = fresh_key();
     assert_eq!(
-        app.reserve(&key, r#"{"fingerprint":"v1:abc"}"#).await.status,
+        app.reserve(&key, r#"{"fingerprint":"v1:abc"}"#)
+            .await
+            .status,
         201
     );
     app.reserve(&key, r#"{"fingerprint":"v1:abd"}"#)
@@ -311,10 +322,7 @@ async fn bodies_over_the_limit_are_413() {
     app.act(&id, "commit", &huge)
         .await
         .assert_problem(413, "payload-too-large");
-    let big_checkpoint = format!(
-        r#"{{"recovery_point":"p","data":"{}"}}"#,
-        "x".repeat(2000)
-    );
+    let big_checkpoint = format!(r#"{{"recovery_point":"p","data":"{}"}}"#, "x".repeat(2000));
     app.act(&id, "checkpoint", &big_checkpoint)
         .await
         .assert_problem(413, "payload-too-large");
@@ -357,8 +365,11 @@ async fn extend_moves_the_lease_end() {
     let extended = app.act(&id, "extend", r#"{"lease_seconds":60}"#).await;
     assert_eq!(extended.status, 200, "{extended:#?}");
     assert_eq!(extended.body["reservation_id"], id);
-    let before: chrono::DateTime<chrono::Utc> =
-        first.body["lease_expires_at"].as_str().unwrap().parse().unwrap();
+    let before: chrono::DateTime<chrono::Utc> = first.body["lease_expires_at"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     let after: chrono::DateTime<chrono::Utc> = extended.body["lease_expires_at"]
         .as_str()
         .unwrap()
@@ -395,8 +406,13 @@ async fn checkpoint_and_get_show_the_public_record() {
     assert_eq!(view.body["attempt"], 1);
     assert_eq!(view.body["recovery"]["data"]["charge"], "ch_9");
     assert_eq!(view.body["key_hash_prefix"].as_str().unwrap().len(), 12);
-    assert!(!view.text.contains(&key), "the raw key leaked: {}", view.text);
-    app.act(&id, "commit", r#"{"status":200,"body":"ok"}"#).await;
+    assert!(
+        !view.text.contains(&key),
+        "the raw key leaked: {}",
+        view.text
+    );
+    app.act(&id, "commit", r#"{"status":200,"body":"ok"}"#)
+        .await;
     let view = app
         .send("GET", &format!("/v1/reservations/{id}"), &[], None)
         .await;
@@ -415,10 +431,18 @@ async fn operations_endpoints() {
     app.reserve(&fresh_key(), "").await;
     let metrics = app.send("GET", "/metrics", &[], None).await;
     assert_eq!(metrics.status, 200);
-    assert!(metrics.text.contains("idemgate_requests_total{"), "{}", metrics.text);
+    assert!(
+        metrics.text.contains("idemgate_requests_total{"),
+        "{}",
+        metrics.text
+    );
     assert!(metrics.text.contains("outcome=\"created\""));
     assert!(metrics.text.contains("idemgate_db_pool_connections"));
-    assert!(metrics.text.contains("idemgate_request_duration_seconds_bucket"));
+    assert!(
+        metrics
+            .text
+            .contains("idemgate_request_duration_seconds_bucket")
+    );
     let policy = app.send("GET", "/v1/policy", &[], None).await;
     assert_eq!(policy.status, 200);
     assert_eq!(policy.body["header"], "Idempotency-Key");
@@ -430,5 +454,8 @@ async fn operations_endpoints() {
     assert!(docs.header("content-type").starts_with("text/html"));
     assert!(docs.text.contains("Reserve an idempotency key"));
     let spec = app.send("GET", "/openapi.json", &[], None).await;
-    assert_eq!(spec.body, serde_json::to_value(idemgate::api::openapi()).unwrap());
+    assert_eq!(
+        spec.body,
+        serde_json::to_value(idemgate::api::openapi()).unwrap()
+    );
 }

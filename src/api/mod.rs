@@ -121,7 +121,10 @@ pub fn router(state: AppState) -> Router {
     let (routes, api) = openapi_router().split_for_parts();
     // The JSON envelope of a stored body may be larger than the body itself
     // (base64, escapes); the exact limit is checked on the decoded bytes.
-    let envelope_limit = state.max_body_bytes.saturating_mul(4).saturating_add(64 * 1024);
+    let envelope_limit = state
+        .max_body_bytes
+        .saturating_mul(4)
+        .saturating_add(64 * 1024);
     let doc = api.clone();
     routes
         .route(
@@ -129,9 +132,7 @@ pub fn router(state: AppState) -> Router {
             axum::routing::get(move || std::future::ready(axum::Json(doc.clone()))),
         )
         .merge(Scalar::with_url("/docs", api))
-        .fallback(|| async {
-            problem::ApiError::NotFound("no such endpoint; see /docs".into())
-        })
+        .fallback(|| async { problem::ApiError::NotFound("no such endpoint; see /docs".into()) })
         .layer(DefaultBodyLimit::max(envelope_limit))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
@@ -157,7 +158,10 @@ pub async fn serve(
         res = &mut server => return res,
         () = shutdown => {}
     }
-    tracing::info!(grace_seconds = grace.as_secs(), "shutting down: finishing in-flight requests");
+    tracing::info!(
+        grace_seconds = grace.as_secs(),
+        "shutting down: finishing in-flight requests"
+    );
     let _ = tx.send(true);
     match tokio::time::timeout(grace, server).await {
         Ok(res) => res,

@@ -276,8 +276,7 @@ pub async fn create_reservation(
             )
                 .into_response();
             set_expires(&mut res, r.expires_at);
-            if let Ok(v) =
-                HeaderValue::from_str(&format!("/v1/reservations/{}", r.reservation_id))
+            if let Ok(v) = HeaderValue::from_str(&format!("/v1/reservations/{}", r.reservation_id))
             {
                 res.headers_mut().insert(header::LOCATION, v);
             }

@@ -178,8 +178,11 @@ pub trait Store: Send + Sync + 'static {
         recovery: &Recovery,
     ) -> Result<Option<Record>>;
     /// The record a reservation id belongs or belonged to, if it still exists.
-    async fn find_by_reservation(&self, tenant: &str, reservation_id: Uuid)
-    -> Result<Option<Found>>;
+    async fn find_by_reservation(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+    ) -> Result<Option<Found>>;
     /// Deletes up to `limit` expired records without waiting on locked rows;
     /// returns how many it deleted.
     async fn prune_expired_batch(&self, limit: i64) -> Result<u64>;

@@ -70,7 +70,10 @@ impl TestResponse {
             "{self:#?}"
         );
         let ty = self.body["type"].as_str().unwrap_or_default();
-        assert!(ty.ends_with(&format!("/{slug}")), "type {ty:?} is not {slug}");
+        assert!(
+            ty.ends_with(&format!("/{slug}")),
+            "type {ty:?} is not {slug}"
+        );
         assert_eq!(self.body["status"], status);
         assert!(self.body["title"].is_string() && self.body["detail"].is_string());
     }

@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests (each test file does `mod common;`).
 #![allow(dead_code)]
 
+pub mod app;
 pub mod logs;
 pub mod pg;
-pub mod app;

@@ -1,0 +1,57 @@
+//! The committed OpenAPI document is the one the code generates.
+//! Regenerate it with `IDEMGATE_UPDATE_OPENAPI=1 cargo test --test openapi`
+//! (or `cargo run -- openapi --output openapi/openapi.json`).
+
+use std::path::Path;
+
+#[test]
+fn committed_openapi_matches_the_code() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("openapi/openapi.json");
+    let generated = idemgate::api::openapi_json();
+    if std::env::var_os("IDEMGATE_UPDATE_OPENAPI").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+        return;
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "openapi/openapi.json differs from what the code generates.\n\
+         Regenerate it with: IDEMGATE_UPDATE_OPENAPI=1 cargo test --test openapi\n\
+         and commit the result."
+    );
+}
+
+#[test]
+fn every_operation_has_a_verb_resource_id_and_problem_errors() {
+    let doc = serde_json::to_value(idemgate::api::openapi()).unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
+    let mut ids = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let id = op["operationId"].as_str().unwrap_or_default().to_owned();
+            assert!(
+                [
+                    "get_",
+                    "create_",
+                    "commit_",
+                    "release_",
+                    "extend_",
+                    "checkpoint_"
+                ]
+                .iter()
+                .any(|p| id.starts_with(p)),
+                "{method} {path}: operation id {id:?}"
+            );
+            for (status, res) in op["responses"].as_object().unwrap() {
+                if status.starts_with('4') || status.starts_with('5') {
+                    assert!(
+                        res["content"]["application/problem+json"].is_object(),
+                        "{method} {path} {status} is not problem+json"
+                    );
+                }
+            }
+            ids.push(id);
+        }
+    }
+    assert_eq!(ids.len(), 10, "{ids:?}");
+}
