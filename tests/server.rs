@@ -3,25 +3,14 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use common::app::{TestApp, fresh_key};
+use common::bin::{Served, idemgate};
 use common::pg::TestDb;
 use idemgate::api;
 use tokio::net::TcpListener;
-
-const BIN: &str = env!("CARGO_BIN_EXE_idemgate");
-
-fn idemgate(db: &TestDb) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.env("DATABASE_URL", &db.url)
-        .env_remove("IDEMGATE_TOKENS")
-        .env_remove("IDEMGATE_LISTEN")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    cmd
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_socket_and_graceful_shutdown() {
@@ -164,31 +153,9 @@ async fn help_migrate_prune_and_openapi_subcommands() {
 #[tokio::test]
 async fn the_binary_serves_and_exits_zero_on_sigterm() {
     let db = TestDb::new().await;
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let mut child = idemgate(&db)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut served = Served::start(&db, &[]).await;
     let http = reqwest::Client::new();
-    let base = format!("http://127.0.0.1:{port}");
-    let started = Instant::now();
-    loop {
-        if let Ok(res) = http.get(format!("{base}/readyz")).send().await
-            && res.status() == 200
-        {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the server did not come up"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let base = served.base();
     let key = fresh_key();
     let res = http
         .post(format!("{base}/v1/reservations"))
@@ -198,14 +165,14 @@ async fn the_binary_serves_and_exits_zero_on_sigterm() {
         .unwrap();
     assert_eq!(res.status(), 201);
     let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &served.child.id().to_string()])
         .status()
         .unwrap();
     assert!(kill.success());
-    let status = child.wait().unwrap();
+    let status = served.child.wait().unwrap();
     assert!(status.success(), "exit status {status:?}");
     let mut stderr = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    std::io::Read::read_to_string(served.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert!(stderr.contains("stopped"), "{stderr}");
     assert!(!stderr.contains(&key), "the raw key was logged");
 }

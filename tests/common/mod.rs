@@ -2,5 +2,6 @@
 #![allow(dead_code)]
 
 pub mod app;
+pub mod bin;
 pub mod logs;
 pub mod pg;

@@ -1,0 +1,74 @@
+//! The `idemgate` binary, run as a user would run it.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::pg::TestDb;
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_idemgate");
+
+/// `idemgate` with the test database and no stray settings from the caller's
+/// environment.
+pub fn idemgate(db: &TestDb) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.env("DATABASE_URL", &db.url)
+        .env_remove("IDEMGATE_TOKENS")
+        .env_remove("IDEMGATE_LISTEN")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// A free port on the loopback interface.
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A running `idemgate serve`, killed on drop.
+pub struct Served {
+    pub child: Child,
+    pub port: u16,
+}
+
+impl Served {
+    /// Starts `idemgate serve` on a free port and waits until `/readyz` says 200.
+    pub async fn start(db: &TestDb, extra: &[&str]) -> Served {
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let child = idemgate(db)
+            .args(["serve", "--listen", &listen])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let served = Served { child, port };
+        let http = reqwest::Client::new();
+        let started = Instant::now();
+        loop {
+            if let Ok(res) = http.get(format!("{}/readyz", served.base())).send().await
+                && res.status() == 200
+            {
+                return served;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "idemgate serve did not come up"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn base(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

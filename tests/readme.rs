@@ -1,0 +1,72 @@
+//! The README tells the truth: its walkthrough, run as written against a
+//! real `idemgate serve`, shows what it says it shows.
+
+mod common;
+
+use common::bin::Served;
+use common::pg::TestDb;
+
+const README: &str = include_str!("../README.md");
+
+/// The first ```sh block after `heading`.
+fn sh_block_after(heading: &str) -> &'static str {
+    let from = README.find(heading).expect("heading in README");
+    let rest = &README[from..];
+    let start = rest.find("```sh\n").expect("an sh block") + "```sh\n".len();
+    let len = rest[start..].find("```").expect("the block ends");
+    &rest[start..start + len]
+}
+
+#[test]
+fn readme_opens_with_the_run_and_test_commands() {
+    let first = sh_block_after("# idemgate");
+    let lines: Vec<&str> = first.lines().collect();
+    assert_eq!(lines.len(), 2, "{first}");
+    assert!(lines[0].contains("cargo run --release -- serve"));
+    assert!(lines[1].starts_with("cargo test "));
+    let ci = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/run")).unwrap();
+    assert!(
+        ci.lines().any(|l| l.trim() == "cargo test"),
+        "CI runs the README's test command"
+    );
+}
+
+#[tokio::test]
+async fn the_walkthrough_works_as_written() {
+    let db = TestDb::new().await;
+    let served = Served::start(&db, &[]).await;
+    let script = sh_block_after("## Walkthrough")
+        .replace("localhost:8080", &format!("127.0.0.1:{}", served.port));
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script])
+        .current_dir(dir.path())
+        .output()
+        .expect("bash and curl are installed");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected = [
+        "HTTP/1.1 201 Created",
+        "idempotency-expires: ",
+        "\"attempt\":1",
+        "HTTP/1.1 409 Conflict",
+        "retry-after: ",
+        "/request-in-flight",
+        "\"state\":\"completed\"",
+        "idempotent-replayed: true",
+        "ch_1001",
+        "HTTP/1.1 422 Unprocessable Entity",
+        "/key-reused",
+    ];
+    let mut at = 0;
+    for want in expected {
+        let found = stdout[at..]
+            .find(want)
+            .unwrap_or_else(|| panic!("{want:?} missing (in order) from:\n{stdout}"));
+        at += found;
+    }
+}
