@@ -459,3 +459,17 @@ async fn operations_endpoints() {
         serde_json::to_value(idemgate::api::openapi()).unwrap()
     );
 }
+
+#[tokio::test]
+async fn logs_carry_the_key_hash_prefix_never_the_key() {
+    let (_db, app) = app().await;
+    let key = fresh_key();
+    app.reserve(&key, CHARGE).await;
+    let parsed = idemgate::key::parse_value(key.as_bytes(), &Default::default()).unwrap();
+    let logs = common::logs::captured();
+    assert!(
+        logs.contains(&parsed.hash_prefix()),
+        "the reserve was not logged with its hash prefix"
+    );
+    common::logs::assert_absent(&[&key]);
+}
