@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod fingerprint;

@@ -3,42 +3,17 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-use idemgate::config::{ServeArgs, StoreArgs};
+use idemgate::cli::{Cli, CliError, Command};
+use idemgate::config::StoreArgs;
 use idemgate::{api, config, prune, server, telemetry};
-
-/// Server-side HTTP idempotency keys (IETF draft-ietf-httpapi-idempotency-key-header-07).
-///
-/// Retries carry an Idempotency-Key; idemgate remembers each key with a
-/// fingerprint of its request, replays the first result to a retry, answers
-/// 409 to a duplicate still in flight and 422 to a key reused with another
-/// payload. Every setting is a flag or an IDEMGATE_* environment variable.
-#[derive(Debug, Parser)]
-#[command(name = "idemgate", version, propagate_version = true)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Run the reservation/commit API (default 127.0.0.1:8080).
-    Serve(Box<ServeArgs>),
-    /// Apply pending database migrations and exit.
-    Migrate(StoreArgs),
-    /// Delete every expired key once and exit (for cron).
-    Prune(StoreArgs),
-    /// Print the OpenAPI document.
-    Openapi {
-        /// Write it to this file instead of standard output.
-        #[arg(long, short)]
-        output: Option<PathBuf>,
-    },
-}
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse_merged(std::env::args_os().collect()) {
+        Ok(cli) => cli,
+        Err(CliError::Clap(e)) => e.exit(),
+        Err(CliError::Config(e)) => return fail(e.into()),
+    };
     let json = match config::log_format_is_json() {
         Ok(json) => json,
         Err(e) => return fail(e.into()),

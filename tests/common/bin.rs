@@ -35,16 +35,21 @@ pub struct Served {
 impl Served {
     /// Starts `idemgate serve` on a free port and waits until `/readyz` says 200.
     pub async fn start(db: &TestDb, extra: &[&str]) -> Served {
+        Served::spawn(idemgate(db), extra).await
+    }
+
+    /// Starts `cmd serve --listen <free port> extra…` and waits for `/readyz`.
+    pub async fn spawn(mut cmd: Command, extra: &[&str]) -> Served {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
-        let child = idemgate(db)
+        let child = cmd
             .args(["serve", "--listen", &listen])
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let served = Served { child, port };
+        let mut served = Served { child, port };
         let http = reqwest::Client::new();
         let started = Instant::now();
         loop {
@@ -52,6 +57,13 @@ impl Served {
                 && res.status() == 200
             {
                 return served;
+            }
+            if let Ok(Some(status)) = served.child.try_wait() {
+                let mut stderr = String::new();
+                if let Some(mut pipe) = served.child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+                }
+                panic!("idemgate serve exited ({status}):\n{stderr}");
             }
             assert!(
                 started.elapsed() < Duration::from_secs(20),

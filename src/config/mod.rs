@@ -2,6 +2,8 @@
 //! (flag first), parsed and validated once at start-up so a bad value fails
 //! fast with the setting's name.
 
+pub mod file;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 

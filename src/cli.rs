@@ -1,0 +1,98 @@
+//! The command line: subcommands, and the parse that merges flags, the
+//! environment and the `--config` file.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+
+use crate::config::{self, ConfigError, ServeArgs, StoreArgs};
+
+/// Server-side HTTP idempotency keys (IETF draft-ietf-httpapi-idempotency-key-header-07).
+///
+/// Retries carry an Idempotency-Key; idemgate remembers each key with a
+/// fingerprint of its request, replays the first result to a retry, answers
+/// 409 to a duplicate still in flight and 422 to a key reused with another
+/// payload. Every setting is a flag, an IDEMGATE_* environment variable, or a
+/// key in the TOML file named by --config, in that order of precedence.
+#[derive(Debug, Parser)]
+#[command(name = "idemgate", version, propagate_version = true)]
+pub struct Cli {
+    /// TOML file of settings (keys are the flags' names with `_`; see
+    /// idemgate.example.toml). Flags and IDEMGATE_* variables override it.
+    #[arg(long, global = true, env = "IDEMGATE_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the reservation/commit API (default 127.0.0.1:8080).
+    Serve(Box<ServeArgs>),
+    /// Apply pending database migrations and exit.
+    Migrate(StoreArgs),
+    /// Delete every expired key once and exit (for cron).
+    Prune(StoreArgs),
+    /// Print the OpenAPI document.
+    Openapi {
+        /// Write it to this file instead of standard output.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
+    },
+}
+
+/// Why the command line could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// clap's own report (including --help and --version, which exit 0).
+    #[error(transparent)]
+    Clap(#[from] clap::Error),
+    /// The config file is unusable.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+impl Cli {
+    /// Parses `argv` with the `--config` file's settings below flags and
+    /// environment variables.
+    pub fn try_parse_merged(argv: Vec<OsString>) -> Result<Cli, CliError> {
+        let plain = Cli::command().try_get_matches_from(&argv);
+        let merged = config::file::merge(Cli::command(), argv)?;
+        match Cli::command().try_get_matches_from(merged) {
+            Ok(matches) => Ok(Cli::from_arg_matches(&matches)?),
+            // Without the file the arguments parse: the file's value is at fault.
+            Err(e) if plain.is_ok() => Err(CliError::Config(blame_file(&e))),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// Names the config-file key behind a value clap refused.
+fn blame_file(e: &clap::Error) -> ConfigError {
+    use clap::error::ContextKind;
+    let key = e
+        .get(ContextKind::InvalidArg)
+        .map(|arg| {
+            let flag = arg.to_string();
+            let name = flag.trim_start_matches("--");
+            name.split([' ', '='])
+                .next()
+                .unwrap_or(name)
+                .replace('-', "_")
+        })
+        .unwrap_or_default();
+    let reason = e.render().to_string();
+    let reason = reason
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim_start_matches("error: ");
+    ConfigError {
+        setting: "--config",
+        problem: format!("key `{key}`: {reason}"),
+    }
+}

@@ -1,0 +1,162 @@
+//! The optional TOML file named by `--config`: the lowest of the three sources
+//! (flag > `IDEMGATE_*` environment > file).
+//!
+//! Each scalar key is a setting named as its flag with `_` for `-`
+//! (`key_max_len = 64` is `--key-max-len 64`); a `[serve]` or `[proxy]` table
+//! holds settings for that command only. The file's values are handed to clap
+//! as the flags they stand for, but only for settings that neither a flag nor
+//! the environment gave — clap reports where each value came from — so one
+//! parser validates all three sources, and a bad value in the file fails with
+//! the same message as the flag would.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use clap::ArgAction;
+use clap::parser::ValueSource;
+
+use super::ConfigError;
+
+/// Top-level keys that are not command-line settings: tables read by the
+/// command that owns them (the proxy's per-route rules).
+const STRUCTURED_KEYS: &[&str] = &["routes"];
+
+/// Returns `argv` with the settings of the `--config` file appended, or
+/// `argv` unchanged when no file is named or the arguments do not parse (clap
+/// then reports that itself).
+pub fn merge(cmd: clap::Command, argv: Vec<OsString>) -> Result<Vec<OsString>, ConfigError> {
+    let Ok(matches) = cmd.clone().try_get_matches_from(&argv) else {
+        return Ok(argv);
+    };
+    let Some((name, sub)) = matches.subcommand() else {
+        return Ok(argv);
+    };
+    let Some(path) = sub.try_get_one::<PathBuf>("config").ok().flatten() else {
+        return Ok(argv);
+    };
+    let table = read(path)?;
+    let Some(sub_cmd) = cmd.find_subcommand(name) else {
+        return Ok(argv);
+    };
+    let subcommands: Vec<String> = cmd
+        .get_subcommands()
+        .map(|c| c.get_name().to_owned())
+        .collect();
+    let known = |key: &str| {
+        cmd.get_subcommands()
+            .any(|c| c.get_arguments().any(|a| a.get_id() == key))
+    };
+
+    // Top-level settings, then the command's own table over them.
+    let mut settings: Vec<(String, toml::Value)> = Vec::new();
+    for (key, value) in &table {
+        if subcommands.contains(key) {
+            continue;
+        }
+        if STRUCTURED_KEYS.contains(&key.as_str()) {
+            continue;
+        }
+        if !known(key) {
+            return Err(unknown(path, key));
+        }
+        settings.push((key.clone(), value.clone()));
+    }
+    for section in &subcommands {
+        if let Some(value) = table.get(section) {
+            let Some(inner) = value.as_table() else {
+                return Err(file_error(path, format!("[{section}] must be a table")));
+            };
+            if section != name {
+                continue;
+            }
+            for (key, value) in inner {
+                if STRUCTURED_KEYS.contains(&key.as_str()) {
+                    continue;
+                }
+                if !sub_cmd.get_arguments().any(|a| a.get_id() == key.as_str()) {
+                    return Err(unknown(path, &format!("{section}.{key}")));
+                }
+                settings.retain(|(k, _)| k != key);
+                settings.push((key.clone(), value.clone()));
+            }
+        }
+    }
+
+    let mut argv = argv;
+    for (key, value) in settings {
+        let Some(arg) = sub_cmd.get_arguments().find(|a| a.get_id() == key.as_str()) else {
+            continue; // a setting of another command
+        };
+        let given = matches!(
+            sub.value_source(&key),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        );
+        if given || key == "config" {
+            continue;
+        }
+        let Some(long) = arg.get_long() else {
+            continue;
+        };
+        // An empty list stands for "none": the flag cannot say that, and
+        // every list setting's default is what an empty list means here
+        // except `methods`, where an empty list would guard nothing.
+        if value.as_array().is_some_and(Vec::is_empty) {
+            if key == "methods" {
+                return Err(file_error(path, "methods: list at least one method".into()));
+            }
+            continue;
+        }
+        let text = scalar(&value).ok_or_else(|| {
+            file_error(
+                path,
+                format!("{key}: expected a string, number, boolean or list"),
+            )
+        })?;
+        match arg.get_action() {
+            ArgAction::SetTrue => match value.as_bool() {
+                Some(true) => argv.push(format!("--{long}").into()),
+                Some(false) => {}
+                None => return Err(file_error(path, format!("{key}: expected true or false"))),
+            },
+            _ => argv.push(format!("--{long}={text}").into()),
+        }
+    }
+    Ok(argv)
+}
+
+/// The file as a TOML table.
+pub fn read(path: &Path) -> Result<toml::Table, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| file_error(path, format!("cannot read it: {e}")))?;
+    text.parse::<toml::Table>()
+        .map_err(|e| file_error(path, format!("not valid TOML: {e}")))
+}
+
+fn scalar(value: &toml::Value) -> Option<String> {
+    match value {
+        toml::Value::String(s) => Some(s.clone()),
+        toml::Value::Integer(i) => Some(i.to_string()),
+        toml::Value::Float(f) => Some(f.to_string()),
+        toml::Value::Boolean(b) => Some(b.to_string()),
+        toml::Value::Array(items) => items
+            .iter()
+            .map(scalar)
+            .collect::<Option<Vec<_>>>()
+            .map(|v| v.join(",")),
+        _ => None,
+    }
+}
+
+fn unknown(path: &Path, key: &str) -> ConfigError {
+    file_error(
+        path,
+        format!("unknown key `{key}` (keys are the flags' names with `_`, e.g. key_max_len)"),
+    )
+}
+
+fn file_error(path: &Path, problem: String) -> ConfigError {
+    ConfigError {
+        setting: "--config",
+        problem: format!("{}: {problem}", path.display()),
+    }
+}
