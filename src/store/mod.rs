@@ -2,6 +2,7 @@
 //! implementations. SQL lives only below this module.
 
 pub mod postgres;
+pub mod sqlite;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -9,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 pub use postgres::PgStore;
+pub use sqlite::SqliteStore;
 
 /// The state of a key's record (SPEC §2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
