@@ -12,7 +12,7 @@ use crate::config::{ServeArgs, StoreArgs};
 use crate::engine::Engine;
 use crate::prune;
 use crate::store::postgres::PgSettings;
-use crate::store::{PgStore, Store};
+use crate::store::{PgStore, SqliteStore, Store};
 
 /// Opens the store `DATABASE_URL` names, applying migrations unless told not to.
 pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<dyn Store>> {
@@ -35,10 +35,19 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
             }
             Ok(Arc::new(store))
         }
-        "sqlite" => anyhow::bail!(
-            "DATABASE_URL: the embedded SQLite store is not available in this build yet; \
-             set DATABASE_URL=postgres://USER@HOST:PORT/DB (e.g. postgres://postgres@127.0.0.1:5432/postgres)"
-        ),
+        "sqlite" => {
+            let store = SqliteStore::open(url)
+                .await
+                .with_context(|| format!("DATABASE_URL: cannot open the SQLite database {url}"))?;
+            if migrate {
+                store
+                    .migrate()
+                    .await
+                    .context("could not apply migrations to the SQLite database (--no-migrate skips this step)")?;
+            }
+            tracing::info!(database = %url, "embedded SQLite store: one idemgate process per file");
+            Ok(Arc::new(store))
+        }
         _ => anyhow::bail!(
             "DATABASE_URL: expected a postgres://… or sqlite://… URL, got scheme {scheme:?}"
         ),

@@ -4,21 +4,18 @@
 mod common;
 
 use common::app::{TestApp, fresh_key};
-use common::pg::TestDb;
+use common::backend::Backend;
 use serde_json::json;
 
 const CHARGE: &str =
     r#"{"request":{"method":"POST","path":"/charges","body":{"amount":500,"currency":"eur"}}}"#;
 
-async fn app() -> (TestDb, TestApp) {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &[]).await;
-    (db, app)
+async fn app(b: &Backend) -> TestApp {
+    TestApp::new(&b.url(), &[]).await
 }
 
-#[tokio::test]
-async fn new_key_is_reserved_with_expiry_and_location() {
-    let (_db, app) = app().await;
+async fn new_key_is_reserved_with_expiry_and_location(b: Backend) {
+    let app = app(&b).await;
     let res = app.reserve(&fresh_key(), CHARGE).await;
     assert_eq!(res.status, 201, "{res:#?}");
     assert_eq!(res.body["state"], "reserved");
@@ -35,9 +32,8 @@ async fn new_key_is_reserved_with_expiry_and_location() {
     assert!(skew.as_secs() <= 5, "expiry {expires:?} is not a day away");
 }
 
-#[tokio::test]
-async fn commit_then_retry_replays_the_stored_response() {
-    let (_db, app) = app().await;
+async fn commit_then_retry_replays_the_stored_response(b: Backend) {
+    let app = app(&b).await;
     let key = fresh_key();
     let id = app.reserve(&key, CHARGE).await.reservation_id();
     let commit = app
@@ -72,9 +68,8 @@ async fn commit_then_retry_replays_the_stored_response() {
     assert_eq!(app.reserve(&key, reordered).await.status, 200);
 }
 
-#[tokio::test]
-async fn binary_bodies_round_trip_as_base64() {
-    let (_db, app) = app().await;
+async fn binary_bodies_round_trip_as_base64(b: Backend) {
+    let app = app(&b).await;
     let key = fresh_key();
     let id = app.reserve(&key, "").await.reservation_id();
     let commit = app
@@ -86,9 +81,8 @@ async fn binary_bodies_round_trip_as_base64() {
     assert!(replay.body["response"].get("body").is_none());
 }
 
-#[tokio::test]
-async fn duplicate_in_flight_is_409_with_retry_after() {
-    let (_db, app) = app().await;
+async fn duplicate_in_flight_is_409_with_retry_after(b: Backend) {
+    let app = app(&b).await;
     let key = fresh_key();
     let first = app.reserve(&key, r#"{"lease_seconds":20}"#).await;
     assert_eq!(first.status, 201);
@@ -102,9 +96,8 @@ async fn duplicate_in_flight_is_409_with_retry_after() {
     assert_eq!(dup.body["retry_after_seconds"], retry_after);
 }
 
-#[tokio::test]
-async fn other_payload_is_422_in_flight_and_completed() {
-    let (_db, app) = app().await;
+async fn other_payload_is_422_in_flight_and_completed(b: Backend) {
+    let app = app(&b).await;
     let key = fresh_key();
     let id = app.reserve(&key, CHARGE).await.reservation_id();
     let other =
@@ -138,10 +131,8 @@ async fn other_payload_is_422_in_flight_and_completed() {
         .assert_problem(422, "key-reused");
 }
 
-#[tokio::test]
-async fn ignored_json_pointers_do_not_change_the_fingerprint() {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &["--fingerprint-ignore", "/sent_at,/meta/trace"]).await;
+async fn ignored_json_pointers_do_not_change_the_fingerprint(b: Backend) {
+    let app = TestApp::new(&b.url(), &["--fingerprint-ignore", "/sent_at,/meta/trace"]).await;
     let key = fresh_key();
     let a = r#"{"request":{"method":"POST","path":"/m","body":{"to":"x","sent_at":1,"meta":{"trace":"a","n":1}}}}"#;
     let b = r#"{"request":{"method":"POST","path":"/m","body":{"to":"x","sent_at":2,"meta":{"trace":"b","n":1}}}}"#;
@@ -158,9 +149,8 @@ async fn ignored_json_pointers_do_not_change_the_fingerprint() {
     );
 }
 
-#[tokio::test]
-async fn missing_and_malformed_keys_are_400() {
-    let (_db, app) = app().await;
+async fn missing_and_malformed_keys_are_400(b: Backend) {
+    let app = app(&b).await;
     app.send("POST", "/v1/reservations", &[], Some("{}"))
         .await
         .assert_problem(400, "key-missing");
@@ -195,23 +185,20 @@ async fn missing_and_malformed_keys_are_400() {
     assert_eq!(res.status(), 400);
 }
 
-#[tokio::test]
-async fn strict_mode_and_uuid_format() {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &["--strict-key", "true", "--key-format", "uuid"]).await;
+async fn strict_mode_and_uuid_format(b: Backend) {
+    let app = TestApp::new(&b.url(), &["--strict-key", "true", "--key-format", "uuid"]).await;
     let uuid = uuid::Uuid::new_v4().to_string();
     app.reserve(&uuid, "")
         .await
         .assert_problem(400, "key-invalid");
-    app.reserve("\"not-a-uuid\"", "")
+    app.reserve(&format!("\"{}\"", fresh_key()), "")
         .await
         .assert_problem(400, "key-invalid");
     assert_eq!(app.reserve(&format!("\"{uuid}\""), "").await.status, 201);
 }
 
-#[tokio::test]
-async fn bad_bodies_and_fields_are_400_invalid_request() {
-    let (_db, app) = app().await;
+async fn bad_bodies_and_fields_are_400_invalid_request(b: Backend) {
+    let app = app(&b).await;
     let long_fp = format!(r#"{{"fingerprint":"{}"}}"#, "f".repeat(513));
     for body in [
         "{not json",
@@ -253,9 +240,8 @@ async fn bad_bodies_and_fields_are_400_invalid_request() {
         .assert_problem(400, "invalid-request");
 }
 
-#[tokio::test]
-async fn unknown_ids_and_paths_are_404() {
-    let (_db, app) = app().await;
+async fn unknown_ids_and_paths_are_404(b: Backend) {
+    let app = app(&b).await;
     let unknown = uuid::Uuid::new_v4().to_string();
     for id in [unknown.as_str(), "not-a-uuid"] {
         for (action, body) in [
@@ -277,9 +263,8 @@ async fn unknown_ids_and_paths_are_404() {
         .assert_problem(404, "not-found");
 }
 
-#[tokio::test]
-async fn commit_is_idempotent_for_the_same_response_only() {
-    let (_db, app) = app().await;
+async fn commit_is_idempotent_for_the_same_response_only(b: Backend) {
+    let app = app(&b).await;
     let id = app.reserve(&fresh_key(), "").await.reservation_id();
     let body = r#"{"status":202,"body":"accepted"}"#;
     assert_eq!(app.act(&id, "commit", body).await.status, 200);
@@ -301,10 +286,8 @@ async fn commit_is_idempotent_for_the_same_response_only() {
         .assert_problem(409, "lease-lost");
 }
 
-#[tokio::test]
-async fn bodies_over_the_limit_are_413() {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &["--max-body-bytes", "1024"]).await;
+async fn bodies_over_the_limit_are_413(b: Backend) {
+    let app = TestApp::new(&b.url(), &["--max-body-bytes", "1024"]).await;
     let id = app.reserve(&fresh_key(), "").await.reservation_id();
     let big = format!(r#"{{"status":200,"body":"{}"}}"#, "x".repeat(1025));
     app.act(&id, "commit", &big)
@@ -331,9 +314,8 @@ async fn bodies_over_the_limit_are_413() {
     assert_eq!(app.act(&id, "commit", &exact).await.status, 200);
 }
 
-#[tokio::test]
-async fn release_makes_the_key_new_again() {
-    let (_db, app) = app().await;
+async fn release_makes_the_key_new_again(b: Backend) {
+    let app = app(&b).await;
     let key = fresh_key();
     let id = app.reserve(&key, CHARGE).await.reservation_id();
     let released = app.act(&id, "release", "").await;
@@ -356,9 +338,8 @@ async fn release_makes_the_key_new_again() {
     assert_eq!(app.reserve(&key, &other).await.status, 201);
 }
 
-#[tokio::test]
-async fn extend_moves_the_lease_end() {
-    let (_db, app) = app().await;
+async fn extend_moves_the_lease_end(b: Backend) {
+    let app = app(&b).await;
     let key = fresh_key();
     let first = app.reserve(&key, r#"{"lease_seconds":1}"#).await;
     let id = first.reservation_id();
@@ -383,9 +364,8 @@ async fn extend_moves_the_lease_end() {
         .assert_problem(409, "request-in-flight");
 }
 
-#[tokio::test]
-async fn checkpoint_and_get_show_the_public_record() {
-    let (_db, app) = app().await;
+async fn checkpoint_and_get_show_the_public_record(b: Backend) {
+    let app = app(&b).await;
     let key = fresh_key();
     let id = app.reserve(&key, CHARGE).await.reservation_id();
     let cp = app
@@ -421,9 +401,8 @@ async fn checkpoint_and_get_show_the_public_record() {
     assert_eq!(view.body["response"]["body"], "ok");
 }
 
-#[tokio::test]
-async fn operations_endpoints() {
-    let (_db, app) = app().await;
+async fn operations_endpoints(b: Backend) {
+    let app = app(&b).await;
     let health = app.send("GET", "/healthz", &[], None).await;
     assert_eq!(health.status, 200);
     let ready = app.send("GET", "/readyz", &[], None).await;
@@ -460,9 +439,8 @@ async fn operations_endpoints() {
     );
 }
 
-#[tokio::test]
-async fn logs_carry_the_key_hash_prefix_never_the_key() {
-    let (_db, app) = app().await;
+async fn logs_carry_the_key_hash_prefix_never_the_key(b: Backend) {
+    let app = app(&b).await;
     let key = fresh_key();
     app.reserve(&key, CHARGE).await;
     let parsed = idemgate::key::parse_value(key.as_bytes(), &Default::default()).unwrap();
@@ -472,4 +450,28 @@ async fn logs_carry_the_key_hash_prefix_never_the_key() {
         "the reserve was not logged with its hash prefix"
     );
     common::logs::assert_absent(&[&key]);
+}
+
+both_stores! {
+    serial: [
+        new_key_is_reserved_with_expiry_and_location,
+        commit_then_retry_replays_the_stored_response,
+        binary_bodies_round_trip_as_base64,
+        duplicate_in_flight_is_409_with_retry_after,
+        other_payload_is_422_in_flight_and_completed,
+        ignored_json_pointers_do_not_change_the_fingerprint,
+        missing_and_malformed_keys_are_400,
+        strict_mode_and_uuid_format,
+        bad_bodies_and_fields_are_400_invalid_request,
+        unknown_ids_and_paths_are_404,
+        commit_is_idempotent_for_the_same_response_only,
+        bodies_over_the_limit_are_413,
+        release_makes_the_key_new_again,
+        extend_moves_the_lease_end,
+        checkpoint_and_get_show_the_public_record,
+        operations_endpoints,
+        logs_carry_the_key_hash_prefix_never_the_key,
+    ],
+    concurrent: [
+    ],
 }

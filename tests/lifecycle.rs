@@ -7,9 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::app::{TestApp, fresh_key};
-use common::pg::TestDb;
+use common::backend::Backend;
 use idemgate::prune;
-use idemgate::store::Store;
 use tokio::sync::Barrier;
 
 /// Fires `n` reserves of `key` at once, alternating between `apps` (separate
@@ -40,17 +39,15 @@ async fn race(
     out
 }
 
-async fn two_apps(db: &TestDb) -> Vec<Arc<TestApp>> {
+async fn two_apps(b: &Backend) -> Vec<Arc<TestApp>> {
     vec![
-        Arc::new(TestApp::new(&db.url, &[]).await),
-        Arc::new(TestApp::new(&db.url, &[]).await),
+        Arc::new(TestApp::new(&b.url(), &[]).await),
+        Arc::new(TestApp::new(&b.url(), &[]).await),
     ]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sixty_four_racers_over_two_pools_one_winner() {
-    let db = TestDb::new().await;
-    let apps = two_apps(&db).await;
+async fn sixty_four_racers_over_two_pools_one_winner(b: Backend) {
+    let apps = two_apps(&b).await;
     let key = fresh_key();
     let results = race(&apps, 64, &key, r#"{"fingerprint":"same"}"#).await;
     let winners: Vec<_> = results.iter().filter(|(s, _)| *s == 201).collect();
@@ -62,10 +59,8 @@ async fn sixty_four_racers_over_two_pools_one_winner() {
     assert_eq!(results.iter().filter(|(s, _)| *s == 409).count(), 63);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn racers_after_lease_expiry_make_exactly_one_takeover() {
-    let db = TestDb::new().await;
-    let apps = two_apps(&db).await;
+async fn racers_after_lease_expiry_make_exactly_one_takeover(b: Backend) {
+    let apps = two_apps(&b).await;
     let key = fresh_key();
     let first = apps[0].reserve(&key, r#"{"lease_seconds":1}"#).await;
     assert_eq!(first.status, 201);
@@ -77,10 +72,8 @@ async fn racers_after_lease_expiry_make_exactly_one_takeover() {
     assert_eq!(results.iter().filter(|(s, _)| *s == 409).count(), 63);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_zombie_cannot_commit_over_the_new_holder() {
-    let db = TestDb::new().await;
-    let apps = two_apps(&db).await;
+async fn the_zombie_cannot_commit_over_the_new_holder(b: Backend) {
+    let apps = two_apps(&b).await;
     let (a, b) = (&apps[0], &apps[1]);
     let key = fresh_key();
     let old = a
@@ -134,10 +127,8 @@ async fn the_zombie_cannot_commit_over_the_new_holder() {
     assert_eq!(replay.body["response"]["body"], "winner");
 }
 
-#[tokio::test]
-async fn takeover_requires_the_same_fingerprint() {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &[]).await;
+async fn takeover_requires_the_same_fingerprint(b: Backend) {
+    let app = TestApp::new(&b.url(), &[]).await;
     let key = fresh_key();
     app.reserve(&key, r#"{"fingerprint":"a","lease_seconds":1}"#)
         .await;
@@ -151,10 +142,8 @@ async fn takeover_requires_the_same_fingerprint() {
     );
 }
 
-#[tokio::test]
-async fn expired_keys_are_new_before_pruning_and_pruning_deletes_them() {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &[]).await;
+async fn expired_keys_are_new_before_pruning_and_pruning_deletes_them(b: Backend) {
+    let app = TestApp::new(&b.url(), &[]).await;
     let key = fresh_key();
     let id = app
         .reserve(&key, r#"{"fingerprint":"a","ttl_seconds":1}"#)
@@ -165,11 +154,7 @@ async fn expired_keys_are_new_before_pruning_and_pruning_deletes_them() {
         200
     );
     TestApp::outlive(1).await;
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
-        .fetch_one(app.store.pool())
-        .await
-        .unwrap();
-    assert_eq!(rows, 1, "the row is still there");
+    assert_eq!(b.counts().await.0, 1, "the row is still there");
     // New again, even with another payload; the old id is dead.
     let again = app
         .reserve(&key, r#"{"fingerprint":"b","ttl_seconds":1}"#)
@@ -180,16 +165,10 @@ async fn expired_keys_are_new_before_pruning_and_pruning_deletes_them() {
         .await
         .assert_problem(409, "lease-lost");
     TestApp::outlive(1).await;
-    let pruned = prune::prune_once(&app.store).await.unwrap();
+    let pruned = prune::prune_once(app.store.as_ref()).await.unwrap();
     assert_eq!(pruned, 1);
-    let (keys, fences): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM idempotency_keys), (SELECT count(*) FROM idempotency_reservations)",
-    )
-    .fetch_one(app.store.pool())
-    .await
-    .unwrap();
     assert_eq!(
-        (keys, fences),
+        b.counts().await,
         (0, 0),
         "the key and its reservation ids are gone"
     );
@@ -199,58 +178,44 @@ async fn expired_keys_are_new_before_pruning_and_pruning_deletes_them() {
         .assert_problem(404, "not-found");
 }
 
-/// Inserts `n` records that expired an hour ago.
-async fn seed_expired(app: &TestApp, n: i64) {
-    sqlx::query(
-        "INSERT INTO idempotency_keys (tenant, key_hash, state, reservation_id, attempt, created_at, expires_at)
-         SELECT 'seed', sha256(i::text::bytea), 'completed', gen_random_uuid(), 1,
-                now() - interval '2 hours', now() - interval '1 hour'
-           FROM generate_series(1, $1) AS i",
-    )
-    .bind(n)
-    .execute(app.store.pool())
-    .await
-    .unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_pruners_at_once_delete_each_row_once() {
-    let db = TestDb::new().await;
-    let apps = two_apps(&db).await;
-    seed_expired(&apps[0], 5_500).await;
-    let (a, b) = (apps[0].clone(), apps[1].clone());
+async fn two_pruners_at_once_delete_each_row_once(b: Backend) {
+    let apps = two_apps(&b).await;
+    b.seed_expired(5_500).await;
+    let (pa, pb) = (apps[0].clone(), apps[1].clone());
     let barrier = Arc::new(Barrier::new(2));
     let (ba, bb) = (barrier.clone(), barrier.clone());
     let ta = tokio::spawn(async move {
         ba.wait().await;
-        prune::prune_once(&a.store).await.unwrap()
+        prune::prune_once(pa.store.as_ref()).await.unwrap()
     });
     let tb = tokio::spawn(async move {
         bb.wait().await;
-        prune::prune_once(&b.store).await.unwrap()
+        prune::prune_once(pb.store.as_ref()).await.unwrap()
     });
     let (na, nb) = (ta.await.unwrap(), tb.await.unwrap());
     assert_eq!(na + nb, 5_500, "deleted {na} + {nb}");
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
-        .fetch_one(apps[0].store.pool())
-        .await
-        .unwrap();
-    assert_eq!(left, 0);
+    assert_eq!(b.counts().await, (0, 0));
 }
 
+/// PostgreSQL only: SQLite has no row locks (its pruner takes turns with
+/// writers on the file lock instead).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn pruning_neither_blocks_nor_is_blocked_by_reservations() {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &[]).await;
-    seed_expired(&app, 3_000).await;
+async fn postgres_pruning_neither_blocks_nor_is_blocked_by_reservations() {
+    let b = Backend::postgres().await;
+    let app = TestApp::new(&b.url(), &[]).await;
+    b.seed_expired(3_000).await;
+    let pool = app.pg.as_ref().unwrap().pool();
     // A reservation in progress holds the lock on one expired row: the
     // pruner skips it instead of waiting.
-    let mut tx = app.store.pool().begin().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM idempotency_keys WHERE key_hash = sha256('7'::bytea) FOR UPDATE")
         .execute(&mut *tx)
         .await
         .unwrap();
-    let pruning = tokio::time::timeout(Duration::from_secs(10), prune::prune_once(&app.store));
+    let pruning = tokio::time::timeout(
+        Duration::from_secs(10),
+        prune::prune_once(app.store.as_ref()),
+    );
     // Reservations run while the pruner works, and all succeed.
     let reserving = async {
         let mut statuses = Vec::new();
@@ -264,6 +229,19 @@ async fn pruning_neither_blocks_nor_is_blocked_by_reservations() {
     assert_eq!(pruned, 2_999, "the locked row was skipped");
     assert!(statuses.iter().all(|s| *s == 201), "{statuses:?}");
     tx.rollback().await.unwrap();
-    assert_eq!(prune::prune_once(&app.store).await.unwrap(), 1);
+    assert_eq!(prune::prune_once(app.store.as_ref()).await.unwrap(), 1);
     assert!(app.store.ping().await.is_ok());
+}
+
+both_stores! {
+    serial: [
+        takeover_requires_the_same_fingerprint,
+        expired_keys_are_new_before_pruning_and_pruning_deletes_them,
+    ],
+    concurrent: [
+        sixty_four_racers_over_two_pools_one_winner,
+        racers_after_lease_expiry_make_exactly_one_takeover,
+        the_zombie_cannot_commit_over_the_new_holder,
+        two_pruners_at_once_delete_each_row_once,
+    ],
 }

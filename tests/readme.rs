@@ -32,10 +32,7 @@ fn readme_opens_with_the_run_and_test_commands() {
     );
 }
 
-#[tokio::test]
-async fn the_walkthrough_works_as_written() {
-    let db = TestDb::new().await;
-    let served = Served::start(&db, &[]).await;
+async fn run_walkthrough(served: &Served) {
     let script = sh_block_after("## Walkthrough")
         .replace("localhost:8080", &format!("127.0.0.1:{}", served.port));
     let dir = tempfile::tempdir().unwrap();
@@ -70,4 +67,23 @@ async fn the_walkthrough_works_as_written() {
             .unwrap_or_else(|| panic!("{want:?} missing (in order) from:\n{stdout}"));
         at += found;
     }
+}
+
+#[tokio::test]
+async fn the_walkthrough_works_as_written_on_postgres() {
+    let db = TestDb::new().await;
+    run_walkthrough(&Served::start(&db, &[]).await).await;
+}
+
+#[tokio::test]
+async fn the_walkthrough_works_as_written_on_the_default_store() {
+    // The README's first command as a newcomer runs it: no DATABASE_URL.
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(common::bin::BIN);
+    cmd.current_dir(dir.path())
+        .env_remove("DATABASE_URL")
+        .env_remove("IDEMGATE_TOKENS")
+        .env_remove("IDEMGATE_CONFIG");
+    run_walkthrough(&Served::spawn(cmd, &[]).await).await;
+    assert!(dir.path().join("idemgate.db").exists());
 }

@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use common::pg::TestDb;
+use common::backend::Backend;
 use idemgate::engine::{
-    CommitOutcome, Engine, Limits, Refusal, Reservation, ReserveOutcome, ReserveRequest,
+    CommitOutcome, Engine, Refusal, Reservation, ReserveOutcome, ReserveRequest,
 };
 use idemgate::prune;
-use idemgate::store::{KeyState, PgStore, Recovery, SqliteStore, Store, StoredResponse};
+use idemgate::store::{KeyState, Recovery, StoredResponse};
 use sha2::{Digest, Sha256};
 use tokio::sync::Barrier;
 use uuid::Uuid;
@@ -26,131 +26,6 @@ const TENANT: &str = "acme";
 
 /// Long enough for a 1-second lease or TTL to have ended.
 const PAST_ONE_SECOND: Duration = Duration::from_millis(1100);
-
-/// One fresh database for one test: every [`Backend::open`] is another store
-/// instance (another pool, as another process would have) over it.
-enum Backend {
-    Postgres(TestDb),
-    Sqlite(tempfile::TempDir),
-}
-
-impl Backend {
-    async fn postgres() -> Backend {
-        Backend::Postgres(TestDb::new().await)
-    }
-
-    async fn sqlite() -> Backend {
-        Backend::Sqlite(tempfile::tempdir().expect("temp dir"))
-    }
-
-    fn sqlite_url(dir: &tempfile::TempDir) -> String {
-        format!("sqlite://{}", dir.path().join("idemgate.db").display())
-    }
-
-    async fn open_pg(db: &TestDb) -> PgStore {
-        let store = PgStore::connect_lazy(&db.url, &Default::default()).expect("PgStore");
-        store.migrate().await.expect("migrate PostgreSQL");
-        store
-    }
-
-    async fn open_sqlite(dir: &tempfile::TempDir) -> SqliteStore {
-        let store = SqliteStore::open(&Self::sqlite_url(dir))
-            .await
-            .expect("SqliteStore::open");
-        store.migrate().await.expect("migrate SQLite");
-        store
-    }
-
-    /// A new store instance over this backend's database, migrated.
-    async fn open(&self) -> Arc<dyn Store> {
-        match self {
-            Backend::Postgres(db) => Arc::new(Self::open_pg(db).await),
-            Backend::Sqlite(dir) => Arc::new(Self::open_sqlite(dir).await),
-        }
-    }
-
-    /// An engine over a new store instance.
-    async fn engine(&self) -> Engine {
-        Engine::new(self.open().await, Limits::default())
-    }
-
-    /// Rows in `idempotency_keys` and `idempotency_reservations`, read
-    /// directly.
-    async fn counts(&self) -> (i64, i64) {
-        const SQL: &str = "SELECT (SELECT count(*) FROM idempotency_keys), \
-                                  (SELECT count(*) FROM idempotency_reservations)";
-        match self {
-            Backend::Postgres(db) => {
-                let store = Self::open_pg(db).await;
-                let counts = sqlx::query_as(SQL).fetch_one(store.pool()).await;
-                store.pool().close().await;
-                counts.expect("count rows")
-            }
-            Backend::Sqlite(dir) => {
-                let store = Self::open_sqlite(dir).await;
-                let counts = sqlx::query_as(SQL).fetch_one(store.pool()).await;
-                store.close().await;
-                counts.expect("count rows")
-            }
-        }
-    }
-
-    /// Inserts `n` completed records of tenant `seed` that expired an hour
-    /// ago, each with one reservation row, straight into the tables.
-    async fn seed_expired(&self, n: i64) {
-        match self {
-            Backend::Postgres(db) => {
-                let store = Self::open_pg(db).await;
-                sqlx::query(
-                    "INSERT INTO idempotency_keys
-                         (tenant, key_hash, state, reservation_id, attempt, created_at, expires_at)
-                     SELECT 'seed', sha256(i::text::bytea), 'completed', gen_random_uuid(), 1,
-                            now() - interval '2 hours', now() - interval '1 hour'
-                       FROM generate_series(1, $1) AS i",
-                )
-                .bind(n)
-                .execute(store.pool())
-                .await
-                .expect("seed keys");
-                sqlx::query(
-                    "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
-                     SELECT tenant, reservation_id, key_hash FROM idempotency_keys
-                      WHERE tenant = 'seed'",
-                )
-                .execute(store.pool())
-                .await
-                .expect("seed reservations");
-                store.pool().close().await;
-            }
-            Backend::Sqlite(dir) => {
-                let store = Self::open_sqlite(dir).await;
-                let hour_ago = Utc::now().timestamp_millis() - 3_600_000;
-                sqlx::query(
-                    "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < ?1)
-                     INSERT INTO idempotency_keys
-                         (tenant, key_hash, state, reservation_id, attempt, created_at, expires_at)
-                     SELECT 'seed', CAST(i AS BLOB), 'completed',
-                            printf('%08x-0000-4000-8000-%012x', i, i), 1, ?2 - 3600000, ?2
-                       FROM s",
-                )
-                .bind(n)
-                .bind(hour_ago)
-                .execute(store.pool())
-                .await
-                .expect("seed keys");
-                sqlx::query(
-                    "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
-                     SELECT tenant, reservation_id, key_hash FROM idempotency_keys
-                      WHERE tenant = 'seed'",
-                )
-                .execute(store.pool())
-                .await
-                .expect("seed reservations");
-                store.close().await;
-            }
-        }
-    }
-}
 
 /// A key hash no other test uses.
 fn fresh_key() -> [u8; 32] {
@@ -722,31 +597,7 @@ async fn completed_keys_survive_a_restart(backend: Backend) {
 // One test per scenario and backend
 // ---------------------------------------------------------------------------
 
-macro_rules! contract {
-    (serial: [$($serial:ident),* $(,)?], concurrent: [$($concurrent:ident),* $(,)?] $(,)?) => {
-        contract!(@backend postgres, [$($serial),*], [$($concurrent),*]);
-        contract!(@backend sqlite, [$($serial),*], [$($concurrent),*]);
-    };
-    (@backend $backend:ident, [$($serial:ident),*], [$($concurrent:ident),*]) => {
-        mod $backend {
-            use super::Backend;
-            $(
-                #[tokio::test]
-                async fn $serial() {
-                    super::$serial(Backend::$backend().await).await;
-                }
-            )*
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $concurrent() {
-                    super::$concurrent(Backend::$backend().await).await;
-                }
-            )*
-        }
-    };
-}
-
-contract! {
+both_stores! {
     serial: [
         reserve_classifies_new_replay_in_flight_and_mismatch,
         commit_is_idempotent_for_the_same_response_only,

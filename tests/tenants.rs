@@ -4,7 +4,7 @@
 mod common;
 
 use common::app::{TestApp, fresh_key};
-use common::pg::TestDb;
+use common::backend::Backend;
 
 const TOKENS: &str = "acme:acme-secret-token-1,globex:globex-secret-token-2";
 
@@ -12,15 +12,12 @@ fn bearer(token: &str) -> String {
     format!("Bearer {token}")
 }
 
-async fn tenant_app() -> (TestDb, TestApp) {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &["--tokens", TOKENS]).await;
-    (db, app)
+async fn tenant_app(b: &Backend) -> TestApp {
+    TestApp::new(&b.url(), &["--tokens", TOKENS]).await
 }
 
-#[tokio::test]
-async fn missing_or_wrong_tokens_are_401() {
-    let (_db, app) = tenant_app().await;
+async fn missing_or_wrong_tokens_are_401(b: Backend) {
+    let app = tenant_app(&b).await;
     let key = fresh_key();
     let acme = bearer("acme-secret-token-1");
     let cases: Vec<Vec<(&str, &str)>> = vec![
@@ -63,9 +60,8 @@ async fn missing_or_wrong_tokens_are_401() {
     }
 }
 
-#[tokio::test]
-async fn same_key_under_two_tenants_is_two_records() {
-    let (_db, app) = tenant_app().await;
+async fn same_key_under_two_tenants_is_two_records(b: Backend) {
+    let app = tenant_app(&b).await;
     let key = fresh_key();
     let acme = bearer("acme-secret-token-1");
     let globex = bearer("globex-secret-token-2");
@@ -140,4 +136,13 @@ async fn same_key_under_two_tenants_is_two_records() {
         reserve(globex, r#"{"fingerprint":"g"}"#).await.body["response"]["body"],
         "globex"
     );
+}
+
+both_stores! {
+    serial: [
+        missing_or_wrong_tokens_are_401,
+        same_key_under_two_tenants_is_two_records,
+    ],
+    concurrent: [
+    ],
 }

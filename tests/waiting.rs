@@ -7,19 +7,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::app::{TestApp, fresh_key};
-use common::pg::TestDb;
+use common::backend::Backend;
 use idemgate::store::postgres::PgSettings;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_waiter_gets_the_replay_when_the_holder_commits() {
-    let db = TestDb::new().await;
+async fn a_waiter_gets_the_replay_when_the_holder_commits(b: Backend) {
     // One connection in the pool: if a waiter held it, the holder's commit
     // could not run and the wait would end in a 409.
     let settings = PgSettings {
         max_connections: 1,
         ..PgSettings::default()
     };
-    let app = Arc::new(TestApp::with_settings(&db.url, &[], settings).await);
+    let app = Arc::new(TestApp::with_settings(&b.url(), &[], settings).await);
     let key = fresh_key();
     let id = app.reserve(&key, "").await.reservation_id();
     let mut waiters = Vec::new();
@@ -56,10 +54,8 @@ async fn a_waiter_gets_the_replay_when_the_holder_commits() {
     }
 }
 
-#[tokio::test]
-async fn a_waiter_whose_holder_does_not_finish_gets_the_409() {
-    let db = TestDb::new().await;
-    let app = TestApp::new(&db.url, &["--max-wait", "1"]).await;
+async fn a_waiter_whose_holder_does_not_finish_gets_the_409(b: Backend) {
+    let app = TestApp::new(&b.url(), &["--max-wait", "1"]).await;
     let key = fresh_key();
     app.reserve(&key, "").await;
     let started = Instant::now();
@@ -83,12 +79,10 @@ async fn a_waiter_whose_holder_does_not_finish_gets_the_409() {
     );
 }
 
-#[tokio::test]
-async fn a_holder_in_another_process_is_seen_by_polling() {
-    let db = TestDb::new().await;
+async fn a_holder_in_another_process_is_seen_by_polling(b: Backend) {
     let (a, b) = (
-        TestApp::new(&db.url, &[]).await,
-        TestApp::new(&db.url, &[]).await,
+        TestApp::new(&b.url(), &[]).await,
+        TestApp::new(&b.url(), &[]).await,
     );
     let key = fresh_key();
     let id = a.reserve(&key, "").await.reservation_id();
@@ -103,4 +97,14 @@ async fn a_holder_in_another_process_is_seen_by_polling() {
     assert_eq!(commit.status, 200);
     assert_eq!(res.status, 200, "{res:#?}");
     assert_eq!(res.body["response"]["body"], "from a");
+}
+
+both_stores! {
+    serial: [
+        a_waiter_whose_holder_does_not_finish_gets_the_409,
+        a_holder_in_another_process_is_seen_by_polling,
+    ],
+    concurrent: [
+        a_waiter_gets_the_replay_when_the_holder_commits,
+    ],
 }

@@ -11,8 +11,8 @@ use http_body_util::BodyExt;
 use idemgate::api::{self, AppState};
 use idemgate::config::ServeArgs;
 use idemgate::server;
-use idemgate::store::PgStore;
 use idemgate::store::postgres::PgSettings;
+use idemgate::store::{PgStore, SqliteStore, Store};
 use serde_json::Value;
 use tower::ServiceExt;
 
@@ -36,7 +36,9 @@ pub fn serve_args(flags: &[&str]) -> ServeArgs {
 pub struct TestApp {
     pub router: Router,
     pub state: AppState,
-    pub store: PgStore,
+    pub store: Arc<dyn Store>,
+    /// The PostgreSQL pool, when the store is PostgreSQL.
+    pub pg: Option<PgStore>,
     /// Keys and tokens this app saw: none may show up in the logs.
     secrets: Arc<Mutex<Vec<String>>>,
 }
@@ -87,17 +89,25 @@ impl TestResponse {
 }
 
 impl TestApp {
-    /// An app over `url` with default settings plus `flags`.
+    /// An app over `url` (postgres:// or sqlite://) with default settings
+    /// plus `flags`.
     pub async fn new(url: &str, flags: &[&str]) -> TestApp {
         Self::with_settings(url, flags, PgSettings::default()).await
     }
 
     pub async fn with_settings(url: &str, flags: &[&str], pg: PgSettings) -> TestApp {
         logs::init();
-        let store = PgStore::connect_lazy(url, &pg).expect("store");
-        store.migrate().await.expect("migrations apply");
+        let (store, pg): (Arc<dyn Store>, _) = if url.starts_with("sqlite:") {
+            let store = SqliteStore::open(url).await.expect("SQLite store");
+            store.migrate().await.expect("migrations apply");
+            (Arc::new(store), None)
+        } else {
+            let store = PgStore::connect_lazy(url, &pg).expect("store");
+            store.migrate().await.expect("migrations apply");
+            (Arc::new(store.clone()), Some(store))
+        };
         let args = serve_args(flags);
-        let state = server::app_state(&args, Arc::new(store.clone()));
+        let state = server::app_state(&args, store.clone());
         let mut secrets = Vec::new();
         if let Some(pos) = flags.iter().position(|f| *f == "--tokens") {
             for pair in flags[pos + 1].split(',') {
@@ -110,6 +120,7 @@ impl TestApp {
             router: api::router(state.clone()),
             state,
             store,
+            pg,
             secrets: Arc::new(Mutex::new(secrets)),
         }
     }

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod app;
+pub mod backend;
 pub mod bin;
 pub mod logs;
 pub mod pg;

@@ -1,0 +1,149 @@
+//! The first five minutes: `idemgate serve` on a fresh machine needs nothing
+//! but the binary (the embedded SQLite default), keeps its keys across a
+//! restart, and the container files run what exists.
+
+mod common;
+
+use std::process::{Command, Stdio};
+
+use clap::CommandFactory;
+use common::bin::{BIN, Served};
+use idemgate::cli::Cli;
+
+/// `idemgate` in `dir` with no DATABASE_URL: the embedded default store.
+fn bare(dir: &std::path::Path) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .env_remove("IDEMGATE_TOKENS")
+        .env_remove("IDEMGATE_LISTEN")
+        .env_remove("IDEMGATE_CONFIG")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    cmd
+}
+
+async fn reserve(base: &str, key: &str) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{base}/v1/reservations"))
+        .header("Idempotency-Key", key)
+        .body(r#"{"fingerprint":"f"}"#)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn default_store_is_a_sqlite_file_that_survives_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = format!("zero-setup-{}", uuid::Uuid::new_v4());
+    let mut first = Served::spawn(bare(dir.path()), &[]).await;
+    assert!(
+        dir.path().join("idemgate.db").exists(),
+        "created on first start"
+    );
+    let res = reserve(&first.base(), &key).await;
+    assert_eq!(res.status(), 201);
+    let body: serde_json::Value = res.json().await.unwrap();
+    let id = body["reservation_id"].as_str().unwrap();
+    let commit = reqwest::Client::new()
+        .post(format!("{}/v1/reservations/{id}/commit", first.base()))
+        .body(r#"{"status":201,"body":"charged once"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(commit.status(), 200);
+    // No goodbye: SIGKILL right after the acknowledged commit.
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+
+    let second = Served::spawn(bare(dir.path()), &[]).await;
+    let replay = reserve(&second.base(), &key).await;
+    assert_eq!(replay.status(), 200);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let body: serde_json::Value = replay.json().await.unwrap();
+    assert_eq!(body["response"]["body"], "charged once");
+}
+
+#[tokio::test]
+async fn json_logs_and_the_protected_mode_notice() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = bare(dir.path());
+    cmd.env("IDEMGATE_LOG_FORMAT", "json");
+    let mut served = Served::spawn(cmd, &[]).await;
+    let kill = Command::new("kill")
+        .args(["-TERM", &served.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    assert!(served.child.wait().unwrap().success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(served.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["level"].is_string() && l["timestamp"].is_string())
+    );
+    assert!(
+        lines.iter().any(|l| l["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("loopback only")),
+        "protected mode is announced: {stderr}"
+    );
+}
+
+#[test]
+fn the_container_files_run_what_exists() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dockerfile = std::fs::read_to_string(format!("{root}/Dockerfile")).unwrap();
+    let compose = std::fs::read_to_string(format!("{root}/docker-compose.yml")).unwrap();
+    assert!(dockerfile.matches("\nFROM ").count() >= 2, "multi-stage");
+    assert!(dockerfile.contains("cargo build --release --locked --bin idemgate"));
+    assert!(dockerfile.contains("ENTRYPOINT [\"idemgate\"]"));
+    let user = dockerfile
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("USER "))
+        .expect("the runtime stage names a user");
+    assert_ne!(user.trim(), "USER root");
+
+    let cli = Cli::command();
+    let subcommands: Vec<&str> = cli.get_subcommands().map(|c| c.get_name()).collect();
+    let known_env: Vec<String> = cli
+        .get_subcommands()
+        .flat_map(|c| c.get_arguments())
+        .chain(cli.get_arguments())
+        .filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
+        .collect();
+    let mut commands = 0;
+    for line in compose.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("command:") {
+            let sub = rest
+                .trim()
+                .trim_start_matches("[\"")
+                .split('"')
+                .next()
+                .unwrap();
+            assert!(
+                subcommands.contains(&sub),
+                "compose runs `idemgate {sub}`, which does not exist"
+            );
+            commands += 1;
+        }
+        if let Some((name, _)) = line.split_once(':')
+            && name.starts_with("IDEMGATE_")
+        {
+            assert!(
+                known_env.iter().any(|e| e == name),
+                "compose sets unknown {name}"
+            );
+        }
+    }
+    assert!(commands >= 1, "compose starts idemgate");
+    assert!(compose.contains("DATABASE_URL: postgres://"));
+}
