@@ -23,6 +23,15 @@ pub enum KeyState {
 }
 
 impl KeyState {
+    /// Reads the spelling stored in the database.
+    pub(crate) fn parse(stored: &str) -> Result<KeyState> {
+        match stored {
+            "in_flight" => Ok(KeyState::InFlight),
+            "completed" => Ok(KeyState::Completed),
+            other => Err(StoreError::Other(format!("unknown key state {other:?}"))),
+        }
+    }
+
     /// The spelling used in the database and in JSON.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -41,6 +50,31 @@ pub struct StoredResponse {
     pub headers: Vec<(String, String)>,
     /// Body bytes.
     pub body: Vec<u8>,
+}
+
+impl StoredResponse {
+    /// Rebuilds a stored response from its columns (headers as a JSON array
+    /// of `[name, value]` pairs); `None` while the key is in flight.
+    pub(crate) fn from_columns(
+        status: Option<i64>,
+        headers: Option<serde_json::Value>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Option<StoredResponse>> {
+        let Some(status) = status else {
+            return Ok(None);
+        };
+        let headers = match headers {
+            Some(h) => serde_json::from_value(h)
+                .map_err(|e| StoreError::Other(format!("stored headers: {e}")))?,
+            None => Vec::new(),
+        };
+        Ok(Some(StoredResponse {
+            status: u16::try_from(status)
+                .map_err(|_| StoreError::Other(format!("stored status {status}")))?,
+            headers,
+            body: body.unwrap_or_default(),
+        }))
+    }
 }
 
 /// Progress recorded by a holder inside a multi-step effect, handed to whoever

@@ -134,27 +134,12 @@ impl TryFrom<KeyRow> for Record {
     type Error = StoreError;
 
     fn try_from(r: KeyRow) -> Result<Record> {
-        let state = match r.state.as_str() {
-            "in_flight" => KeyState::InFlight,
-            "completed" => KeyState::Completed,
-            other => return Err(StoreError::Other(format!("unknown key state {other:?}"))),
-        };
-        let response = match r.response_status {
-            Some(status) => {
-                let headers: Vec<(String, String)> = match r.response_headers {
-                    Some(h) => serde_json::from_value(h)
-                        .map_err(|e| StoreError::Other(format!("stored headers: {e}")))?,
-                    None => Vec::new(),
-                };
-                Some(StoredResponse {
-                    status: u16::try_from(status)
-                        .map_err(|_| StoreError::Other(format!("stored status {status}")))?,
-                    headers,
-                    body: r.response_body.unwrap_or_default(),
-                })
-            }
-            None => None,
-        };
+        let state = KeyState::parse(&r.state)?;
+        let response = StoredResponse::from_columns(
+            r.response_status.map(i64::from),
+            r.response_headers,
+            r.response_body,
+        )?;
         Ok(Record {
             tenant: r.tenant,
             key_hash: r.key_hash,
