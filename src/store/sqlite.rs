@@ -228,7 +228,7 @@ impl TryFrom<KeyRow> for Record {
     fn try_from(r: KeyRow) -> Result<Record> {
         let state = KeyState::parse(&r.state)?;
         let response = StoredResponse::from_columns(
-            r.response_status.map(i64::from),
+            r.response_status,
             r.response_headers
                 .map(|h| serde_json::from_str(&h))
                 .transpose()
