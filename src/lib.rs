@@ -8,7 +8,11 @@ pub mod config;
 pub mod engine;
 pub mod fingerprint;
 pub mod key;
+pub mod layer;
+pub mod proxy;
 pub mod prune;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+
+pub use layer::{Idempotency, IdempotencyLayer};

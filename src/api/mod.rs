@@ -7,6 +7,7 @@ pub mod problem;
 pub mod reservations;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
@@ -138,6 +139,26 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The operational endpoints alone — `/healthz`, `/readyz`, `/metrics` and
+/// `/v1/policy` — for the proxy's admin listener, so that they never shadow
+/// an upstream path.
+pub fn admin_router(state: AppState) -> Router {
+    crate::telemetry::metrics_handle();
+    Router::new()
+        .route("/healthz", axum::routing::get(ops::get_healthz))
+        .route("/readyz", axum::routing::get(ops::get_readyz))
+        .route("/metrics", axum::routing::get(ops::get_metrics))
+        .route("/v1/policy", axum::routing::get(ops::get_policy))
+        .fallback(|| async {
+            problem::ApiError::NotFound(
+                "no such endpoint: the admin listener serves /healthz, /readyz, /metrics and /v1/policy"
+                    .into(),
+            )
+        })
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
 /// Serves `app` on `listener` until `shutdown` resolves; then stops accepting,
 /// lets in-flight requests finish for up to `grace`, and returns.
 pub async fn serve(
@@ -147,6 +168,9 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let (tx, rx) = tokio::sync::watch::channel(false);
+    // The peer address goes into every request (ConnectInfo): the proxy
+    // forwards it as X-Forwarded-For.
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
     let server = axum::serve(listener, app).with_graceful_shutdown(async move {
         let mut rx = rx;
         let _ = rx.wait_for(|stop| *stop).await;

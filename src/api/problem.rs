@@ -64,6 +64,13 @@ pub enum ApiError {
     /// 503 store-unavailable.
     #[error("the idempotency store is unavailable; retry shortly")]
     StoreUnavailable,
+    /// 502 upstream-unavailable: the proxy's upstream could not be reached
+    /// (or its response broke off).
+    #[error("{0}")]
+    UpstreamUnavailable(String),
+    /// 504 upstream-timeout: the upstream did not answer in time.
+    #[error("{0}")]
+    UpstreamTimeout(String),
     /// 500 internal: a bug. The text is logged, never sent.
     #[error("internal error")]
     Internal(String),
@@ -90,6 +97,8 @@ impl ApiError {
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
+            ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -107,6 +116,8 @@ impl ApiError {
             ApiError::KeyReused => "key-reused",
             ApiError::PayloadTooLarge(_) => "payload-too-large",
             ApiError::StoreUnavailable => "store-unavailable",
+            ApiError::UpstreamUnavailable(_) => "upstream-unavailable",
+            ApiError::UpstreamTimeout(_) => "upstream-timeout",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -123,6 +134,8 @@ impl ApiError {
             ApiError::KeyReused => "Idempotency-Key reused",
             ApiError::PayloadTooLarge(_) => "Payload too large",
             ApiError::StoreUnavailable => "Store unavailable",
+            ApiError::UpstreamUnavailable(_) => "Upstream unavailable",
+            ApiError::UpstreamTimeout(_) => "Upstream timeout",
             ApiError::Internal(_) => "Internal error",
         }
     }

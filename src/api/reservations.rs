@@ -532,7 +532,7 @@ fn fingerprint_of(req: &RequestDescription, state: &AppState) -> Result<String> 
 }
 
 /// `Prefer: wait=N` (RFC 7240), if the caller sent one.
-fn prefer_wait(headers: &HeaderMap) -> Option<Duration> {
+pub fn prefer_wait(headers: &HeaderMap) -> Option<Duration> {
     headers
         .get_all("prefer")
         .iter()

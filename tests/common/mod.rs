@@ -6,3 +6,4 @@ pub mod backend;
 pub mod bin;
 pub mod logs;
 pub mod pg;
+pub mod upstream;

@@ -1,0 +1,72 @@
+//! A small axum app behind `IdempotencyLayer`, over the embedded SQLite store.
+//!
+//! ```sh
+//! cargo run --example axum_app
+//! # in another shell:
+//! J='content-type: application/json'
+//! curl -si localhost:3000/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":500}'  # 201, ch_1
+//! curl -si localhost:3000/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":500}'  # replayed
+//! curl -si localhost:3000/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":900}'  # 422
+//! curl -si localhost:3000/charges -H "$J" -d '{"amount":500}'                                  # 400 key-missing
+//! curl -s localhost:3000/charges                                                               # still 1 charge
+//! ```
+//!
+//! The keys live in `idemgate-example.db` in the temp directory; `LISTEN`
+//! overrides the address (default 127.0.0.1:3000).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use idemgate::IdempotencyLayer;
+use idemgate::engine::{Engine, Limits};
+use idemgate::layer::LayerPolicy;
+use idemgate::store::SqliteStore;
+use serde_json::{Value, json};
+
+/// The side effect: every executed charge increments the counter.
+async fn create_charge(
+    State(charges): State<Arc<AtomicU64>>,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let n = charges.fetch_add(1, Ordering::SeqCst) + 1;
+    (
+        StatusCode::CREATED,
+        Json(json!({ "charge": format!("ch_{n}"), "amount": body["amount"] })),
+    )
+}
+
+async fn count_charges(State(charges): State<Arc<AtomicU64>>) -> Json<Value> {
+    Json(json!({ "charges": charges.load(Ordering::SeqCst) }))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    idemgate::telemetry::init_tracing(false);
+    let file = std::env::temp_dir().join("idemgate-example.db");
+    let url = format!("sqlite://{}", file.display());
+    let store = SqliteStore::open(&url).await?;
+    store.migrate().await?;
+    let engine = Arc::new(Engine::new(Arc::new(store), Limits::default()));
+
+    // POST and PATCH are guarded; a key is optional unless `require_key`.
+    let policy = LayerPolicy {
+        require_key: true,
+        ..LayerPolicy::default()
+    };
+    let app = Router::new()
+        .route("/charges", post(create_charge).get(count_charges))
+        .layer(IdempotencyLayer::new(engine, policy))
+        .with_state(Arc::new(AtomicU64::new(0)));
+
+    let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let listener = tokio::net::TcpListener::bind(&listen).await?;
+    tracing::info!(%listen, store = %url, "example app listening: POST /charges with an Idempotency-Key");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(idemgate::api::shutdown_signal())
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,240 @@
+//! One request through the layer, in pingora's phases: `request_filter`
+//! (guarded? key? body within the limit?), the engine's decision, then the
+//! holder's upstream call and `response_filter` (in [`super::holder`]), and
+//! `logging`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::response::{IntoResponse, Response};
+use futures::future::BoxFuture;
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+use tower::BoxError;
+use tracing::Instrument;
+
+use super::headers::IDEMPOTENT_REPLAYED;
+use super::holder::{Holder, Settled};
+use super::layer::Shared;
+use super::policy::LayerPolicy;
+use crate::api::problem::ApiError;
+use crate::api::reservations::{prefer_wait, set_expires};
+use crate::engine::{ReserveOutcome, ReserveRequest};
+use crate::fingerprint;
+use crate::key::{self, KeyError};
+use crate::store::Record;
+use crate::telemetry::{self, Outcome};
+
+/// The inner service, polled ready, waiting for its one request.
+pub(crate) type Inner =
+    Box<dyn FnOnce(Request<Body>) -> BoxFuture<'static, Result<Response, BoxError>> + Send>;
+
+/// The tenant of requests that carry no tenant header.
+const ANONYMOUS: &str = "anonymous";
+
+/// Handles one request.
+pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>) -> Response {
+    let started = Instant::now();
+    let policy = &shared.policy;
+    let mode = policy.mode.as_str();
+
+    // === request_filter ===
+    let guard = policy.guard(req.method(), req.uri().path());
+    if !guard.guarded {
+        return passthrough(inner, req, mode, started).await;
+    }
+    let key = match key::from_headers(req.headers(), &policy.key_header, &policy.key_policy) {
+        Ok(key) => key,
+        Err(KeyError::Missing) if !guard.require_key => {
+            return passthrough(inner, req, mode, started).await;
+        }
+        Err(e) => {
+            let outcome = match e {
+                KeyError::Missing => Outcome::Missing,
+                KeyError::Invalid(_) => Outcome::Invalid,
+            };
+            telemetry::record(mode, outcome, started.elapsed());
+            tracing::info!(mode, outcome = outcome.as_str(), "idempotency key refused");
+            return ApiError::from(e).into_response();
+        }
+    };
+    let tenant = tenant_of(req.headers(), policy);
+    let (parts, body) = req.into_parts();
+    let body = match read_body(&parts.headers, body, policy.max_body_bytes).await {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
+    let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let content_type = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let fingerprint = fingerprint::fingerprint_request(
+        parts.method.as_str(),
+        path_and_query,
+        content_type,
+        &body,
+        &policy.fingerprint_policy,
+    );
+
+    // === the engine's decision ===
+    let reserved_at = Instant::now();
+    let decision = shared
+        .engine
+        .reserve(&ReserveRequest {
+            tenant: tenant.clone(),
+            key_hash: key.hash(),
+            fingerprint: Some(fingerprint),
+            lease_seconds: whole_seconds(policy.lease),
+            ttl_seconds: whole_seconds(guard.ttl),
+            wait: prefer_wait(&parts.headers),
+        })
+        .await;
+    let decided = started.elapsed();
+    let key_hash = key.hash_prefix();
+    let (outcome, settled, res) = match decision {
+        // Logged by the conversion (503) or the response (500).
+        Err(e) => return ApiError::from(e).into_response(),
+        Ok(ReserveOutcome::Reserved(reservation)) => {
+            let outcome = if reservation.attempt > 1 {
+                Outcome::Takeover
+            } else {
+                Outcome::Created
+            };
+            let holder = Holder {
+                shared: shared.clone(),
+                tenant: tenant.clone(),
+                key_hash: key_hash.clone(),
+                reservation_id: reservation.reservation_id,
+                lease_ends: reserved_at + policy.lease,
+            };
+            let req = Request::from_parts(parts, Body::from(body));
+            // A task of its own: a client that hangs up drops this future,
+            // not the call or the commit.
+            let task = holder.run(inner, req).instrument(tracing::Span::current());
+            match tokio::spawn(task).await {
+                Ok((Settled::Released, res)) => (Outcome::Released, Some(Settled::Released), res),
+                Ok((settled, res)) => (outcome, Some(settled), res),
+                Err(e) => {
+                    let e = ApiError::Internal(format!("the request task failed: {e}"));
+                    (outcome, None, e.into_response())
+                }
+            }
+        }
+        Ok(ReserveOutcome::Completed(record)) => (Outcome::Replayed, None, replay(&record)),
+        Ok(ReserveOutcome::InFlight { retry_after }) => (
+            Outcome::Conflict,
+            None,
+            ApiError::InFlight { retry_after }.into_response(),
+        ),
+        Ok(ReserveOutcome::Mismatch) => {
+            (Outcome::Mismatch, None, ApiError::KeyReused.into_response())
+        }
+    };
+
+    // === logging ===
+    telemetry::record(mode, outcome, decided);
+    tracing::info!(
+        mode,
+        tenant.id = %&tenant[..tenant.len().min(12)],
+        key.hash = %key_hash,
+        outcome = outcome.as_str(),
+        settled = settled.map(Settled::as_str),
+        status = res.status().as_u16(),
+        "idempotency"
+    );
+    res
+}
+
+/// Not guarded: straight through.
+async fn passthrough(
+    inner: Inner,
+    req: Request<Body>,
+    mode: &'static str,
+    started: Instant,
+) -> Response {
+    telemetry::record(mode, Outcome::Passthrough, started.elapsed());
+    match inner(req).await {
+        Ok(res) => res,
+        Err(e) => ApiError::Internal(format!("the inner service failed: {e}")).into_response(),
+    }
+}
+
+/// The hex SHA-256 of the tenant header's value(s), or the anonymous tenant.
+fn tenant_of(headers: &HeaderMap, policy: &LayerPolicy) -> String {
+    let Some(name) = &policy.tenant_header else {
+        return ANONYMOUS.to_owned();
+    };
+    let mut values = headers.get_all(name).iter().peekable();
+    if values.peek().is_none() {
+        return ANONYMOUS.to_owned();
+    }
+    let mut hasher = Sha256::new();
+    for (i, value) in values.enumerate() {
+        if i > 0 {
+            hasher.update(b"\n");
+        }
+        hasher.update(value.as_bytes());
+    }
+    hex::encode(hasher.finalize())
+}
+
+/// The whole request body, or `413` once it passes `limit`.
+async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::PayloadTooLarge(format!(
+            "the request body is over the limit of {limit} bytes (IDEMGATE_MAX_BODY_BYTES)"
+        ))
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => {
+            tracing::debug!(error = %e, "the request body could not be read");
+            Err(ApiError::InvalidRequest(
+                "the request body could not be read to its end".into(),
+            ))
+        }
+    }
+}
+
+/// The stored response, replayed.
+fn replay(record: &Record) -> Response {
+    let Some(stored) = &record.response else {
+        return ApiError::Internal("a completed key has no stored response".into()).into_response();
+    };
+    let Ok(status) = StatusCode::from_u16(stored.status) else {
+        return ApiError::Internal(format!("stored status {} is not valid", stored.status))
+            .into_response();
+    };
+    let mut res = Response::new(Body::from(stored.body.clone()));
+    *res.status_mut() = status;
+    let headers = res.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    set_expires(&mut res, record.expires_at);
+    res
+}
+
+/// Whole seconds, at least 1, as the engine takes them.
+fn whole_seconds(d: Duration) -> u32 {
+    u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1)
+}

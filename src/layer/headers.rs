@@ -1,0 +1,103 @@
+//! Hop-by-hop headers (RFC 9110 §7.6.1): never stored, never forwarded.
+//! After linkerd2-proxy's `strip_connection_headers`.
+
+use http::{HeaderMap, HeaderName, header};
+
+/// `Idempotent-Replayed: true` marks a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// Until this HTTP-date the key is remembered.
+pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
+/// `Idempotency-Body-Omitted: true`: the response body was over the limit, so
+/// its replay carries the status and headers with an empty body.
+pub const IDEMPOTENCY_BODY_OMITTED: HeaderName =
+    HeaderName::from_static("idempotency-body-omitted");
+
+/// The standard hop-by-hop set, besides whatever `Connection` names.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+    "proxy-authorization",
+];
+
+/// Removes `Connection`, every header it names, and the standard hop-by-hop
+/// set.
+pub fn strip_connection_headers(headers: &mut HeaderMap) {
+    for name in connection_named(headers) {
+        headers.remove(&name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// The header names listed in the `Connection` header(s).
+fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect()
+}
+
+/// The header lines of a response worth storing for replay: no hop-by-hop
+/// header, none on the deny list, no `Content-Length` (the replay's body
+/// decides it), and none of idemgate's own replay headers.
+pub(crate) fn storable(headers: &HeaderMap, deny: &[HeaderName]) -> Vec<(String, String)> {
+    let mut headers = headers.clone();
+    strip_connection_headers(&mut headers);
+    for name in deny.iter().chain(&[
+        header::CONTENT_LENGTH,
+        IDEMPOTENT_REPLAYED,
+        IDEMPOTENCY_EXPIRES,
+    ]) {
+        headers.remove(name);
+    }
+    headers
+        .iter()
+        .filter_map(|(name, value)| {
+            // Stored as text; a value that is not visible ASCII is dropped
+            // rather than mangled.
+            let value = value.to_str().ok()?;
+            Some((name.as_str().to_owned(), value.to_owned()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn strips_the_connection_set_and_what_it_names() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close, X-Secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("transfer-encoding", HeaderValue::from_static("chunked"));
+        h.insert("proxy-authorization", HeaderValue::from_static("basic x"));
+        h.insert("x-kept", HeaderValue::from_static("yes"));
+        strip_connection_headers(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn storable_drops_the_deny_list() {
+        let mut h = HeaderMap::new();
+        h.insert("set-cookie", HeaderValue::from_static("sid=1"));
+        h.insert("content-length", HeaderValue::from_static("3"));
+        h.insert("content-type", HeaderValue::from_static("text/plain"));
+        h.insert("upgrade", HeaderValue::from_static("h2c"));
+        let kept = storable(&h, &[header::SET_COOKIE]);
+        assert_eq!(kept, vec![("content-type".into(), "text/plain".into())]);
+    }
+}

@@ -1,0 +1,96 @@
+//! The in-process middleware of SPEC §7: a tower [`Layer`](tower::Layer) that
+//! gives any `tower::Service<http::Request<axum::body::Body>>` the
+//! `Idempotency-Key` behaviour of the proxy (SPEC §6), over the one
+//! [`Engine`](crate::engine::Engine).
+//!
+//! A guarded request (`POST` and `PATCH` by default) that carries a key runs
+//! once: its response is stored and every retry gets it back with
+//! `Idempotent-Replayed: true` and `Idempotency-Expires`. A duplicate that
+//! arrives while the first is still running gets `409 request-in-flight`
+//! (or, with `Prefer: wait=N`, the replay once it lands), the same key with
+//! another payload `422 key-reused`, a malformed key `400 key-invalid`, and a
+//! request body over the limit `413 payload-too-large` before the service is
+//! called. Responses with a release status (408, 425, 429, 503 by default) are
+//! returned but not stored; every other status is stored, 500 included.
+//! Hop-by-hop headers and the deny list (`Set-Cookie`, `WWW-Authenticate`)
+//! are never stored. A response body over the limit is passed through and
+//! stored as its status and headers only, replayed with
+//! `Idempotency-Body-Omitted: true`. Once the key is reserved, the call runs
+//! in a task of its own, so a client that hangs up does not cancel it.
+//!
+//! The inner service can steer the key through response extensions:
+//! [`NotExecuted`] releases it (the effect never started), [`OutcomeUnknown`]
+//! leaves it in flight until its lease ends (the effect may have happened).
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use axum::{Router, body::Body, routing::post};
+//! use http::Request;
+//! use idemgate::engine::{Engine, Limits};
+//! use idemgate::store::SqliteStore;
+//! use idemgate::{IdempotencyLayer, layer::LayerPolicy};
+//! use tower::ServiceExt;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let url = format!("sqlite://{}", dir.path().join("keys.db").display());
+//! // The embedded store (`url` is `sqlite://` and a file path).
+//! let store = SqliteStore::open(&url).await?;
+//! store.migrate().await?;
+//! let engine = Arc::new(Engine::new(Arc::new(store), Limits::default()));
+//!
+//! let app = Router::new()
+//!     .route("/charges", post(|| async { "charged" }))
+//!     .layer(IdempotencyLayer::new(engine, LayerPolicy::default()));
+//!
+//! let charge = || {
+//!     Request::post("/charges")
+//!         .header("Idempotency-Key", "\"order-1001\"")
+//!         .body(Body::from(r#"{"amount":500}"#))
+//!         .unwrap()
+//! };
+//! let first = app.clone().oneshot(charge()).await?;
+//! assert_eq!(first.status(), 200);
+//! assert!(first.headers().get("idempotent-replayed").is_none());
+//!
+//! // The retry is answered from the store: the handler does not run again.
+//! let retry = app.oneshot(charge()).await?;
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # Ok(())
+//! # }
+//! ```
+
+mod flow;
+mod future;
+pub mod headers;
+mod holder;
+#[expect(
+    clippy::module_inception,
+    reason = "tower-http's layout: layer.rs, service.rs, future.rs"
+)]
+mod layer;
+mod policy;
+mod service;
+
+pub use future::ResponseFuture;
+pub use headers::{
+    IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_EXPIRES, IDEMPOTENT_REPLAYED, strip_connection_headers,
+};
+pub use layer::IdempotencyLayer;
+pub use policy::{LayerPolicy, Mode, Route};
+pub use service::Idempotency;
+
+/// Response extension: the request never reached the origin (the proxy sets
+/// it with its `502` on a connect failure). The key is released, so a retry
+/// executes afresh.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NotExecuted;
+
+/// Response extension: the request may have been executed, but its outcome is
+/// unknown (the proxy sets it with its `504` on a timeout). Nothing is stored
+/// and the key stays in flight until its lease ends: a retry meanwhile is a
+/// `409`, not a second execution.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutcomeUnknown;
