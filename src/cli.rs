@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use crate::config::{self, ConfigError, ServeArgs, StoreArgs};
+use crate::config::{self, ConfigError, ProxyArgs, ServeArgs, StoreArgs};
 
 /// Server-side HTTP idempotency keys (IETF draft-ietf-httpapi-idempotency-key-header-07).
 ///
@@ -33,6 +33,9 @@ pub struct Cli {
 pub enum Command {
     /// Run the reservation/commit API (default 127.0.0.1:8080).
     Serve(Box<ServeArgs>),
+    /// Run the reverse proxy in front of --upstream (default 127.0.0.1:8081,
+    /// admin endpoints on 127.0.0.1:9090).
+    Proxy(Box<ProxyArgs>),
     /// Apply pending database migrations and exit.
     Migrate(StoreArgs),
     /// Delete every expired key once and exit (for cron).

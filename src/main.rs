@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use idemgate::cli::{Cli, CliError, Command};
 use idemgate::config::StoreArgs;
-use idemgate::{api, config, prune, server, telemetry};
+use idemgate::{api, config, proxy, prune, server, telemetry};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -21,6 +21,7 @@ async fn main() -> ExitCode {
     telemetry::init_tracing(json);
     let result = match cli.command {
         Command::Serve(args) => server::serve(*args).await,
+        Command::Proxy(args) => proxy::run(*args, cli.config).await,
         Command::Migrate(args) => migrate(args).await,
         Command::Prune(args) => prune_once(args).await,
         Command::Openapi { output } => openapi(output),

@@ -35,7 +35,7 @@ fn the_example_file_and_readme_document_every_setting() {
     let example = std::fs::read_to_string(EXAMPLE).unwrap();
     let table: toml::Table = example.parse().unwrap();
     let cmd = Cli::command();
-    for sub in ["serve"] {
+    for sub in ["serve", "proxy"] {
         let sub_cmd = cmd.find_subcommand(sub).unwrap();
         for arg in sub_cmd.get_arguments() {
             let id = arg.get_id().as_str();
@@ -56,7 +56,7 @@ fn the_example_file_and_readme_document_every_setting() {
                         toml::Value::String(s) => s.clone(),
                         toml::Value::Array(items) => items
                             .iter()
-                            .map(|i| i.as_str().unwrap().to_owned())
+                            .map(|i| i.as_str().map_or_else(|| i.to_string(), str::to_owned))
                             .collect::<Vec<_>>()
                             .join(","),
                         other => other.to_string(),

@@ -1,0 +1,165 @@
+//! The reverse proxy of SPEC §6 (`idemgate proxy --upstream URL`): the
+//! [tower layer](crate::layer) over a hyper client, so the proxy and the
+//! in-process middleware are one code path.
+//!
+//! Per request, in pingora's phases: the layer's `request_filter` decides
+//! whether the request is guarded and reserves its key; the client's
+//! `upstream_request_filter` strips hop-by-hop headers, adds
+//! `X-Forwarded-*` and rewrites the target; its `response_filter` strips
+//! hop-by-hop headers from the answer; the layer stores or releases, and
+//! logs. The operational endpoints live on a separate admin listener.
+
+mod admin;
+pub mod client;
+pub mod headers;
+pub mod routes;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use http::{HeaderName, Method};
+use tokio::net::TcpListener;
+use tower::Layer;
+use tower_http::trace::TraceLayer;
+
+pub use client::ProxyClient;
+
+use crate::config::{ConfigError, ProxyArgs};
+use crate::engine::Engine;
+use crate::layer::{IdempotencyLayer, LayerPolicy, Mode, Route};
+use crate::store::Store;
+use crate::{api, prune, server, telemetry};
+
+/// The proxy's lease exceeds its upstream timeout by this much, so a key is
+/// never taken over while its first request may still be answered.
+pub const LEASE_MARGIN: Duration = Duration::from_secs(5);
+
+/// A built proxy: the forwarding router and the admin router.
+pub struct Proxy {
+    /// Every path, forwarded to the upstream through the layer.
+    pub app: Router,
+    /// `/healthz`, `/readyz`, `/metrics`, `/v1/policy`.
+    pub admin: Router,
+    /// The engine the layer decides through.
+    pub engine: Arc<Engine>,
+}
+
+// === impl Proxy ===
+
+impl Proxy {
+    /// Builds the proxy of `args` over `store`, with per-route `routes`.
+    ///
+    /// # Errors
+    /// A bad upstream URL (`--upstream` / `IDEMGATE_UPSTREAM`).
+    pub fn build(
+        args: &ProxyArgs,
+        routes: Vec<Route>,
+        store: Arc<dyn Store>,
+    ) -> Result<Proxy, ConfigError> {
+        telemetry::metrics_handle();
+        let upstream = args.upstream_uri()?;
+        let client = ProxyClient::new(
+            &upstream,
+            Duration::from_secs(args.upstream_connect_timeout),
+            Duration::from_secs(args.upstream_timeout),
+        )
+        .map_err(|problem| ConfigError {
+            setting: "--upstream / IDEMGATE_UPSTREAM",
+            problem,
+        })?;
+        let policy = layer_policy(args, routes);
+        let engine = Arc::new(Engine::new(store.clone(), args.policy.limits()));
+        let admin = admin::router(store, args, &policy);
+        let guarded = IdempotencyLayer::new(engine.clone(), policy).layer(client);
+        let app = Router::new()
+            .fallback_service(guarded)
+            .layer(TraceLayer::new_for_http());
+        Ok(Proxy { app, admin, engine })
+    }
+}
+
+/// The layer's policy from the proxy's settings.
+pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
+    let header = |name: &str| HeaderName::from_bytes(name.as_bytes()).ok();
+    let defaults = LayerPolicy::default();
+    LayerPolicy {
+        mode: Mode::Proxy,
+        methods: args
+            .policy
+            .methods
+            .iter()
+            .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
+            .collect(),
+        require_key: args.require_key,
+        key_header: header(&args.key_header).unwrap_or(defaults.key_header),
+        key_policy: args.policy.key_policy(),
+        tenant_header: header(&args.tenant_header),
+        fingerprint_policy: args.policy.fingerprint_policy(),
+        release_statuses: args.release_statuses.clone(),
+        store_headers_deny: args
+            .store_headers_deny
+            .iter()
+            .filter_map(|h| header(h))
+            .collect(),
+        max_body_bytes: args.policy.max_body_bytes,
+        lease: Duration::from_secs(args.upstream_timeout) + LEASE_MARGIN,
+        ttl: Duration::from_secs(u64::from(args.policy.default_ttl)),
+        routes,
+    }
+}
+
+/// `idemgate proxy`: runs until SIGTERM or ctrl-c. `config` is the
+/// `--config` file, whose `[[routes]]` it reads.
+pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()> {
+    args.validate()?;
+    let routes = match &config {
+        Some(path) => routes::from_file(path, args.policy.max_ttl)?,
+        None => Vec::new(),
+    };
+    let store = server::open_store(&args.store, !args.store.no_migrate).await?;
+    let proxy = Proxy::build(&args, routes, store.clone())?;
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("IDEMGATE_LISTEN: cannot listen on {}", args.listen))?;
+    let admin = TcpListener::bind(args.admin_listen)
+        .await
+        .with_context(|| {
+            format!(
+                "IDEMGATE_ADMIN_LISTEN: cannot listen on {}",
+                args.admin_listen
+            )
+        })?;
+    let pruner = (args.prune_interval > 0)
+        .then(|| tokio::spawn(prune::run(store, Duration::from_secs(args.prune_interval))));
+    telemetry::record_pruned(0);
+    tracing::info!(
+        listen = %listener.local_addr()?,
+        admin = %admin.local_addr()?,
+        upstream = args.upstream.as_deref().unwrap_or_default(),
+        "idemgate proxy is listening"
+    );
+
+    // One signal stops both listeners.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        api::shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let grace = Duration::from_secs(args.shutdown_grace);
+    let served = tokio::try_join!(
+        api::serve(listener, proxy.app, grace, until_stopped(stopped.clone())),
+        api::serve(admin, proxy.admin, grace, until_stopped(stopped)),
+    );
+    if let Some(p) = pruner {
+        p.abort();
+    }
+    served?;
+    tracing::info!("idemgate proxy stopped");
+    Ok(())
+}

@@ -1,0 +1,948 @@
+//! SPEC §6: the reverse proxy on real sockets, in front of the counting
+//! origin (`common::upstream`), over a real PostgreSQL database. Every test
+//! asserts how often the origin ran, not only what the client saw.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clap::Parser;
+use common::app::{TestResponse, fresh_key};
+use common::logs;
+use common::pg::{TempCluster, TestDb};
+use common::upstream::Upstream;
+use idemgate::config::ProxyArgs;
+use idemgate::layer::Route;
+use idemgate::proxy::{Proxy, routes};
+use idemgate::{api, server};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::Barrier;
+use tokio::task::JoinHandle;
+
+#[derive(Parser)]
+struct TestCli {
+    #[command(flatten)]
+    proxy: ProxyArgs,
+}
+
+/// `idemgate proxy` settings from flags.
+fn proxy_args(flags: &[&str]) -> ProxyArgs {
+    let argv = std::iter::once("idemgate").chain(flags.iter().copied());
+    TestCli::try_parse_from(argv)
+        .unwrap_or_else(|e| panic!("bad test flags {flags:?}: {e}"))
+        .proxy
+}
+
+/// One proxy "process" on port 0, with its admin listener.
+struct TestProxy {
+    base: String,
+    admin: String,
+    addr: std::net::SocketAddr,
+    http: reqwest::Client,
+    tasks: Vec<JoinHandle<std::io::Result<()>>>,
+    /// Keys and tokens sent: none may show up in the logs.
+    secrets: Mutex<Vec<String>>,
+}
+
+impl TestProxy {
+    /// A proxy over the database at `db_url` in front of `upstream`.
+    async fn start(db_url: &str, upstream: &str, flags: &[&str], routes: Vec<Route>) -> TestProxy {
+        logs::init();
+        let mut all = vec!["--upstream", upstream, "--database-url", db_url];
+        all.extend_from_slice(flags);
+        let args = proxy_args(&all);
+        args.validate().expect("valid settings");
+        let store = server::open_store(&args.store, true).await.expect("store");
+        let proxy = Proxy::build(&args, routes, store).expect("proxy");
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let base = format!("http://{addr}");
+        let admin_base = format!("http://{}", admin.local_addr().unwrap());
+        let grace = Duration::from_secs(5);
+        let tasks = vec![
+            tokio::spawn(api::serve(
+                listener,
+                proxy.app,
+                grace,
+                std::future::pending(),
+            )),
+            tokio::spawn(api::serve(
+                admin,
+                proxy.admin,
+                grace,
+                std::future::pending(),
+            )),
+        ];
+        TestProxy {
+            base,
+            admin: admin_base,
+            addr,
+            http: reqwest::Client::new(),
+            tasks,
+            secrets: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Sends one request through the proxy. `headers` may repeat a name.
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> TestResponse {
+        self.send_with(&self.http, method, path, headers, body)
+            .await
+            .expect("the proxy answers")
+    }
+
+    async fn send_with(
+        &self,
+        http: &reqwest::Client,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> reqwest::Result<TestResponse> {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut req = http.request(method, format!("{}{path}", self.base));
+        for (name, value) in headers {
+            let secret = value.trim_matches('"');
+            if ["idempotency-key", "authorization"].contains(&name.to_ascii_lowercase().as_str())
+                && secret.len() >= 4
+            {
+                self.secrets.lock().unwrap().push(secret.to_owned());
+            }
+            req = req.header(*name, *value);
+        }
+        if let Some(body) = body {
+            req = req.body(body.to_owned());
+        }
+        let res = req.send().await?;
+        let status = res.status();
+        let headers = res.headers().clone();
+        let bytes = res.bytes().await?;
+        Ok(TestResponse {
+            status,
+            headers,
+            body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+        })
+    }
+
+    /// `POST path` with `key` and a JSON body.
+    async fn post(&self, path: &str, key: &str, body: &str) -> TestResponse {
+        self.send(
+            "POST",
+            path,
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ],
+            Some(body),
+        )
+        .await
+    }
+
+    async fn admin_get(&self, path: &str) -> (u16, String) {
+        let res = self
+            .http
+            .get(format!("{}{path}", self.admin))
+            .send()
+            .await
+            .unwrap();
+        (res.status().as_u16(), res.text().await.unwrap())
+    }
+}
+
+impl Drop for TestProxy {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        if std::thread::panicking() {
+            return;
+        }
+        let secrets = self.secrets.lock().unwrap().clone();
+        let refs: Vec<&str> = secrets.iter().map(String::as_str).collect();
+        logs::assert_absent(&refs);
+    }
+}
+
+fn replayed(res: &TestResponse) -> bool {
+    res.headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+/// A fresh database and origin, and a proxy over them with `flags`.
+async fn setup(flags: &[&str]) -> (TestDb, Upstream, TestProxy) {
+    let db = TestDb::new().await;
+    let upstream = Upstream::start().await;
+    let proxy = TestProxy::start(&db.url, &upstream.url(), flags, Vec::new()).await;
+    (db, upstream, proxy)
+}
+
+// === SPEC §6, bullet by bullet ===
+
+#[tokio::test]
+async fn a_new_key_executes_once_and_its_retry_is_replayed() {
+    let (_db, upstream, proxy) = setup(&[]).await;
+    let key = fresh_key();
+    let first = proxy
+        .send(
+            "POST",
+            "/ok",
+            &[
+                ("idempotency-key", &key),
+                ("content-type", "application/json"),
+                ("authorization", "Bearer proxy-test-secret-token"),
+            ],
+            Some(r#"{"amount":500,"currency":"eur"}"#),
+        )
+        .await;
+    assert_eq!(first.status, 201, "{first:#?}");
+    assert!(!replayed(&first));
+    assert!(first.headers.contains_key("idempotency-expires"));
+    assert!(
+        first.headers.contains_key("set-cookie"),
+        "the first caller gets its cookie"
+    );
+    for hop in ["keep-alive", "x-hop", "connection"] {
+        assert!(
+            !first.headers.contains_key(hop),
+            "{hop} passed to the client"
+        );
+    }
+    assert_eq!(first.body["body"], r#"{"amount":500,"currency":"eur"}"#);
+
+    let retry = proxy
+        .send(
+            "POST",
+            "/ok",
+            &[
+                ("idempotency-key", &key),
+                ("content-type", "application/json"),
+                ("authorization", "Bearer proxy-test-secret-token"),
+            ],
+            Some(r#"{ "currency": "eur", "amount": 500 }"#),
+        )
+        .await;
+    assert_eq!(retry.status, 201);
+    assert!(replayed(&retry), "{retry:#?}");
+    let expires = httpdate::parse_http_date(retry.header("idempotency-expires")).unwrap();
+    assert!(expires > std::time::SystemTime::now() + Duration::from_secs(86_000));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(retry.header("x-origin"), "yes");
+    for absent in ["set-cookie", "www-authenticate", "keep-alive", "x-hop"] {
+        assert!(!retry.headers.contains_key(absent), "{absent} replayed");
+    }
+    assert_eq!(upstream.started(&key), 1);
+
+    // Another payload: 422, and the origin is not called.
+    proxy
+        .send(
+            "POST",
+            "/ok",
+            &[
+                ("idempotency-key", &key),
+                ("content-type", "application/json"),
+                ("authorization", "Bearer proxy-test-secret-token"),
+            ],
+            Some(r#"{"amount":9999}"#),
+        )
+        .await
+        .assert_problem(422, "key-reused");
+    // Another credential is another tenant: the key is new there.
+    let other = proxy
+        .send(
+            "POST",
+            "/ok",
+            &[
+                ("idempotency-key", &key),
+                ("authorization", "Bearer another-secret-token"),
+            ],
+            Some(r#"{"amount":9999}"#),
+        )
+        .await;
+    assert_eq!(other.status, 201);
+    assert!(!replayed(&other));
+    assert_eq!(upstream.started(&key), 2);
+}
+
+#[tokio::test]
+async fn release_statuses_are_returned_not_stored_and_500_is_stored() {
+    let (_db, upstream, proxy) = setup(&[]).await;
+    for code in [408u16, 425, 429, 503] {
+        let key = fresh_key();
+        let path = format!("/status/{code}");
+        assert_eq!(proxy.post(&path, &key, "{}").await.status.as_u16(), code);
+        let retry = proxy.post(&path, &key, "{}").await;
+        assert_eq!(retry.status.as_u16(), code);
+        assert!(!replayed(&retry));
+        assert_eq!(
+            upstream.started(&key),
+            2,
+            "{code}: the retry executes again"
+        );
+    }
+    let key = fresh_key();
+    assert_eq!(proxy.post("/status/500", &key, "{}").await.status, 500);
+    let retry = proxy.post("/status/500", &key, "{}").await;
+    assert_eq!(retry.status, 500);
+    assert!(replayed(&retry));
+    assert_eq!(upstream.started(&key), 1, "a 500 is stored, as Stripe does");
+}
+
+#[tokio::test]
+async fn a_request_body_over_the_limit_is_413_and_never_forwarded() {
+    let (_db, upstream, proxy) = setup(&["--max-body-bytes", "1024"]).await;
+    let key = fresh_key();
+    let body = format!(r#"{{"pad":"{}"}}"#, "x".repeat(2000));
+    proxy
+        .post("/ok", &key, &body)
+        .await
+        .assert_problem(413, "payload-too-large");
+    assert_eq!(upstream.total(), 0);
+    // The key was never reserved: a fitting request executes.
+    assert_eq!(proxy.post("/ok", &key, "{}").await.status, 201);
+    assert_eq!(upstream.started(&key), 1);
+}
+
+#[tokio::test]
+async fn a_response_body_over_the_limit_passes_through_and_is_replayed_empty() {
+    let (_db, upstream, proxy) = setup(&["--max-body-bytes", "1024"]).await;
+    let key = fresh_key();
+    let first = proxy.post("/big/5000", &key, "{}").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.text.len(), 5000);
+    let retry = proxy.post("/big/5000", &key, "{}").await;
+    assert_eq!(retry.status, 200);
+    assert!(replayed(&retry));
+    assert_eq!(retry.header("idempotency-body-omitted"), "true");
+    assert!(retry.headers.contains_key("idempotency-expires"));
+    assert_eq!(retry.header("content-type"), "text/plain");
+    assert_eq!(retry.text, "");
+    assert_eq!(upstream.started(&key), 1, "never a second execution");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_does_not_cancel_the_upstream_call() {
+    let (_db, upstream, proxy) = setup(&[]).await;
+    let proxy = Arc::new(proxy);
+    let key = fresh_key();
+    let client = {
+        let (proxy, key) = (proxy.clone(), key.clone());
+        tokio::spawn(async move { proxy.post("/slow/1000", &key, "{}").await })
+    };
+    // Hang up once the origin is working on it.
+    for _ in 0..200 {
+        if upstream.started(&key) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(upstream.started(&key), 1);
+    client.abort();
+    assert!(
+        client.await.unwrap_err().is_cancelled(),
+        "the client hung up mid-flight"
+    );
+    assert_eq!(upstream.finished(&key), 0, "the origin was still working");
+
+    // The retry waits for the first call and gets its stored response.
+    let retry = proxy
+        .send(
+            "POST",
+            "/slow/1000",
+            &[
+                ("idempotency-key", &key),
+                ("content-type", "application/json"),
+                ("prefer", "wait=5"),
+            ],
+            Some("{}"),
+        )
+        .await;
+    assert_eq!(retry.status, 201, "{retry:#?}");
+    assert!(replayed(&retry));
+    assert_eq!(
+        upstream.finished(&key),
+        1,
+        "the upstream call ran to its end"
+    );
+    assert_eq!(upstream.started(&key), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_database_down_is_503_and_nothing_guarded_is_forwarded() {
+    let cluster = TempCluster::start().await.expect("a private PostgreSQL");
+    let upstream = Upstream::start().await;
+    let proxy = TestProxy::start(
+        &cluster.url(),
+        &upstream.url(),
+        &["--db-acquire-timeout", "1"],
+        Vec::new(),
+    )
+    .await;
+    let before = fresh_key();
+    assert_eq!(proxy.post("/ok", &before, "{}").await.status, 201);
+
+    // A request whose origin answers while the database is going away: the
+    // client still gets the answer, and the commit lands later.
+    let during = fresh_key();
+    let slow = {
+        let (http, url, key) = (
+            proxy.http.clone(),
+            format!("{}/slow/1500", proxy.base),
+            during.clone(),
+        );
+        proxy.secrets.lock().unwrap().push(key.clone());
+        tokio::spawn(async move {
+            http.post(url)
+                .header("idempotency-key", key)
+                .header("content-type", "application/json")
+                .body("{}")
+                .send()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.stop().await.unwrap();
+
+    let key = fresh_key();
+    let res = proxy.post("/ok", &key, "{}").await;
+    res.assert_problem(503, "store-unavailable");
+    assert!(res.headers.contains_key("retry-after"));
+    assert_eq!(upstream.started(&key), 0, "not forwarded unguarded");
+    // Unguarded traffic still flows.
+    assert_eq!(proxy.send("GET", "/ok", &[], None).await.status, 201);
+    let (status, _) = proxy.admin_get("/readyz").await;
+    assert_eq!(status, 503);
+
+    let answered = slow.await.unwrap().expect("the origin's answer");
+    assert_eq!(
+        answered.status(),
+        201,
+        "the effect happened: the client sees it"
+    );
+    assert_eq!(upstream.started(&during), 1);
+
+    cluster.restart().await.unwrap();
+    let mut retry = proxy.post("/slow/1500", &during, "{}").await;
+    for _ in 0..100 {
+        if replayed(&retry) {
+            break;
+        }
+        assert!(
+            [409, 503].contains(&retry.status.as_u16()),
+            "the retry must not execute: {retry:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        retry = proxy.post("/slow/1500", &during, "{}").await;
+    }
+    assert!(replayed(&retry), "the deferred commit landed: {retry:#?}");
+    assert_eq!(upstream.started(&during), 1);
+    assert!(replayed(&proxy.post("/ok", &before, "{}").await));
+    assert_eq!(upstream.started(&before), 1);
+}
+
+#[tokio::test]
+async fn an_unreachable_upstream_is_502_and_the_key_is_released() {
+    let db = TestDb::new().await;
+    let port = common::bin::free_port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let proxy = TestProxy::start(&db.url, &format!("http://{addr}"), &[], Vec::new()).await;
+    let key = fresh_key();
+    proxy
+        .post("/ok", &key, "{}")
+        .await
+        .assert_problem(502, "upstream-unavailable");
+    let upstream = Upstream::start_on(addr).await;
+    let retry = proxy.post("/ok", &key, "{}").await;
+    assert_eq!(retry.status, 201, "{retry:#?}");
+    assert!(
+        !replayed(&retry),
+        "the key was released: the retry executes"
+    );
+    assert_eq!(upstream.started(&key), 1);
+}
+
+#[tokio::test]
+async fn an_upstream_timeout_is_504_and_the_key_stays_in_flight() {
+    let (_db, upstream, proxy) = setup(&["--upstream-timeout", "1"]).await;
+    let key = fresh_key();
+    proxy
+        .post("/slow/2500", &key, "{}")
+        .await
+        .assert_problem(504, "upstream-timeout");
+    let retry = proxy.post("/slow/2500", &key, "{}").await;
+    retry.assert_problem(409, "request-in-flight");
+    let wait: u64 = retry.header("retry-after").parse().unwrap();
+    assert!((1..=6).contains(&wait), "lease = timeout + 5 s: {wait}");
+    assert_eq!(upstream.started(&key), 1, "no second execution");
+}
+
+#[tokio::test]
+async fn a_post_without_a_key_passes_through_unless_the_key_is_required() {
+    let (_db, upstream, proxy) = setup(&[]).await;
+    for _ in 0..2 {
+        assert_eq!(proxy.send("POST", "/ok", &[], Some("{}")).await.status, 201);
+    }
+    assert_eq!(upstream.total(), 2);
+
+    let (_db, upstream, proxy) = setup(&["--require-key", "true"]).await;
+    proxy
+        .send("POST", "/ok", &[], Some("{}"))
+        .await
+        .assert_problem(400, "key-missing");
+    proxy
+        .send("PATCH", "/ok", &[("idempotency-key", "")], Some("{}"))
+        .await
+        .assert_problem(400, "key-invalid");
+    assert_eq!(upstream.total(), 0, "the upstream never sees them");
+}
+
+#[tokio::test]
+async fn get_head_put_delete_and_options_pass_through_even_with_a_key() {
+    let (_db, upstream, proxy) = setup(&[]).await;
+    let key = fresh_key();
+    for method in ["GET", "HEAD", "PUT", "DELETE", "OPTIONS"] {
+        for _ in 0..2 {
+            let res = proxy
+                .send(method, "/ok", &[("idempotency-key", &key)], None)
+                .await;
+            assert_eq!(res.status, 201, "{method}");
+            assert!(!replayed(&res));
+        }
+    }
+    assert_eq!(upstream.started(&key), 10, "executed every time");
+}
+
+#[tokio::test]
+async fn per_route_rules_from_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &path,
+        r#"
+[[routes]]
+path = "/ok/payments/"
+require_key = true
+
+[[routes]]
+path = "/ok/*/charges"
+ttl_seconds = 1
+
+[[routes]]
+path = "/echo/"
+methods = ["PUT"]
+"#,
+    )
+    .unwrap();
+    let routes = routes::from_file(&path, 604_800).expect("routes");
+    let db = TestDb::new().await;
+    let upstream = Upstream::start().await;
+    let proxy = TestProxy::start(&db.url, &upstream.url(), &[], routes).await;
+
+    proxy
+        .send("POST", "/ok/payments/1", &[], Some("{}"))
+        .await
+        .assert_problem(400, "key-missing");
+    assert_eq!(upstream.total(), 0);
+    assert_eq!(
+        proxy
+            .send("POST", "/ok/orders/1", &[], Some("{}"))
+            .await
+            .status,
+        201
+    );
+    assert_eq!(upstream.total(), 1, "required on /ok/payments/ only");
+
+    let key = fresh_key();
+    let first = proxy.post("/ok/acme/charges", &key, "{}").await;
+    let expires = httpdate::parse_http_date(first.header("idempotency-expires")).unwrap();
+    assert!(expires <= std::time::SystemTime::now() + Duration::from_secs(2));
+    assert!(replayed(&proxy.post("/ok/acme/charges", &key, "{}").await));
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert!(!replayed(&proxy.post("/ok/acme/charges", &key, "{}").await));
+    assert_eq!(upstream.started(&key), 2, "the route's TTL of 1 s");
+
+    let key = fresh_key();
+    for _ in 0..2 {
+        proxy
+            .send("PUT", "/echo/x", &[("idempotency-key", &key)], Some("{}"))
+            .await;
+        proxy
+            .send("POST", "/echo/x", &[("idempotency-key", &key)], Some("{}"))
+            .await;
+    }
+    assert_eq!(upstream.started(&key), 3, "PUT guarded there, POST not");
+}
+
+#[tokio::test]
+async fn forwarded_headers_are_added_and_hop_by_hop_headers_stripped_upstream() {
+    let (_db, upstream, proxy) = setup(&[]).await;
+    let request = "POST /echo/path?b=2&a=1 HTTP/1.1\r\n\
+        Host: shop.example\r\n\
+        Connection: close, X-Drop-Me\r\n\
+        X-Drop-Me: 1\r\n\
+        Keep-Alive: timeout=5\r\n\
+        Proxy-Authorization: Basic c2VjcmV0\r\n\
+        TE: trailers\r\n\
+        Upgrade: h2c\r\n\
+        X-Forwarded-For: 203.0.113.7\r\n\
+        X-Forwarded-Proto: https\r\n\
+        Idempotency-Key: \"forwarded-key-1\"\r\n\
+        Content-Type: application/json\r\n\
+        Content-Length: 2\r\n\
+        \r\n\
+        {}";
+    proxy.secrets.lock().unwrap().push("forwarded-key-1".into());
+    let mut socket = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    socket.read_to_end(&mut raw).await.unwrap();
+    let raw = String::from_utf8_lossy(&raw);
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let echo: Value = serde_json::from_str(body).expect("the echo");
+    let headers = &echo["headers"];
+    for gone in [
+        "connection",
+        "x-drop-me",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "upgrade",
+    ] {
+        assert!(
+            headers.get(gone).is_none(),
+            "{gone} went upstream: {headers}"
+        );
+    }
+    assert_eq!(headers["x-forwarded-for"][0], "203.0.113.7, 127.0.0.1");
+    assert_eq!(headers["x-forwarded-proto"][0], "http");
+    assert_eq!(headers["x-forwarded-host"][0], "shop.example");
+    assert_eq!(headers["host"][0], upstream.addr.to_string());
+    assert_eq!(
+        headers["idempotency-key"][0], "\"forwarded-key-1\"",
+        "intact"
+    );
+    assert_eq!(echo["uri"], "/echo/path?b=2&a=1");
+    assert_eq!(upstream.started("\"forwarded-key-1\""), 1);
+}
+
+#[tokio::test]
+async fn the_admin_listener_serves_the_operational_endpoints() {
+    let (_db, upstream, proxy) = setup(&["--key-header", "X-Idempotency-Key"]).await;
+    let key = fresh_key();
+    proxy.secrets.lock().unwrap().push(key.clone());
+    proxy
+        .send("POST", "/ok", &[("x-idempotency-key", &key)], Some("{}"))
+        .await;
+    let (status, body) = proxy.admin_get("/healthz").await;
+    assert_eq!((status, body.contains("ok")), (200, true));
+    assert_eq!(proxy.admin_get("/readyz").await.0, 200);
+    let (status, metrics) = proxy.admin_get("/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains(r#"idemgate_requests_total{mode="proxy",outcome="created"}"#),
+        "{metrics}"
+    );
+    let (status, policy) = proxy.admin_get("/v1/policy").await;
+    assert_eq!(status, 200);
+    let policy: Value = serde_json::from_str(&policy).unwrap();
+    assert_eq!(policy["header"], "X-Idempotency-Key");
+    assert_eq!(
+        policy["guarded_methods"],
+        serde_json::json!(["POST", "PATCH"])
+    );
+    assert_eq!(
+        policy["proxy"]["release_statuses"],
+        serde_json::json!([408, 425, 429, 503])
+    );
+    assert_eq!(policy["lease_seconds"]["default"], 35);
+    assert_eq!(
+        proxy.admin_get("/ok").await.0,
+        404,
+        "the admin listener proxies nothing"
+    );
+
+    // On the main listener the same paths belong to the upstream.
+    let before = upstream.total();
+    for path in ["/healthz", "/readyz", "/metrics", "/v1/policy"] {
+        let res = proxy.send("GET", path, &[], None).await;
+        assert_eq!(res.text, format!("upstream {path}"));
+    }
+    assert_eq!(upstream.total(), before + 4);
+}
+
+// === concurrency ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_identical_posts_executes_once() {
+    let (_db, upstream, proxy) = setup(&[]).await;
+    let proxy = Arc::new(proxy);
+    let key = fresh_key();
+    let n = 100;
+    let barrier = Arc::new(Barrier::new(n));
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (proxy, key, barrier) = (proxy.clone(), key.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            let wait = i % 2 == 0;
+            let mut headers = vec![("idempotency-key", key.as_str())];
+            if wait {
+                headers.push(("prefer", "wait=8"));
+            }
+            barrier.wait().await;
+            let res = proxy.send("POST", "/slow/1000", &headers, Some("{}")).await;
+            (wait, res)
+        }));
+    }
+    let (mut executed, mut conflicts, mut replays) = (0, 0, 0);
+    for t in tasks {
+        let (waited, res) = t.await.unwrap();
+        match (res.status.as_u16(), replayed(&res)) {
+            (201, false) => executed += 1,
+            (201, true) => replays += 1,
+            (409, _) if !waited => conflicts += 1,
+            other => panic!("unexpected {other:?} (waited: {waited}): {res:#?}"),
+        }
+    }
+    assert_eq!(executed, 1);
+    assert_eq!(upstream.started(&key), 1, "the upstream ran exactly once");
+    assert!(replays >= n / 2 - 1, "every waiter got the replay");
+    assert_eq!(executed + conflicts + replays, n);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_proxies_on_one_database_execute_once() {
+    let db = TestDb::new().await;
+    let upstream = Upstream::start().await;
+    let proxies = [
+        Arc::new(TestProxy::start(&db.url, &upstream.url(), &[], Vec::new()).await),
+        Arc::new(TestProxy::start(&db.url, &upstream.url(), &[], Vec::new()).await),
+    ];
+    let key = fresh_key();
+    let n = 20;
+    let barrier = Arc::new(Barrier::new(n));
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (proxy, key, barrier) = (proxies[i % 2].clone(), key.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            proxy.post("/slow/500", &key, "{}").await
+        }));
+    }
+    let mut executed = 0;
+    for t in tasks {
+        let res = t.await.unwrap();
+        match (res.status.as_u16(), replayed(&res)) {
+            (201, false) => executed += 1,
+            (201, true) | (409, _) => {}
+            other => panic!("unexpected {other:?}: {res:#?}"),
+        }
+    }
+    assert_eq!(executed, 1);
+    assert_eq!(upstream.started(&key), 1);
+}
+
+// === the binary, the README and the example file ===
+
+const README: &str = include_str!("../README.md");
+const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/idemgate.example.toml");
+
+/// The ```sh blocks after `heading`, up to the next `## ` heading.
+fn sh_blocks_after(heading: &str) -> Vec<&'static str> {
+    let from = README.find(heading).expect("heading in README") + heading.len();
+    let section = &README[from..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    section
+        .split("```sh\n")
+        .skip(1)
+        .map(|b| &b[..b.find("```").expect("the block ends")])
+        .collect()
+}
+
+/// A running `idemgate proxy`, killed on drop.
+struct ProxyProcess {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl ProxyProcess {
+    async fn start(db: &TestDb, upstream: &str) -> ProxyProcess {
+        let (port, admin) = (common::bin::free_port(), common::bin::free_port());
+        let child = common::bin::idemgate(db)
+            .env_remove("IDEMGATE_UPSTREAM")
+            .env_remove("IDEMGATE_ADMIN_LISTEN")
+            .args(["proxy", "--upstream", upstream])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut process = ProxyProcess { child, port };
+        let ready = format!("http://127.0.0.1:{admin}/readyz");
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(res) = reqwest::get(&ready).await
+                && res.status() == 200
+            {
+                return process;
+            }
+            if let Ok(Some(status)) = process.child.try_wait() {
+                panic!("idemgate proxy exited ({status}):\n{}", process.stderr());
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "idemgate proxy did not come up"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn stderr(&mut self) -> String {
+        let mut text = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+        }
+        text
+    }
+}
+
+impl Drop for ProxyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_runs_the_readme_quick_start_and_exits_zero_on_sigterm() {
+    let db = TestDb::new().await;
+    let upstream = Upstream::start().await;
+    let mut proxy = ProxyProcess::start(&db, &upstream.url()).await;
+    let blocks = sh_blocks_after("## Reverse proxy");
+    assert!(blocks[0].contains("proxy --upstream http://127.0.0.1:3000"));
+    let script = blocks[1].replace("localhost:8081", &format!("127.0.0.1:{}", proxy.port));
+    let dir = tempfile::tempdir().unwrap();
+    let out = tokio::process::Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script])
+        .current_dir(dir.path())
+        .output()
+        .await
+        .expect("bash and curl are installed");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected = [
+        "HTTP/1.1 201 Created",
+        "idempotency-expires: ",
+        r#""charge":"ch_1""#,
+        "idempotent-replayed: true",
+        r#""charge":"ch_1""#,
+        "HTTP/1.1 422 Unprocessable Entity",
+        "/key-reused",
+    ];
+    let mut at = 0;
+    for want in expected {
+        let found = stdout[at..]
+            .find(want)
+            .unwrap_or_else(|| panic!("{want:?} missing (in order) from:\n{stdout}"));
+        at += found + want.len();
+    }
+    assert_eq!(upstream.started("\"order-2001\""), 1, "executed once");
+
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &proxy.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = proxy.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no exit after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let stderr = proxy.stderr();
+    assert!(status.success(), "exit status {status:?}\n{stderr}");
+    assert!(stderr.contains("idemgate proxy stopped"), "{stderr}");
+    assert!(!stderr.contains("order-2001"), "the raw key was logged");
+}
+
+#[test]
+fn the_binary_refuses_to_start_without_a_usable_upstream() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("keys.db").display());
+    for args in [
+        vec![],
+        vec!["--upstream", "ftp://origin.example"],
+        vec!["--upstream", "not a url"],
+        vec!["--upstream", "http://127.0.0.1:3000/?q=1"],
+    ] {
+        let out = std::process::Command::new(common::bin::BIN)
+            .arg("proxy")
+            .args(&args)
+            .env_remove("IDEMGATE_UPSTREAM")
+            .env("DATABASE_URL", &db)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(
+            stderr.contains("--upstream") && stderr.contains("IDEMGATE_UPSTREAM"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+fn proxy_debug(argv: &[&str]) -> String {
+    let argv = argv.iter().map(Into::into).collect();
+    match idemgate::cli::Cli::try_parse_merged(argv) {
+        Ok(idemgate::cli::Cli {
+            command: idemgate::cli::Command::Proxy(args),
+            ..
+        }) => format!("{args:?}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_example_file_holds_the_proxy_defaults_and_a_routes_example() {
+    assert_eq!(
+        proxy_debug(&["idemgate", "proxy", "--config", EXAMPLE]),
+        proxy_debug(&["idemgate", "proxy"]),
+    );
+    assert!(
+        routes::from_file(EXAMPLE.as_ref(), 604_800)
+            .unwrap()
+            .is_empty()
+    );
+    // The commented [[routes]] example, uncommented, is valid.
+    let example = std::fs::read_to_string(EXAMPLE).unwrap();
+    let from = example.find("# [[routes]]").expect("a [[routes]] example");
+    let uncommented: String = example[from..]
+        .lines()
+        .map(|l| l.strip_prefix("# ").or(l.strip_prefix('#')).unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let routes = routes::from_table(&uncommented.parse().unwrap(), 604_800).unwrap();
+    assert_eq!(routes.len(), 2);
+    assert!(routes[1].matches("/v1/acme/charges"));
+}
