@@ -103,7 +103,11 @@ fn the_container_files_run_what_exists() {
     let dockerfile = std::fs::read_to_string(format!("{root}/Dockerfile")).unwrap();
     let compose = std::fs::read_to_string(format!("{root}/docker-compose.yml")).unwrap();
     assert!(dockerfile.matches("\nFROM ").count() >= 2, "multi-stage");
-    assert!(dockerfile.contains("cargo build --release --locked --bin idemgate"));
+    assert!(dockerfile.contains("cargo build --release --locked --bin idemgate --example origin"));
+    assert!(
+        std::path::Path::new(&format!("{root}/examples/origin.rs")).exists(),
+        "the demo origin the image carries"
+    );
     assert!(dockerfile.contains("ENTRYPOINT [\"idemgate\"]"));
     let user = dockerfile
         .lines()
@@ -144,6 +148,11 @@ fn the_container_files_run_what_exists() {
             );
         }
     }
-    assert!(commands >= 1, "compose starts idemgate");
+    assert!(
+        commands >= 2,
+        "compose starts idemgate serve and idemgate proxy"
+    );
+    assert!(compose.contains("command: [\"proxy\", \"--upstream\", \"http://origin:3000\"]"));
+    assert!(compose.contains("entrypoint: [\"idemgate-demo-origin\"]"));
     assert!(compose.contains("DATABASE_URL: postgres://"));
 }
