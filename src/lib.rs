@@ -7,6 +7,7 @@ pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod fingerprint;
+pub mod headers;
 pub mod key;
 pub mod layer;
 pub mod proxy;

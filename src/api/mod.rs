@@ -5,6 +5,7 @@ pub mod extract;
 pub mod ops;
 pub mod problem;
 pub mod reservations;
+pub mod views;
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -8,165 +8,25 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::AppState;
 use super::extract::{ApiJson, Tenant};
 use super::problem::{ApiError, Problem, Result};
+use super::views::{
+    CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, RequestDescription,
+    ReserveBody, ReservedView, completed_response, record_view,
+};
 use crate::engine::{CommitOutcome, Refusal, ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
+use crate::headers::{mark_replayed, prefer_wait, set_expires};
 use crate::key::{self, KeyError};
-use crate::store::{KeyState, Record, Recovery, StoredResponse};
+use crate::store::{Recovery, StoredResponse};
 use crate::telemetry::{self, Outcome};
 
-/// `Idempotent-Replayed: true` marks a replay.
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
-/// Until this HTTP-date the key is remembered.
-pub const IDEMPOTENCY_EXPIRES: &str = "idempotency-expires";
 /// Longest caller-computed fingerprint.
 const MAX_FINGERPRINT_LEN: usize = 512;
 const MODE: &str = "api";
-
-/// Body of `POST /v1/reservations`; every field is optional.
-#[derive(Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ReserveBody {
-    /// An opaque fingerprint the caller computed (at most 512 characters).
-    pub fingerprint: Option<String>,
-    /// The request, for idemgate to fingerprint (SPEC §3).
-    pub request: Option<RequestDescription>,
-    /// Lease in seconds (1..=max, default 30).
-    pub lease_seconds: Option<u32>,
-    /// Seconds the key is remembered, from now (1..=max, default 86400).
-    pub ttl_seconds: Option<u32>,
-}
-
-/// A request to fingerprint.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RequestDescription {
-    /// HTTP method.
-    pub method: String,
-    /// Path with its query.
-    pub path: String,
-    /// JSON body, canonicalised (RFC 8785) with the ignored pointers left out.
-    #[schema(value_type = Object, nullable)]
-    pub body: Option<serde_json::Value>,
-}
-
-/// `201`: the caller holds the key and owns the effect.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ReservedView {
-    /// Always `reserved`.
-    #[schema(example = "reserved")]
-    pub state: &'static str,
-    /// Fencing token for commit, release, extend and checkpoint.
-    pub reservation_id: Uuid,
-    /// 1 for a new key; more after a takeover.
-    pub attempt: i32,
-    /// When the lease ends; extend it for long work.
-    pub lease_expires_at: DateTime<Utc>,
-    /// When the key is forgotten.
-    pub expires_at: DateTime<Utc>,
-    /// On a takeover: the previous holder's last recovery point, to
-    /// reconcile before mutating again.
-    pub recovery: Option<Recovery>,
-}
-
-/// A stored response.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ResponseView {
-    /// HTTP status.
-    pub status: u16,
-    /// Header lines as `[name, value]` pairs.
-    #[schema(value_type = Vec<Vec<String>>)]
-    pub headers: Vec<(String, String)>,
-    /// The body, when it is UTF-8 text.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub body: Option<String>,
-    /// The body in base64, when it is not UTF-8.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub body_base64: Option<String>,
-}
-
-/// `200`: the key was completed; this is its stored response.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct CompletedView {
-    /// Always `completed`.
-    #[schema(example = "completed")]
-    pub state: &'static str,
-    /// The stored response.
-    pub response: ResponseView,
-    /// When it was stored.
-    pub completed_at: Option<DateTime<Utc>>,
-    /// When the key is forgotten.
-    pub expires_at: DateTime<Utc>,
-}
-
-/// Body of `POST /v1/reservations/{id}/commit`: the response to store.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CommitBody {
-    /// HTTP status (100..=599).
-    pub status: u16,
-    /// Header lines as `[name, value]` pairs.
-    #[serde(default)]
-    #[schema(value_type = Vec<Vec<String>>)]
-    pub headers: Vec<(String, String)>,
-    /// The body as text.
-    pub body: Option<String>,
-    /// The body as base64, for bytes that are not text.
-    pub body_base64: Option<String>,
-}
-
-/// Body of `POST /v1/reservations/{id}/extend`.
-#[derive(Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ExtendBody {
-    /// New lease, counted from now (default: the default lease).
-    pub lease_seconds: Option<u32>,
-}
-
-/// `200` of extend.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ExtendedView {
-    /// The reservation.
-    pub reservation_id: Uuid,
-    /// The new end of the lease.
-    pub lease_expires_at: DateTime<Utc>,
-}
-
-/// The public view of a record: never the raw key.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct RecordView {
-    /// The reservation id asked about.
-    pub reservation_id: Uuid,
-    /// True while this id holds a live reservation of the key.
-    pub live: bool,
-    /// `in_flight` or `completed`.
-    pub state: KeyState,
-    /// 1 for the first holder, more after takeovers.
-    pub attempt: i32,
-    /// The first 12 hex digits of SHA-256(key).
-    pub key_hash_prefix: String,
-    /// The request fingerprint, if known.
-    pub fingerprint: Option<String>,
-    /// When the current lease ends (in flight).
-    pub lease_expires_at: Option<DateTime<Utc>>,
-    /// The last recovery point.
-    pub recovery: Option<Recovery>,
-    /// The stored response (completed).
-    pub response: Option<ResponseView>,
-    /// When the key was first reserved.
-    pub created_at: DateTime<Utc>,
-    /// When the response was stored.
-    pub completed_at: Option<DateTime<Utc>>,
-    /// When the key is forgotten.
-    pub expires_at: DateTime<Utc>,
-}
 
 // === handlers ===
 
@@ -275,7 +135,7 @@ pub async fn create_reservation(
                 }),
             )
                 .into_response();
-            set_expires(&mut res, r.expires_at);
+            set_expires(res.headers_mut(), r.expires_at);
             if let Ok(v) = HeaderValue::from_str(&format!("/v1/reservations/{}", r.reservation_id))
             {
                 res.headers_mut().insert(header::LOCATION, v);
@@ -284,8 +144,7 @@ pub async fn create_reservation(
         }
         ReserveOutcome::Completed(record) => {
             let mut res = completed_response(&record);
-            res.headers_mut()
-                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            mark_replayed(res.headers_mut());
             (Outcome::Replayed, Ok(res))
         }
         ReserveOutcome::InFlight { retry_after } => {
@@ -531,22 +390,6 @@ fn fingerprint_of(req: &RequestDescription, state: &AppState) -> Result<String> 
     ))
 }
 
-/// `Prefer: wait=N` (RFC 7240), if the caller sent one.
-pub fn prefer_wait(headers: &HeaderMap) -> Option<Duration> {
-    headers
-        .get_all("prefer")
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split([',', ';']))
-        .find_map(|pref| {
-            let (name, value) = pref.split_once('=')?;
-            name.trim()
-                .eq_ignore_ascii_case("wait")
-                .then(|| value.trim().trim_matches('"').parse::<u64>().ok())?
-        })
-        .map(Duration::from_secs)
-}
-
 fn stored_response(body: CommitBody, max_body: usize) -> Result<StoredResponse> {
     if !(100..=599).contains(&body.status) {
         return Err(ApiError::InvalidRequest(format!(
@@ -589,59 +432,4 @@ fn stored_response(body: CommitBody, max_body: usize) -> Result<StoredResponse> 
         headers: body.headers,
         body: bytes,
     })
-}
-
-fn response_view(response: &StoredResponse) -> ResponseView {
-    let (body, body_base64) = match std::str::from_utf8(&response.body) {
-        Ok(text) => (Some(text.to_owned()), None),
-        Err(_) => (None, Some(BASE64.encode(&response.body))),
-    };
-    ResponseView {
-        status: response.status,
-        headers: response.headers.clone(),
-        body,
-        body_base64,
-    }
-}
-
-fn completed_response(record: &Record) -> Response {
-    let empty = StoredResponse {
-        status: 0,
-        headers: Vec::new(),
-        body: Vec::new(),
-    };
-    let view = CompletedView {
-        state: "completed",
-        response: response_view(record.response.as_ref().unwrap_or(&empty)),
-        completed_at: record.completed_at,
-        expires_at: record.expires_at,
-    };
-    let mut res = (StatusCode::OK, axum::Json(view)).into_response();
-    set_expires(&mut res, record.expires_at);
-    res
-}
-
-fn record_view(id: Uuid, record: &Record, live: bool) -> RecordView {
-    RecordView {
-        reservation_id: id,
-        live,
-        state: record.state,
-        attempt: record.attempt,
-        key_hash_prefix: hex::encode(&record.key_hash[..6.min(record.key_hash.len())]),
-        fingerprint: record.fingerprint.clone(),
-        lease_expires_at: record.lease_expires_at,
-        recovery: record.recovery.clone(),
-        response: record.response.as_ref().map(response_view),
-        created_at: record.created_at,
-        completed_at: record.completed_at,
-        expires_at: record.expires_at,
-    }
-}
-
-/// `Idempotency-Expires`: an HTTP-date.
-pub fn set_expires(res: &mut Response, expires_at: DateTime<Utc>) {
-    let date = httpdate::fmt_http_date(std::time::SystemTime::from(expires_at));
-    if let Ok(v) = HeaderValue::from_str(&date) {
-        res.headers_mut().insert(IDEMPOTENCY_EXPIRES, v);
-    }
 }

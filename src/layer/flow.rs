@@ -17,14 +17,13 @@ use tokio::time::Instant;
 use tower::BoxError;
 use tracing::Instrument;
 
-use super::headers::IDEMPOTENT_REPLAYED;
 use super::holder::{Holder, Settled};
 use super::layer::Shared;
 use super::policy::LayerPolicy;
 use crate::api::problem::ApiError;
-use crate::api::reservations::{prefer_wait, set_expires};
 use crate::engine::{ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
+use crate::headers::{mark_replayed, prefer_wait, set_expires};
 use crate::key::{self, KeyError};
 use crate::store::Record;
 use crate::telemetry::{self, Outcome};
@@ -229,8 +228,8 @@ fn replay(record: &Record) -> Response {
             headers.append(name, value);
         }
     }
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    set_expires(&mut res, record.expires_at);
+    mark_replayed(headers);
+    set_expires(headers, record.expires_at);
     res
 }
 

@@ -3,14 +3,7 @@
 
 use http::{HeaderMap, HeaderName, header};
 
-/// `Idempotent-Replayed: true` marks a replayed response.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-/// Until this HTTP-date the key is remembered.
-pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
-/// `Idempotency-Body-Omitted: true`: the response body was over the limit, so
-/// its replay carries the status and headers with an empty body.
-pub const IDEMPOTENCY_BODY_OMITTED: HeaderName =
-    HeaderName::from_static("idempotency-body-omitted");
+pub use crate::headers::{IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_EXPIRES, IDEMPOTENT_REPLAYED};
 
 /// The standard hop-by-hop set, besides whatever `Connection` names.
 const HOP_BY_HOP: [&str; 9] = [

@@ -8,14 +8,13 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
-use http::HeaderValue;
 use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::flow::Inner;
-use super::headers::{IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_EXPIRES, storable};
+use super::headers::{IDEMPOTENCY_BODY_OMITTED, storable};
 use super::layer::Shared;
 use super::policy::Mode;
 use super::{NotExecuted, OutcomeUnknown};
@@ -177,10 +176,7 @@ impl Holder {
             .await
         {
             Ok(CommitOutcome::Committed(record) | CommitOutcome::AlreadyCommitted(record)) => {
-                let date = httpdate::fmt_http_date(std::time::SystemTime::from(record.expires_at));
-                if let Ok(v) = HeaderValue::from_str(&date) {
-                    headers.insert(IDEMPOTENCY_EXPIRES, v);
-                }
+                crate::headers::set_expires(headers, record.expires_at);
                 Settled::Stored
             }
             Ok(CommitOutcome::Refused(refusal)) => {

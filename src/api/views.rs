@@ -1,0 +1,203 @@
+//! The reservation API's request bodies and response views (its OpenAPI
+//! schemas), and how records become those views.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::headers::set_expires;
+use crate::store::{KeyState, Record, Recovery, StoredResponse};
+
+/// Body of `POST /v1/reservations`; every field is optional.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReserveBody {
+    /// An opaque fingerprint the caller computed (at most 512 characters).
+    pub fingerprint: Option<String>,
+    /// The request, for idemgate to fingerprint (SPEC §3).
+    pub request: Option<RequestDescription>,
+    /// Lease in seconds (1..=max, default 30).
+    pub lease_seconds: Option<u32>,
+    /// Seconds the key is remembered, from now (1..=max, default 86400).
+    pub ttl_seconds: Option<u32>,
+}
+
+/// A request to fingerprint.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RequestDescription {
+    /// HTTP method.
+    pub method: String,
+    /// Path with its query.
+    pub path: String,
+    /// JSON body, canonicalised (RFC 8785) with the ignored pointers left out.
+    #[schema(value_type = Object, nullable)]
+    pub body: Option<serde_json::Value>,
+}
+
+/// `201`: the caller holds the key and owns the effect.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReservedView {
+    /// Always `reserved`.
+    #[schema(example = "reserved")]
+    pub state: &'static str,
+    /// Fencing token for commit, release, extend and checkpoint.
+    pub reservation_id: Uuid,
+    /// 1 for a new key; more after a takeover.
+    pub attempt: i32,
+    /// When the lease ends; extend it for long work.
+    pub lease_expires_at: DateTime<Utc>,
+    /// When the key is forgotten.
+    pub expires_at: DateTime<Utc>,
+    /// On a takeover: the previous holder's last recovery point, to
+    /// reconcile before mutating again.
+    pub recovery: Option<Recovery>,
+}
+
+/// A stored response.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ResponseView {
+    /// HTTP status.
+    pub status: u16,
+    /// Header lines as `[name, value]` pairs.
+    #[schema(value_type = Vec<Vec<String>>)]
+    pub headers: Vec<(String, String)>,
+    /// The body, when it is UTF-8 text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    /// The body in base64, when it is not UTF-8.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body_base64: Option<String>,
+}
+
+/// `200`: the key was completed; this is its stored response.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CompletedView {
+    /// Always `completed`.
+    #[schema(example = "completed")]
+    pub state: &'static str,
+    /// The stored response.
+    pub response: ResponseView,
+    /// When it was stored.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// When the key is forgotten.
+    pub expires_at: DateTime<Utc>,
+}
+
+/// Body of `POST /v1/reservations/{id}/commit`: the response to store.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CommitBody {
+    /// HTTP status (100..=599).
+    pub status: u16,
+    /// Header lines as `[name, value]` pairs.
+    #[serde(default)]
+    #[schema(value_type = Vec<Vec<String>>)]
+    pub headers: Vec<(String, String)>,
+    /// The body as text.
+    pub body: Option<String>,
+    /// The body as base64, for bytes that are not text.
+    pub body_base64: Option<String>,
+}
+
+/// Body of `POST /v1/reservations/{id}/extend`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendBody {
+    /// New lease, counted from now (default: the default lease).
+    pub lease_seconds: Option<u32>,
+}
+
+/// `200` of extend.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ExtendedView {
+    /// The reservation.
+    pub reservation_id: Uuid,
+    /// The new end of the lease.
+    pub lease_expires_at: DateTime<Utc>,
+}
+
+/// The public view of a record: never the raw key.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RecordView {
+    /// The reservation id asked about.
+    pub reservation_id: Uuid,
+    /// True while this id holds a live reservation of the key.
+    pub live: bool,
+    /// `in_flight` or `completed`.
+    pub state: KeyState,
+    /// 1 for the first holder, more after takeovers.
+    pub attempt: i32,
+    /// The first 12 hex digits of SHA-256(key).
+    pub key_hash_prefix: String,
+    /// The request fingerprint, if known.
+    pub fingerprint: Option<String>,
+    /// When the current lease ends (in flight).
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// The last recovery point.
+    pub recovery: Option<Recovery>,
+    /// The stored response (completed).
+    pub response: Option<ResponseView>,
+    /// When the key was first reserved.
+    pub created_at: DateTime<Utc>,
+    /// When the response was stored.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// When the key is forgotten.
+    pub expires_at: DateTime<Utc>,
+}
+
+// === views of records ===
+
+pub(super) fn response_view(response: &StoredResponse) -> ResponseView {
+    let (body, body_base64) = match std::str::from_utf8(&response.body) {
+        Ok(text) => (Some(text.to_owned()), None),
+        Err(_) => (None, Some(BASE64.encode(&response.body))),
+    };
+    ResponseView {
+        status: response.status,
+        headers: response.headers.clone(),
+        body,
+        body_base64,
+    }
+}
+
+/// `200` with the completed record and `Idempotency-Expires`.
+pub(super) fn completed_response(record: &Record) -> Response {
+    let empty = StoredResponse {
+        status: 0,
+        headers: Vec::new(),
+        body: Vec::new(),
+    };
+    let view = CompletedView {
+        state: "completed",
+        response: response_view(record.response.as_ref().unwrap_or(&empty)),
+        completed_at: record.completed_at,
+        expires_at: record.expires_at,
+    };
+    let mut res = (StatusCode::OK, axum::Json(view)).into_response();
+    set_expires(res.headers_mut(), record.expires_at);
+    res
+}
+
+/// The public view of `record` as seen through reservation `id`.
+pub(super) fn record_view(id: Uuid, record: &Record, live: bool) -> RecordView {
+    RecordView {
+        reservation_id: id,
+        live,
+        state: record.state,
+        attempt: record.attempt,
+        key_hash_prefix: hex::encode(&record.key_hash[..6.min(record.key_hash.len())]),
+        fingerprint: record.fingerprint.clone(),
+        lease_expires_at: record.lease_expires_at,
+        recovery: record.recovery.clone(),
+        response: record.response.as_ref().map(response_view),
+        created_at: record.created_at,
+        completed_at: record.completed_at,
+        expires_at: record.expires_at,
+    }
+}

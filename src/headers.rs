@@ -1,0 +1,72 @@
+//! The idempotency headers every door speaks: the replay marker, the
+//! published expiry, the omitted-body marker, and `Prefer: wait`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+/// `Idempotent-Replayed: true` marks a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// Until this HTTP-date the key is remembered.
+pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
+/// `Idempotency-Body-Omitted: true`: the response body was over the limit, so
+/// its replay carries the status and headers with an empty body.
+pub const IDEMPOTENCY_BODY_OMITTED: HeaderName =
+    HeaderName::from_static("idempotency-body-omitted");
+
+/// Sets `Idempotency-Expires` to `expires_at` as an HTTP-date.
+pub fn set_expires(headers: &mut HeaderMap, expires_at: DateTime<Utc>) {
+    let date = httpdate::fmt_http_date(std::time::SystemTime::from(expires_at));
+    if let Ok(v) = HeaderValue::from_str(&date) {
+        headers.insert(IDEMPOTENCY_EXPIRES, v);
+    }
+}
+
+/// Marks a response as a replay.
+pub fn mark_replayed(headers: &mut HeaderMap) {
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+}
+
+/// `Prefer: wait=N` (RFC 7240), if the caller sent one.
+pub fn prefer_wait(headers: &HeaderMap) -> Option<Duration> {
+    headers
+        .get_all("prefer")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split([',', ';']))
+        .find_map(|pref| {
+            let (name, value) = pref.split_once('=')?;
+            name.trim()
+                .eq_ignore_ascii_case("wait")
+                .then(|| value.trim().trim_matches('"').parse::<u64>().ok())?
+        })
+        .map(Duration::from_secs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefer_wait_reads_rfc_7240_preferences() {
+        let cases = [
+            ("wait=5", Some(5)),
+            ("respond-async, wait=30", Some(30)),
+            ("handling=lenient; wait=\"7\"", Some(7)),
+            ("WAIT = 2", Some(2)),
+            ("return=minimal", None),
+            ("wait=soon", None),
+        ];
+        for (value, want) in cases {
+            let mut headers = HeaderMap::new();
+            headers.insert("prefer", HeaderValue::from_str(value).unwrap());
+            assert_eq!(
+                prefer_wait(&headers),
+                want.map(Duration::from_secs),
+                "{value}"
+            );
+        }
+        assert_eq!(prefer_wait(&HeaderMap::new()), None);
+    }
+}
