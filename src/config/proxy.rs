@@ -1,0 +1,151 @@
+//! Settings of `idemgate proxy`.
+
+use std::net::SocketAddr;
+
+use clap::Args;
+
+use super::{ConfigError, PolicyArgs, StoreArgs};
+
+/// Settings of `idemgate proxy`.
+#[derive(Debug, Clone, Args)]
+pub struct ProxyArgs {
+    /// The origin every request is forwarded to: http://HOST:PORT, optionally
+    /// with a base path. Required.
+    #[arg(long, env = "IDEMGATE_UPSTREAM", value_name = "URL")]
+    pub upstream: Option<String>,
+
+    /// Address the proxy listens on.
+    #[arg(long, env = "IDEMGATE_LISTEN", default_value = "127.0.0.1:8081")]
+    pub listen: SocketAddr,
+
+    /// Address of the admin listener: /healthz, /readyz, /metrics,
+    /// /v1/policy (never mixed into the upstream's paths).
+    #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
+    pub admin_listen: SocketAddr,
+
+    /// Seconds to wait for the upstream's response once the request is sent
+    /// (504 upstream-timeout after that). The key's lease is this plus 5.
+    #[arg(long, env = "IDEMGATE_UPSTREAM_TIMEOUT", default_value_t = 30)]
+    pub upstream_timeout: u64,
+
+    /// Seconds to wait for a connection to the upstream (502
+    /// upstream-unavailable after that; the key is released).
+    #[arg(long, env = "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT", default_value_t = 5)]
+    pub upstream_connect_timeout: u64,
+
+    /// Answer 400 key-missing to a guarded request without a key, instead of
+    /// passing it through unguarded.
+    #[arg(long, env = "IDEMGATE_REQUIRE_KEY", default_value_t = false, action = clap::ArgAction::Set)]
+    pub require_key: bool,
+
+    /// The request header that carries the key.
+    #[arg(long, env = "IDEMGATE_KEY_HEADER", default_value = "Idempotency-Key",
+          value_parser = parse_header_name)]
+    pub key_header: String,
+
+    /// The request header whose value names the tenant (hashed); requests
+    /// without it share one anonymous tenant.
+    #[arg(long, env = "IDEMGATE_TENANT_HEADER", default_value = "Authorization",
+          value_parser = parse_header_name)]
+    pub tenant_header: String,
+
+    /// Response statuses returned but not stored: the key is released, since
+    /// the origin did not act.
+    #[arg(long, env = "IDEMGATE_RELEASE_STATUSES", value_delimiter = ',',
+          default_value = "408,425,429,503", value_parser = clap::value_parser!(u16).range(100..=599))]
+    pub release_statuses: Vec<u16>,
+
+    /// Response headers never stored for replay (hop-by-hop headers never
+    /// are), comma-separated.
+    #[arg(long, env = "IDEMGATE_STORE_HEADERS_DENY", value_delimiter = ',',
+          default_value = "set-cookie,www-authenticate", value_parser = parse_header_name)]
+    pub store_headers_deny: Vec<String>,
+
+    /// Seconds between pruning passes (0 turns the job off).
+    #[arg(long, env = "IDEMGATE_PRUNE_INTERVAL", default_value_t = 60)]
+    pub prune_interval: u64,
+
+    /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
+    #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE", default_value_t = 30)]
+    pub shutdown_grace: u64,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+}
+
+fn parse_header_name(s: &str) -> Result<String, String> {
+    let name = s.trim();
+    http::HeaderName::from_bytes(name.as_bytes())
+        .map(|_| name.to_owned())
+        .map_err(|_| format!("{s:?} is not a valid header name"))
+}
+
+// === impl ProxyArgs ===
+
+impl ProxyArgs {
+    /// Refuses settings the proxy must not start with.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.upstream_uri()?;
+        if self.upstream_timeout == 0 {
+            return Err(ConfigError {
+                setting: "IDEMGATE_UPSTREAM_TIMEOUT",
+                problem: "must be at least 1 second".into(),
+            });
+        }
+        if self.upstream_connect_timeout == 0 {
+            return Err(ConfigError {
+                setting: "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT",
+                problem: "must be at least 1 second".into(),
+            });
+        }
+        if self.listen == self.admin_listen && self.listen.port() != 0 {
+            return Err(ConfigError {
+                setting: "IDEMGATE_ADMIN_LISTEN",
+                problem: format!(
+                    "{} is also the proxy's address (IDEMGATE_LISTEN); the admin endpoints \
+                     need a listener of their own",
+                    self.admin_listen
+                ),
+            });
+        }
+        self.policy.validate()
+    }
+
+    /// The upstream as a URI: `http`, a host, and a path without query.
+    pub fn upstream_uri(&self) -> Result<http::Uri, ConfigError> {
+        let bad = |problem: String| ConfigError {
+            setting: "--upstream / IDEMGATE_UPSTREAM",
+            problem,
+        };
+        let Some(raw) = self.upstream.as_deref().map(str::trim) else {
+            return Err(bad(
+                "required: the origin to forward to, e.g. --upstream http://127.0.0.1:3000".into(),
+            ));
+        };
+        let uri: http::Uri = raw
+            .parse()
+            .map_err(|e| bad(format!("{raw:?} is not a URL: {e}")))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "scheme {other:?} is not supported; use http://HOST:PORT (terminate TLS in \
+                     front of the origin or run idemgate beside it)"
+                )));
+            }
+            None => {
+                return Err(bad(format!("{raw:?} has no scheme; use http://HOST:PORT")));
+            }
+        }
+        if uri.host().is_none_or(str::is_empty) {
+            return Err(bad(format!("{raw:?} names no host")));
+        }
+        if uri.query().is_some() {
+            return Err(bad(format!("{raw:?} has a query; give a base URL only")));
+        }
+        Ok(uri)
+    }
+}
