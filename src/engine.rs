@@ -243,14 +243,12 @@ impl Engine {
             return Ok(CommitOutcome::Refused(Refusal::NotFound));
         };
         let record = found.record;
-        Ok(
-            match refusal_for(&record, id, found.now, Refusal::AlreadyCompleted) {
-                Refusal::AlreadyCompleted if record.response.as_ref() == Some(response) => {
-                    CommitOutcome::AlreadyCommitted(record)
-                }
-                refusal => CommitOutcome::Refused(refusal),
-            },
-        )
+        Ok(match refusal_for(&record, id, found.now) {
+            Refusal::AlreadyCompleted if record.response.as_ref() == Some(response) => {
+                CommitOutcome::AlreadyCommitted(record)
+            }
+            refusal => CommitOutcome::Refused(refusal),
+        })
     }
 
     /// Forgets an in-flight key whose effect never started.
@@ -305,8 +303,7 @@ impl Engine {
         let live = found.record.reservation_id == id
             && found.now < found.record.expires_at
             && found.record.state == KeyState::InFlight;
-        let refusal =
-            (!live).then(|| refusal_for(&found.record, id, found.now, Refusal::AlreadyCompleted));
+        let refusal = (!live).then(|| refusal_for(&found.record, id, found.now));
         Ok(Some((found.record, refusal)))
     }
 
@@ -314,19 +311,25 @@ impl Engine {
     async fn refusal(&self, tenant: &str, id: Uuid) -> Result<Refusal, EngineError> {
         Ok(match self.store.find_by_reservation(tenant, id).await? {
             None => Refusal::NotFound,
-            Some(found) => refusal_for(&found.record, id, found.now, Refusal::AlreadyCompleted),
+            Some(found) => refusal_for(&found.record, id, found.now),
         })
     }
 }
 
 /// Classifies a record that a write by `id` could not touch.
-fn refusal_for(record: &Record, id: Uuid, now: DateTime<Utc>, completed: Refusal) -> Refusal {
+fn refusal_for(record: &Record, id: Uuid, now: DateTime<Utc>) -> Refusal {
     if now >= record.expires_at {
         Refusal::Expired
     } else if record.reservation_id != id {
-        Refusal::TakenOver
+        // A takeover raises the attempt; a key that was released or expired
+        // and then reserved afresh starts again at attempt 1.
+        if record.attempt > 1 {
+            Refusal::TakenOver
+        } else {
+            Refusal::Expired
+        }
     } else if record.state == KeyState::Completed {
-        completed
+        Refusal::AlreadyCompleted
     } else {
         Refusal::Expired
     }
@@ -401,5 +404,117 @@ impl Waiters {
         if let Some(n) = slots.get(&(tenant.to_owned(), hash)) {
             n.notify_waiters();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Duration as Span;
+
+    fn record(state: KeyState, attempt: i32, fingerprint: Option<&str>) -> Record {
+        let now = Utc::now();
+        Record {
+            tenant: "t".into(),
+            key_hash: vec![0; 32],
+            fingerprint: fingerprint.map(str::to_owned),
+            state,
+            reservation_id: Uuid::new_v4(),
+            lease_expires_at: Some(now + Span::milliseconds(2_500)),
+            attempt,
+            recovery: None,
+            response: None,
+            created_at: now,
+            completed_at: None,
+            expires_at: now + Span::hours(1),
+        }
+    }
+
+    fn claim(record: Record, claimed: bool) -> Claim {
+        Claim {
+            claimed,
+            now: record.created_at,
+            record,
+        }
+    }
+
+    #[test]
+    fn decide_classifies_every_unclaimed_state() {
+        let in_flight = record(KeyState::InFlight, 1, Some("a"));
+        assert!(matches!(
+            decide(claim(in_flight.clone(), false), Some("a")),
+            ReserveOutcome::InFlight { retry_after: 3 }
+        ));
+        // Unknown on either side: no mismatch can be detected.
+        assert!(matches!(
+            decide(claim(in_flight.clone(), false), None),
+            ReserveOutcome::InFlight { .. }
+        ));
+        assert!(matches!(
+            decide(claim(in_flight, false), Some("b")),
+            ReserveOutcome::Mismatch
+        ));
+        let completed = record(KeyState::Completed, 1, None);
+        assert!(matches!(
+            decide(claim(completed.clone(), false), Some("b")),
+            ReserveOutcome::Completed(_)
+        ));
+        let mut completed_a = completed;
+        completed_a.fingerprint = Some("a".into());
+        assert!(matches!(
+            decide(claim(completed_a, false), Some("b")),
+            ReserveOutcome::Mismatch
+        ));
+    }
+
+    #[test]
+    fn retry_after_is_never_zero() {
+        let mut r = record(KeyState::InFlight, 1, None);
+        r.lease_expires_at = Some(r.created_at);
+        assert!(matches!(
+            decide(claim(r, false), None),
+            ReserveOutcome::InFlight { retry_after: 1 }
+        ));
+    }
+
+    #[test]
+    fn a_claim_hands_on_the_recovery_point() {
+        let mut r = record(KeyState::InFlight, 2, Some("a"));
+        r.recovery = Some(Recovery {
+            recovery_point: "charged".into(),
+            data: None,
+        });
+        let ReserveOutcome::Reserved(res) = decide(claim(r.clone(), true), Some("a")) else {
+            panic!("not reserved");
+        };
+        assert_eq!(res.attempt, 2);
+        assert_eq!(res.reservation_id, r.reservation_id);
+        assert_eq!(res.recovery, r.recovery);
+    }
+
+    #[test]
+    fn refusals_say_why_an_id_is_dead() {
+        let r = record(KeyState::InFlight, 1, None);
+        let now = r.created_at;
+        let other = Uuid::new_v4();
+        assert_eq!(
+            refusal_for(&r, other, now),
+            Refusal::Expired,
+            "reserved afresh"
+        );
+        let mut taken = r.clone();
+        taken.attempt = 2;
+        assert_eq!(refusal_for(&taken, other, now), Refusal::TakenOver);
+        let mut done = r.clone();
+        done.state = KeyState::Completed;
+        assert_eq!(
+            refusal_for(&done, done.reservation_id, now),
+            Refusal::AlreadyCompleted
+        );
+        assert_eq!(
+            refusal_for(&r, r.reservation_id, r.expires_at),
+            Refusal::Expired,
+            "past expires_at the key is new again"
+        );
     }
 }

@@ -249,8 +249,9 @@ async fn release_makes_the_key_new_and_kills_the_id(backend: Backend) {
     assert_eq!(new.attempt, 1);
     assert!(new.recovery.is_none());
     assert_ne!(new.reservation_id, old.reservation_id);
-    // Now the record has a new live holder, so the old id reads as taken over.
-    assert_dead(&engine, old.reservation_id, Refusal::TakenOver).await;
+    // The key was reserved afresh (attempt 1), not taken over: the old id
+    // still reads as released.
+    assert_dead(&engine, old.reservation_id, Refusal::Expired).await;
     assert!(matches!(
         commit(&engine, new.reservation_id, &response("new")).await,
         CommitOutcome::Committed(_)
@@ -363,7 +364,7 @@ async fn expired_keys_are_new_again_and_pruning_deletes_them(backend: Backend) {
     let again = reserved(reserve(&engine, &request(renewed, Some("b"))).await);
     assert_eq!(again.attempt, 1);
     assert_ne!(again.reservation_id, first.reservation_id);
-    assert_dead(&engine, first.reservation_id, Refusal::TakenOver).await;
+    assert_dead(&engine, first.reservation_id, Refusal::Expired).await;
 
     // Only the record that is still expired goes, with its reservation row.
     assert_eq!(prune::prune_once(engine.store().as_ref()).await.unwrap(), 1);
