@@ -6,4 +6,5 @@ pub mod backend;
 pub mod bin;
 pub mod logs;
 pub mod pg;
+pub mod proxy;
 pub mod upstream;

@@ -1,0 +1,244 @@
+//! `idemgate proxy` for tests: in-process over port 0 (`TestProxy`), or the
+//! real binary (`ProxyProcess`).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use clap::Parser;
+use idemgate::config::ProxyArgs;
+use idemgate::layer::Route;
+use idemgate::proxy::Proxy;
+use idemgate::{api, server};
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use super::app::TestResponse;
+use super::logs;
+use super::pg::TestDb;
+use super::upstream::Upstream;
+
+#[derive(Parser)]
+pub struct TestCli {
+    #[command(flatten)]
+    pub proxy: ProxyArgs,
+}
+
+/// `idemgate proxy` settings from flags.
+pub fn proxy_args(flags: &[&str]) -> ProxyArgs {
+    let argv = std::iter::once("idemgate").chain(flags.iter().copied());
+    TestCli::try_parse_from(argv)
+        .unwrap_or_else(|e| panic!("bad test flags {flags:?}: {e}"))
+        .proxy
+}
+
+/// One proxy "process" on port 0, with its admin listener.
+pub struct TestProxy {
+    pub base: String,
+    pub admin: String,
+    pub addr: std::net::SocketAddr,
+    pub http: reqwest::Client,
+    pub tasks: Vec<JoinHandle<std::io::Result<()>>>,
+    /// Keys and tokens sent: none may show up in the logs.
+    pub secrets: Mutex<Vec<String>>,
+}
+
+impl TestProxy {
+    /// A proxy over the database at `db_url` in front of `upstream`.
+    pub async fn start(
+        db_url: &str,
+        upstream: &str,
+        flags: &[&str],
+        routes: Vec<Route>,
+    ) -> TestProxy {
+        logs::init();
+        let mut all = vec!["--upstream", upstream, "--database-url", db_url];
+        all.extend_from_slice(flags);
+        let args = proxy_args(&all);
+        args.validate().expect("valid settings");
+        let store = server::open_store(&args.store, true).await.expect("store");
+        let proxy = Proxy::build(&args, routes, store).expect("proxy");
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let base = format!("http://{addr}");
+        let admin_base = format!("http://{}", admin.local_addr().unwrap());
+        let grace = Duration::from_secs(5);
+        let tasks = vec![
+            tokio::spawn(api::serve(
+                listener,
+                proxy.app,
+                grace,
+                std::future::pending(),
+            )),
+            tokio::spawn(api::serve(
+                admin,
+                proxy.admin,
+                grace,
+                std::future::pending(),
+            )),
+        ];
+        TestProxy {
+            base,
+            admin: admin_base,
+            addr,
+            http: reqwest::Client::new(),
+            tasks,
+            secrets: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Sends one request through the proxy. `headers` may repeat a name.
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> TestResponse {
+        self.send_with(&self.http, method, path, headers, body)
+            .await
+            .expect("the proxy answers")
+    }
+
+    pub async fn send_with(
+        &self,
+        http: &reqwest::Client,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> reqwest::Result<TestResponse> {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut req = http.request(method, format!("{}{path}", self.base));
+        for (name, value) in headers {
+            let secret = value.trim_matches('"');
+            if ["idempotency-key", "authorization"].contains(&name.to_ascii_lowercase().as_str())
+                && secret.len() >= 4
+            {
+                self.secrets.lock().unwrap().push(secret.to_owned());
+            }
+            req = req.header(*name, *value);
+        }
+        if let Some(body) = body {
+            req = req.body(body.to_owned());
+        }
+        let res = req.send().await?;
+        let status = res.status();
+        let headers = res.headers().clone();
+        let bytes = res.bytes().await?;
+        Ok(TestResponse {
+            status,
+            headers,
+            body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+        })
+    }
+
+    /// `POST path` with `key` and a JSON body.
+    pub async fn post(&self, path: &str, key: &str, body: &str) -> TestResponse {
+        self.send(
+            "POST",
+            path,
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ],
+            Some(body),
+        )
+        .await
+    }
+
+    pub async fn admin_get(&self, path: &str) -> (u16, String) {
+        let res = self
+            .http
+            .get(format!("{}{path}", self.admin))
+            .send()
+            .await
+            .unwrap();
+        (res.status().as_u16(), res.text().await.unwrap())
+    }
+}
+
+impl Drop for TestProxy {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        if std::thread::panicking() {
+            return;
+        }
+        let secrets = self.secrets.lock().unwrap().clone();
+        let refs: Vec<&str> = secrets.iter().map(String::as_str).collect();
+        logs::assert_absent(&refs);
+    }
+}
+
+pub fn replayed(res: &TestResponse) -> bool {
+    res.headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+/// A fresh database and origin, and a proxy over them with `flags`.
+pub async fn setup(flags: &[&str]) -> (TestDb, Upstream, TestProxy) {
+    let db = TestDb::new().await;
+    let upstream = Upstream::start().await;
+    let proxy = TestProxy::start(&db.url, &upstream.url(), flags, Vec::new()).await;
+    (db, upstream, proxy)
+}
+
+/// A running `idemgate proxy`, killed on drop.
+pub struct ProxyProcess {
+    pub child: std::process::Child,
+    pub port: u16,
+}
+
+impl ProxyProcess {
+    pub async fn start(db: &TestDb, upstream: &str) -> ProxyProcess {
+        let (port, admin) = (super::bin::free_port(), super::bin::free_port());
+        let child = super::bin::idemgate(db)
+            .env_remove("IDEMGATE_UPSTREAM")
+            .env_remove("IDEMGATE_ADMIN_LISTEN")
+            .args(["proxy", "--upstream", upstream])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut process = ProxyProcess { child, port };
+        let ready = format!("http://127.0.0.1:{admin}/readyz");
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(res) = reqwest::get(&ready).await
+                && res.status() == 200
+            {
+                return process;
+            }
+            if let Ok(Some(status)) = process.child.try_wait() {
+                panic!("idemgate proxy exited ({status}):\n{}", process.stderr());
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "idemgate proxy did not come up"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn stderr(&mut self) -> String {
+        let mut text = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+        }
+        text
+    }
+}
+
+impl Drop for ProxyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
