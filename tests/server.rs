@@ -123,7 +123,20 @@ async fn bad_settings_fail_fast_naming_the_setting() {
 #[tokio::test]
 async fn help_migrate_prune_and_openapi_subcommands() {
     let db = TestDb::new().await;
-    let help = idemgate(&db).args(["serve", "--help"]).output().unwrap();
+    let help = idemgate(&db)
+        .env("IDEMGATE_TOKENS", "acme:help-must-not-show-this")
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let secret_help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        !secret_help.contains("help-must-not-show-this"),
+        "a token in --help"
+    );
+    assert!(
+        !secret_help.contains(&db.url),
+        "the database URL (and its password) in --help"
+    );
     let help = String::from_utf8_lossy(&help.stdout);
     for word in [
         "IDEMGATE_TOKENS",

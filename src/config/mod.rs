@@ -23,7 +23,12 @@ use crate::key::{KeyFormat, KeyPolicy};
 pub struct StoreArgs {
     /// Database URL: postgres://… (any number of idemgate processes) or
     /// sqlite://… (one process per file).
-    #[arg(long, env = "DATABASE_URL", default_value = "sqlite://idemgate.db")]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "sqlite://idemgate.db",
+        hide_env_values = true
+    )]
     pub database_url: String,
 
     /// Most database connections this process opens.
