@@ -668,6 +668,7 @@ fn the_binary_refuses_to_start_without_a_usable_upstream() {
         vec!["--upstream", "ftp://origin.example"],
         vec!["--upstream", "not a url"],
         vec!["--upstream", "http://127.0.0.1:3000/?q=1"],
+        vec!["--upstream", "http://user:hunter2@127.0.0.1:3000"],
     ] {
         let out = std::process::Command::new(common::bin::BIN)
             .arg("proxy")
@@ -682,6 +683,10 @@ fn the_binary_refuses_to_start_without_a_usable_upstream() {
         assert!(
             stderr.contains("--upstream") && stderr.contains("IDEMGATE_UPSTREAM"),
             "{args:?}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("hunter2"),
+            "a password was echoed: {stderr}"
         );
     }
 }

@@ -125,6 +125,16 @@ impl ProxyArgs {
                 "required: the origin to forward to, e.g. --upstream http://127.0.0.1:3000".into(),
             ));
         };
+        // Checked first, so no message below echoes a password.
+        let authority = raw.split_once("://").map_or(raw, |(_, rest)| rest);
+        let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
+        if authority.contains('@') {
+            return Err(bad(
+                "credentials in the upstream URL are not supported (they would end up in logs); \
+                 the clients' own Authorization headers pass through to the origin"
+                    .into(),
+            ));
+        }
         let uri: http::Uri = raw
             .parse()
             .map_err(|e| bad(format!("{raw:?} is not a URL: {e}")))?;
