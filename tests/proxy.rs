@@ -606,19 +606,6 @@ async fn the_binary_runs_the_readme_quick_start_and_exits_zero_on_sigterm() {
     let blocks = sh_blocks_after("## Reverse proxy");
     assert!(blocks[0].contains("proxy --upstream http://127.0.0.1:3000"));
     let script = blocks[1].replace("localhost:8081", &format!("127.0.0.1:{}", proxy.port));
-    let dir = tempfile::tempdir().unwrap();
-    let out = tokio::process::Command::new("bash")
-        .args(["-euo", "pipefail", "-c", &script])
-        .current_dir(dir.path())
-        .output()
-        .await
-        .expect("bash and curl are installed");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let expected = [
         "HTTP/1.1 201 Created",
         "idempotency-expires: ",
@@ -628,13 +615,7 @@ async fn the_binary_runs_the_readme_quick_start_and_exits_zero_on_sigterm() {
         "HTTP/1.1 422 Unprocessable Entity",
         "/key-reused",
     ];
-    let mut at = 0;
-    for want in expected {
-        let found = stdout[at..]
-            .find(want)
-            .unwrap_or_else(|| panic!("{want:?} missing (in order) from:\n{stdout}"));
-        at += found + want.len();
-    }
+    common::bin::run_script_expecting(&script, &expected);
     assert_eq!(upstream.started("\"order-2001\""), 1, "executed once");
 
     let kill = std::process::Command::new("kill")

@@ -35,18 +35,6 @@ fn readme_opens_with_the_run_and_test_commands() {
 async fn run_walkthrough(served: &Served) {
     let script = sh_block_after("## Walkthrough")
         .replace("localhost:8080", &format!("127.0.0.1:{}", served.port));
-    let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new("bash")
-        .args(["-euo", "pipefail", "-c", &script])
-        .current_dir(dir.path())
-        .output()
-        .expect("bash and curl are installed");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let expected = [
         "HTTP/1.1 201 Created",
         "idempotency-expires: ",
@@ -60,13 +48,7 @@ async fn run_walkthrough(served: &Served) {
         "HTTP/1.1 422 Unprocessable Entity",
         "/key-reused",
     ];
-    let mut at = 0;
-    for want in expected {
-        let found = stdout[at..]
-            .find(want)
-            .unwrap_or_else(|| panic!("{want:?} missing (in order) from:\n{stdout}"));
-        at += found;
-    }
+    common::bin::run_script_expecting(&script, &expected);
 }
 
 #[tokio::test]

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use clap::Parser;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use idemgate::api::{self, AppState};
@@ -18,18 +17,9 @@ use tower::ServiceExt;
 
 use super::logs;
 
-#[derive(Parser)]
-struct TestCli {
-    #[command(flatten)]
-    serve: ServeArgs,
-}
-
 /// The serve settings a test asks for, as command-line flags.
 pub fn serve_args(flags: &[&str]) -> ServeArgs {
-    let argv = std::iter::once("idemgate").chain(flags.iter().copied());
-    TestCli::try_parse_from(argv)
-        .unwrap_or_else(|e| panic!("bad test flags {flags:?}: {e}"))
-        .serve
+    super::bin::parse_args(flags)
 }
 
 /// One idemgate "process": its own pool, engine and router.

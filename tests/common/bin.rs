@@ -84,3 +84,38 @@ impl Drop for Served {
         let _ = self.child.wait();
     }
 }
+
+/// Settings of one subcommand (`ServeArgs`, `ProxyArgs`, …) from flags, as
+/// clap parses them (the environment included).
+pub fn parse_args<A: clap::Args + clap::FromArgMatches>(flags: &[&str]) -> A {
+    let cmd = A::augment_args(clap::Command::new("idemgate"));
+    let argv = std::iter::once("idemgate").chain(flags.iter().copied());
+    cmd.try_get_matches_from(argv)
+        .and_then(|m| A::from_arg_matches(&m))
+        .unwrap_or_else(|e| panic!("bad test flags {flags:?}: {e}"))
+}
+
+/// Runs a README shell block with bash (`-euo pipefail`) in a fresh
+/// directory and checks that its output holds `expected`, in that order.
+#[track_caller]
+pub fn run_script_expecting(script: &str, expected: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", script])
+        .current_dir(dir.path())
+        .output()
+        .expect("bash and curl are installed");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut at = 0;
+    for want in expected {
+        let found = stdout[at..]
+            .find(want)
+            .unwrap_or_else(|| panic!("{want:?} missing (in order) from:\n{stdout}"));
+        at += found + want.len();
+    }
+}

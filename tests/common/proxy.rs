@@ -4,7 +4,6 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use clap::Parser;
 use idemgate::config::ProxyArgs;
 use idemgate::layer::Route;
 use idemgate::proxy::Proxy;
@@ -18,18 +17,9 @@ use super::logs;
 use super::pg::TestDb;
 use super::upstream::Upstream;
 
-#[derive(Parser)]
-pub struct TestCli {
-    #[command(flatten)]
-    pub proxy: ProxyArgs,
-}
-
 /// `idemgate proxy` settings from flags.
 pub fn proxy_args(flags: &[&str]) -> ProxyArgs {
-    let argv = std::iter::once("idemgate").chain(flags.iter().copied());
-    TestCli::try_parse_from(argv)
-        .unwrap_or_else(|e| panic!("bad test flags {flags:?}: {e}"))
-        .proxy
+    super::bin::parse_args(flags)
 }
 
 /// One proxy "process" on port 0, with its admin listener.
