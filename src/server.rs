@@ -10,7 +10,6 @@ use tokio::net::TcpListener;
 use crate::api::{self, App, AppState};
 use crate::config::{ServeArgs, StoreArgs};
 use crate::engine::Engine;
-use crate::prune;
 use crate::store::postgres::PgSettings;
 use crate::store::{PgStore, SqliteStore, Store};
 
@@ -80,8 +79,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             "no IDEMGATE_TOKENS: open single-tenant mode (tenant \"default\"), loopback only"
         );
     }
-    let pruner = (args.prune_interval > 0)
-        .then(|| tokio::spawn(prune::run(store, Duration::from_secs(args.prune_interval))));
+    let pruner = args.run.spawn_pruner(store);
     // Make the metric visible before the first pass.
     crate::telemetry::record_pruned(0);
     tracing::info!(
@@ -92,7 +90,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     api::serve(
         listener,
         api::router(state),
-        Duration::from_secs(args.shutdown_grace),
+        args.run.grace(),
         api::shutdown_signal(),
     )
     .await?;

@@ -49,6 +49,40 @@ pub struct StoreArgs {
     pub no_migrate: bool,
 }
 
+/// What a long-running command (`serve`, `proxy`) does beside its requests.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Seconds between pruning passes (0 turns the job off).
+    #[arg(long, env = "IDEMGATE_PRUNE_INTERVAL", default_value_t = 60)]
+    pub prune_interval: u64,
+
+    /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
+    #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE", default_value_t = 30)]
+    pub shutdown_grace: u64,
+}
+
+// === impl RunArgs ===
+
+impl RunArgs {
+    /// Starts the pruning job over `store`, unless it is turned off.
+    pub fn spawn_pruner(
+        &self,
+        store: std::sync::Arc<dyn crate::store::Store>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        (self.prune_interval > 0).then(|| {
+            tokio::spawn(crate::prune::run(
+                store,
+                Duration::from_secs(self.prune_interval),
+            ))
+        })
+    }
+
+    /// How long in-flight requests get after a shutdown signal.
+    pub fn grace(&self) -> Duration {
+        Duration::from_secs(self.shutdown_grace)
+    }
+}
+
 /// How keys, fingerprints and leases are handled: the published policy.
 #[derive(Debug, Clone, Args)]
 pub struct PolicyArgs {
@@ -112,13 +146,8 @@ pub struct ServeArgs {
     #[arg(long, env = "IDEMGATE_TOKENS", hide_env_values = true, value_parser = parse_tokens)]
     pub tokens: Option<Tokens>,
 
-    /// Seconds between pruning passes (0 turns the job off).
-    #[arg(long, env = "IDEMGATE_PRUNE_INTERVAL", default_value_t = 60)]
-    pub prune_interval: u64,
-
-    /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
-    #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE", default_value_t = 30)]
-    pub shutdown_grace: u64,
+    #[command(flatten)]
+    pub run: RunArgs,
 
     #[command(flatten)]
     pub store: StoreArgs,

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use clap::Args;
 
-use super::{ConfigError, PolicyArgs, StoreArgs};
+use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs};
 
 /// Settings of `idemgate proxy`.
 #[derive(Debug, Clone, Args)]
@@ -61,13 +61,8 @@ pub struct ProxyArgs {
           default_value = "set-cookie,www-authenticate", value_parser = parse_header_name)]
     pub store_headers_deny: Vec<String>,
 
-    /// Seconds between pruning passes (0 turns the job off).
-    #[arg(long, env = "IDEMGATE_PRUNE_INTERVAL", default_value_t = 60)]
-    pub prune_interval: u64,
-
-    /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
-    #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE", default_value_t = 30)]
-    pub shutdown_grace: u64,
+    #[command(flatten)]
+    pub run: RunArgs,
 
     #[command(flatten)]
     pub store: StoreArgs,

@@ -31,7 +31,7 @@ use crate::config::{ConfigError, ProxyArgs};
 use crate::engine::Engine;
 use crate::layer::{IdempotencyLayer, LayerPolicy, Mode, Route};
 use crate::store::Store;
-use crate::{api, prune, server, telemetry};
+use crate::{api, server, telemetry};
 
 /// The proxy's lease exceeds its upstream timeout by this much, so a key is
 /// never taken over while its first request may still be answered.
@@ -132,8 +132,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
                 args.admin_listen
             )
         })?;
-    let pruner = (args.prune_interval > 0)
-        .then(|| tokio::spawn(prune::run(store, Duration::from_secs(args.prune_interval))));
+    let pruner = args.run.spawn_pruner(store);
     telemetry::record_pruned(0);
     tracing::info!(
         listen = %listener.local_addr()?,
@@ -151,7 +150,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let grace = Duration::from_secs(args.shutdown_grace);
+    let grace = args.run.grace();
     let served = tokio::try_join!(
         api::serve(listener, proxy.app, grace, until_stopped(stopped.clone())),
         api::serve(admin, proxy.admin, grace, until_stopped(stopped)),
