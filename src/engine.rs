@@ -1,6 +1,7 @@
 //! The decisions of SPEC §2: what a key's record means for a request — new,
 //! replay, in flight, mismatch, takeover, lease lost — independent of HTTP and
-//! of SQL. Every door (reservation API, proxy, layer) goes through [`Engine`].
+//! of SQL. Every door (reservation API, proxy, layer) goes through [`Engine`],
+//! and so through its [replay cache](crate::replay_cache) of completed records.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,9 +12,11 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use uuid::Uuid;
 
+pub use crate::replay_cache::{DEFAULT_REPLAY_CACHE_BYTES, ReplayCache};
 use crate::store::{
     Claim, ClaimRequest, KeyState, Record, Recovery, Store, StoreError, StoredResponse,
 };
+use crate::telemetry;
 
 /// Lease and TTL bounds, and how long a caller may wait on a holder.
 #[derive(Debug, Clone)]
@@ -137,22 +140,57 @@ pub enum CommitOutcome {
 pub type EngineError = StoreError;
 
 /// The idempotency engine: one per process, cheap to share behind an `Arc`.
+///
+/// It keeps the completed records it reads or commits in a bounded
+/// [`ReplayCache`], so a retry of a completed key is replayed without a
+/// database round trip (never past the record's `expires_at`, never across
+/// tenants). [`Engine::new`] gives it a cache of
+/// [`DEFAULT_REPLAY_CACHE_BYTES`]; [`Engine::with_replay_cache`] changes the
+/// bound or, with 0, turns the cache off.
 pub struct Engine {
     store: Arc<dyn Store>,
     limits: Limits,
     waiters: Waiters,
+    replay_cache: Option<ReplayCache>,
 }
 
 // === impl Engine ===
 
 impl Engine {
-    /// An engine over `store`.
+    /// An engine over `store`, with a replay cache of
+    /// [`DEFAULT_REPLAY_CACHE_BYTES`].
     pub fn new(store: Arc<dyn Store>, limits: Limits) -> Engine {
         Engine {
             store,
             limits,
             waiters: Waiters::default(),
+            replay_cache: ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES),
         }
+    }
+
+    /// The same engine with a replay cache of at most `max_bytes` (0: no
+    /// cache, every reserve asks the store), in place of the one it had.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idemgate::engine::{Engine, Limits};
+    /// # use idemgate::store::SqliteStore;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let store = SqliteStore::open("sqlite::memory:").await?;
+    /// let engine = Engine::new(Arc::new(store), Limits::default()).with_replay_cache(0);
+    /// assert!(engine.replay_cache().is_none());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_replay_cache(mut self, max_bytes: u64) -> Engine {
+        self.replay_cache = ReplayCache::new(max_bytes);
+        self
+    }
+
+    /// The replay cache, unless it is turned off.
+    pub fn replay_cache(&self) -> Option<&ReplayCache> {
+        self.replay_cache.as_ref()
     }
 
     /// The bounds it enforces.
@@ -168,6 +206,9 @@ impl Engine {
     /// Reserves a key; with `wait`, holds the caller while another holder's
     /// lease is alive, without holding a database connection in between.
     pub async fn reserve(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        if let Some(outcome) = self.cached_outcome(req) {
+            return Ok(outcome);
+        }
         let Some(wait) = req.wait.map(|w| w.min(self.limits.max_wait)) else {
             return self.claim(req).await;
         };
@@ -180,7 +221,27 @@ impl Engine {
         outcome
     }
 
+    /// The decision for a key whose completed record is in the replay cache.
+    fn cached_outcome(&self, req: &ReserveRequest) -> Option<ReserveOutcome> {
+        let record = self
+            .replay_cache
+            .as_ref()?
+            .get(&req.tenant, &req.key_hash)?;
+        telemetry::record_replay_cache_hit();
+        Some(decide_completed(record, req.fingerprint.as_deref()))
+    }
+
+    /// Caches `record` if it is completed; `started` was read before the
+    /// store call that returned it, `db_now` is the database's clock then.
+    fn remember(&self, record: &Record, started: std::time::Instant, db_now: DateTime<Utc>) {
+        if let Some(cache) = &self.replay_cache {
+            cache.insert(record, started, db_now);
+        }
+    }
+
     async fn claim(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        // Before the store call: the database reads its clock after this.
+        let started = std::time::Instant::now();
         let claim = self
             .store
             .reserve(&ClaimRequest {
@@ -192,6 +253,9 @@ impl Engine {
                 ttl_seconds: req.ttl_seconds,
             })
             .await?;
+        if !claim.claimed {
+            self.remember(&claim.record, started, claim.now);
+        }
         Ok(decide(claim, req.fingerprint.as_deref()))
     }
 
@@ -202,11 +266,23 @@ impl Engine {
         notify: &Notify,
     ) -> Result<ReserveOutcome, EngineError> {
         let mut poll = Duration::from_millis(20);
+        let mut first = true;
         loop {
             // Created before the read, so a commit that lands between the read
             // and the sleep still wakes us.
             let notified = notify.notified();
-            let outcome = self.claim(req).await?;
+            // After a wake-up, a commit by this process is in the cache
+            // ([`Engine::reserve`] looked before the first round).
+            let cached = if first {
+                None
+            } else {
+                self.cached_outcome(req)
+            };
+            first = false;
+            let outcome = match cached {
+                Some(outcome) => outcome,
+                None => self.claim(req).await?,
+            };
             let now = Instant::now();
             let ReserveOutcome::InFlight { retry_after } = outcome else {
                 return Ok(outcome);
@@ -235,7 +311,13 @@ impl Engine {
         id: Uuid,
         response: &StoredResponse,
     ) -> Result<CommitOutcome, EngineError> {
+        // Before the store calls: the database reads its clock after this.
+        let started = std::time::Instant::now();
         if let Some(record) = self.store.complete(tenant, id, response).await? {
+            // `completed_at` is the database's clock at this commit.
+            if let Some(completed_at) = record.completed_at {
+                self.remember(&record, started, completed_at);
+            }
             self.waiters.wake(&record.tenant, &record.key_hash);
             return Ok(CommitOutcome::Committed(record));
         }
@@ -245,6 +327,9 @@ impl Engine {
         let record = found.record;
         Ok(match refusal_for(&record, id, found.now) {
             Refusal::AlreadyCompleted if record.response.as_ref() == Some(response) => {
+                // Its `completed_at` is an earlier commit's: the lookup's
+                // clock is the one read after `started`.
+                self.remember(&record, started, found.now);
                 CommitOutcome::AlreadyCommitted(record)
             }
             refusal => CommitOutcome::Refused(refusal),
@@ -347,10 +432,7 @@ fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome {
             recovery: record.recovery,
         });
     }
-    // Both fingerprints known and different: the key was reused (any state).
-    if let (Some(stored), Some(given)) = (record.fingerprint.as_deref(), fingerprint)
-        && stored != given
-    {
+    if reused(&record, fingerprint) {
         return ReserveOutcome::Mismatch;
     }
     match record.state {
@@ -365,6 +447,24 @@ fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome {
             ReserveOutcome::InFlight { retry_after }
         }
     }
+}
+
+/// What a completed record that this caller did not claim means for it: the
+/// decision of [`decide`], for a record from the replay cache.
+fn decide_completed(record: Record, fingerprint: Option<&str>) -> ReserveOutcome {
+    if reused(&record, fingerprint) {
+        ReserveOutcome::Mismatch
+    } else {
+        ReserveOutcome::Completed(record)
+    }
+}
+
+/// Both fingerprints known and different: the key was reused (any state).
+fn reused(record: &Record, fingerprint: Option<&str>) -> bool {
+    matches!(
+        (record.fingerprint.as_deref(), fingerprint),
+        (Some(stored), Some(given)) if stored != given
+    )
 }
 
 type Slot = (String, [u8; 32]);

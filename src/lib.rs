@@ -12,6 +12,7 @@ pub mod key;
 pub mod layer;
 pub mod proxy;
 pub mod prune;
+pub mod replay_cache;
 pub mod server;
 pub mod store;
 pub mod telemetry;

@@ -9,7 +9,6 @@ use tokio::net::TcpListener;
 
 use crate::api::{self, App, AppState};
 use crate::config::{ServeArgs, StoreArgs};
-use crate::engine::Engine;
 use crate::store::postgres::PgSettings;
 use crate::store::{PgStore, SqliteStore, Store};
 
@@ -56,7 +55,7 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
 /// The reservation API's state from its settings.
 pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
     AppState(Arc::new(App {
-        engine: Engine::new(store, args.policy.limits()),
+        engine: args.run.engine(store, args.policy.limits()),
         tokens: args.tokens.clone().unwrap_or_default(),
         key_policy: args.policy.key_policy(),
         fingerprint_policy: args.policy.fingerprint_policy(),

@@ -58,6 +58,11 @@ fn describe() {
         "Time spent deciding a request, by door and outcome."
     );
     metrics::describe_counter!("idemgate_pruned_total", "Expired records deleted.");
+    metrics::describe_counter!(
+        "idemgate_replay_cache_hits_total",
+        "Reserves of a completed key answered from the in-process replay cache, without a \
+         database round trip."
+    );
     metrics::describe_gauge!(
         "idemgate_db_pool_connections",
         "Database pool connections by state (idle, active)."
@@ -114,6 +119,11 @@ pub fn record(mode: &'static str, outcome: Outcome, elapsed: Duration) {
 /// Counts pruned records.
 pub fn record_pruned(n: u64) {
     metrics::counter!("idemgate_pruned_total").increment(n);
+}
+
+/// Counts one reserve answered from the replay cache.
+pub fn record_replay_cache_hit() {
+    metrics::counter!("idemgate_replay_cache_hits_total").increment(1);
 }
 
 /// Publishes the pool gauges.

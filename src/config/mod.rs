@@ -14,7 +14,7 @@ use clap::Args;
 use secrecy::{ExposeSecret, SecretString};
 use subtle::ConstantTimeEq;
 
-use crate::engine::Limits;
+use crate::engine::{DEFAULT_REPLAY_CACHE_BYTES, Engine, Limits};
 use crate::fingerprint::{FingerprintPolicy, JsonPointer};
 use crate::key::{KeyFormat, KeyPolicy};
 
@@ -49,7 +49,8 @@ pub struct StoreArgs {
     pub no_migrate: bool,
 }
 
-/// What a long-running command (`serve`, `proxy`) does beside its requests.
+/// What a long-running command (`serve`, `proxy`) does beside its requests,
+/// and the memory it keeps for them.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
     /// Seconds between pruning passes (0 turns the job off).
@@ -59,6 +60,11 @@ pub struct RunArgs {
     /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
     #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE", default_value_t = 30)]
     pub shutdown_grace: u64,
+
+    /// Bytes of memory for completed responses, replayed from there without
+    /// a database round trip until they expire (0 turns the cache off).
+    #[arg(long, env = "IDEMGATE_REPLAY_CACHE_BYTES", default_value_t = DEFAULT_REPLAY_CACHE_BYTES)]
+    pub replay_cache_bytes: u64,
 }
 
 // === impl RunArgs ===
@@ -80,6 +86,12 @@ impl RunArgs {
     /// How long in-flight requests get after a shutdown signal.
     pub fn grace(&self) -> Duration {
         Duration::from_secs(self.shutdown_grace)
+    }
+
+    /// The engine over `store` within `limits`, with this command's replay
+    /// cache.
+    pub fn engine(&self, store: std::sync::Arc<dyn crate::store::Store>, limits: Limits) -> Engine {
+        Engine::new(store, limits).with_replay_cache(self.replay_cache_bytes)
     }
 }
 

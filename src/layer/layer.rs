@@ -26,7 +26,9 @@ pub(crate) struct Shared {
 // === impl IdempotencyLayer ===
 
 impl IdempotencyLayer {
-    /// A layer deciding through `engine` under `policy`.
+    /// A layer deciding through `engine` under `policy`. The engine's replay
+    /// cache serves the layer's replays: build it with
+    /// [`Engine::with_replay_cache`] to change its bound or turn it off.
     pub fn new(engine: Arc<Engine>, policy: LayerPolicy) -> IdempotencyLayer {
         IdempotencyLayer {
             shared: Arc::new(Shared { engine, policy }),

@@ -18,6 +18,13 @@
 //! `Idempotency-Body-Omitted: true`. Once the key is reserved, the call runs
 //! in a task of its own, so a client that hangs up does not cancel it.
 //!
+//! Retries of a completed key are answered from the engine's in-process
+//! replay cache of completed records, without a database round trip, until
+//! the key expires: [`Engine::new`](crate::engine::Engine::new) gives it
+//! 64 MiB, and [`Engine::with_replay_cache`](crate::engine::Engine::with_replay_cache)
+//! sets another bound, or turns it off with 0, before the engine goes into
+//! the layer.
+//!
 //! The inner service can steer the key through response extensions:
 //! [`NotExecuted`] releases it (the effect never started), [`OutcomeUnknown`]
 //! leaves it in flight until its lease ends (the effect may have happened).
@@ -39,7 +46,9 @@
 //! // The embedded store (`url` is `sqlite://` and a file path).
 //! let store = SqliteStore::open(&url).await?;
 //! store.migrate().await?;
-//! let engine = Arc::new(Engine::new(Arc::new(store), Limits::default()));
+//! // The replay cache's bound: 8 MiB here instead of the default 64 MiB.
+//! let engine = Engine::new(Arc::new(store), Limits::default()).with_replay_cache(8 << 20);
+//! let engine = Arc::new(engine);
 //!
 //! let app = Router::new()
 //!     .route("/charges", post(|| async { "charged" }))
@@ -55,7 +64,8 @@
 //! assert_eq!(first.status(), 200);
 //! assert!(first.headers().get("idempotent-replayed").is_none());
 //!
-//! // The retry is answered from the store: the handler does not run again.
+//! // The retry is answered from the replay cache (or the store): the handler
+//! // does not run again.
 //! let retry = app.oneshot(charge()).await?;
 //! assert_eq!(retry.headers()["idempotent-replayed"], "true");
 //! # Ok(())

@@ -21,7 +21,9 @@ use crate::store::Store;
 /// The admin router over `store`.
 pub fn router(store: Arc<dyn Store>, args: &ProxyArgs, policy: &LayerPolicy) -> Router {
     let state = AppState(Arc::new(App {
-        engine: Engine::new(store, args.policy.limits()),
+        // It reserves nothing (the admin router has no reservation routes),
+        // so it needs no replay cache.
+        engine: Engine::new(store, args.policy.limits()).with_replay_cache(0),
         tokens: Tokens::default(),
         key_policy: args.policy.key_policy(),
         fingerprint_policy: args.policy.fingerprint_policy(),

@@ -71,7 +71,7 @@ impl Proxy {
             problem,
         })?;
         let policy = layer_policy(args, routes);
-        let engine = Arc::new(Engine::new(store.clone(), args.policy.limits()));
+        let engine = Arc::new(args.run.engine(store.clone(), args.policy.limits()));
         let admin = admin::router(store, args, &policy);
         let guarded = IdempotencyLayer::new(engine.clone(), policy).layer(client);
         let app = Router::new()

@@ -53,9 +53,46 @@ impl Backend {
         }
     }
 
-    /// An engine over a new store instance.
+    /// An engine over a new store instance, without a replay cache: every
+    /// reserve reaches the store, which is what the store contract tests.
     pub async fn engine(&self) -> Engine {
-        Engine::new(self.open().await, Limits::default())
+        self.engine_with_cache(0).await
+    }
+
+    /// An engine over a new store instance with a replay cache of
+    /// `max_bytes` (0: none).
+    pub async fn engine_with_cache(&self, max_bytes: u64) -> Engine {
+        Engine::new(self.open().await, Limits::default()).with_replay_cache(max_bytes)
+    }
+
+    /// Deletes every record and reservation, straight from the tables: the
+    /// database no longer knows any key (whatever a process remembers).
+    pub async fn delete_all(&self) {
+        const KEYS: &str = "DELETE FROM idempotency_keys";
+        const RESERVATIONS: &str = "DELETE FROM idempotency_reservations";
+        match self {
+            Backend::Postgres(db) => {
+                let store = Self::open_pg(db).await;
+                for sql in [KEYS, RESERVATIONS] {
+                    sqlx::query(sql)
+                        .execute(store.pool())
+                        .await
+                        .expect("delete rows");
+                }
+                store.pool().close().await;
+            }
+            Backend::Sqlite(dir) => {
+                let store = Self::open_sqlite(dir).await;
+                for sql in [KEYS, RESERVATIONS] {
+                    sqlx::query(sql)
+                        .execute(store.pool())
+                        .await
+                        .expect("delete rows");
+                }
+                store.close().await;
+            }
+        }
+        assert_eq!(self.counts().await, (0, 0), "rows left after delete_all");
     }
 
     /// Rows in `idempotency_keys` and `idempotency_reservations`, read
