@@ -287,6 +287,26 @@ static FIND: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// The statements behind [`Store::reserve`] and [`Store::complete`], for tools
+/// that measure the database's own share of a request (the benchmark's
+/// raw-SQL bound sends exactly these).
+///
+/// `reserve` binds: tenant (text), key hash (bytea), fingerprint (text, null
+/// allowed), new reservation id (uuid), lease and TTL seconds (float8).
+/// `complete` binds: tenant, reservation id, status (int4), headers (jsonb
+/// array of `[name, value]`), body (bytea).
+pub mod sql {
+    /// One round trip that claims a key or reads it as it stands.
+    pub fn reserve() -> &'static str {
+        super::RESERVE.as_str()
+    }
+
+    /// One round trip that stores the response and completes the key.
+    pub fn complete() -> &'static str {
+        super::COMPLETE.as_str()
+    }
+}
+
 #[async_trait]
 impl Store for PgStore {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Claim> {

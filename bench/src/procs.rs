@@ -1,0 +1,142 @@
+//! The processes a scenario needs (idemgate, the origin, idempotent-proxy),
+//! started fresh for each measurement so that each one's peak memory belongs
+//! to that measurement alone.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::process::{Child, Command};
+
+use crate::http::Conn;
+
+/// A child process, stopped (SIGTERM, then SIGKILL) when dropped.
+pub struct Proc {
+    name: String,
+    child: Child,
+}
+
+/// A port nobody listens on right now.
+pub fn free_addr() -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?)
+}
+
+impl Proc {
+    /// Starts `program` with `args` and `env`, its output appended to `log`.
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[&str],
+        env: &[(&str, String)],
+        cwd: Option<&Path>,
+        log: &Path,
+    ) -> anyhow::Result<Proc> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("open {}", log.display()))?;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .kill_on_drop(true);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        if let Some(dir) = cwd {
+            cmd.current_dir(dir);
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("start {name} ({})", program.display()))?;
+        Ok(Proc {
+            name: name.to_owned(),
+            child,
+        })
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// Waits until `GET path` at `addr` answers 200 (or, with no path, until
+    /// the port accepts connections).
+    pub async fn wait_ready(&mut self, addr: SocketAddr, path: Option<&str>) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                anyhow::bail!("{} exited before it was ready ({status})", self.name);
+            }
+            let ready = match path {
+                Some(path) => Conn::new(addr).get_ok(path).await,
+                None => tokio::net::TcpStream::connect(addr).await.is_ok(),
+            };
+            if ready {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("{} did not become ready on {addr}", self.name);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// CPU time it has used so far (user + system), in clock ticks of 10 ms.
+    pub fn cpu_ticks(&self) -> Option<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()?)).ok()?;
+        // Fields after the command name, which may hold spaces: state is
+        // field 3, utime 14 and stime 15.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let utime: u64 = fields.get(11)?.parse().ok()?;
+        let stime: u64 = fields.get(12)?.parse().ok()?;
+        Some(utime + stime)
+    }
+
+    /// Peak resident memory so far (VmHWM), in KiB.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    /// SIGTERM, up to 10 s to exit, then SIGKILL.
+    pub async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status()
+                .await;
+            if tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+                .await
+                .is_ok()
+            {
+                return;
+            }
+        }
+        let _ = self.child.kill().await;
+    }
+}
+
+/// The directory of the running executable: `idemgate` is built beside it.
+pub fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("the executable has no directory")?;
+    Ok(dir.join(name))
+}
+
+/// Runs a command to completion and returns its trimmed standard output.
+pub async fn output(program: &str, args: &[&str]) -> Option<String> {
+    let out = Command::new(program).args(args).output().await.ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}

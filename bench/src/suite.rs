@@ -1,0 +1,657 @@
+//! Every scenario of the benchmark, run `runs` times with each subject measured
+//! right after its baseline, so that their ratio is taken under the same load
+//! on a shared, noisy machine.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+use crate::http::Conn;
+use crate::load::{self, Sample, Worker};
+use crate::procs::{self, Proc};
+use crate::workers::{self, ApiPair, ApiReplay, Keys, ProxyPost, RawPair, RawSelect};
+
+/// How the suite runs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SuiteArgs {
+    /// A PostgreSQL URL the suite may create a database through; it creates
+    /// (and drops first) the database `idemgate_bench` on that server.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
+        hide_env_values = true
+    )]
+    pub database_url: String,
+
+    /// Redis for idempotent-proxy.
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    pub redis_url: String,
+
+    /// Runs of every scenario; medians are taken over them.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+
+    /// Seconds measured per measurement.
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+
+    /// Seconds of warm-up (not measured) before each measurement.
+    #[arg(long, default_value_t = 1.0)]
+    pub warmup: f64,
+
+    /// Expired rows the pruning scenario inserts and prunes.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub prune_rows: u64,
+
+    /// Completed keys the replay scenarios cycle through.
+    #[arg(long, default_value_t = 1000)]
+    pub replay_keys: usize,
+
+    /// The idemgate binary (default: beside this one).
+    #[arg(long)]
+    pub idemgate: Option<PathBuf>,
+
+    /// The idempotent-proxy-server 1.2.2 binary; without it the comparison is
+    /// skipped (bench/run installs it).
+    #[arg(long, env = "IDEMPOTENT_PROXY_BIN")]
+    pub idempotent_proxy: Option<PathBuf>,
+
+    /// Scenarios to run (default: all): sql, replay, proxy, prune, sqlite.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+
+    /// Where logs and SQLite files go (default: a new temporary directory).
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+
+    /// The Markdown file to write; the part between its generated markers is
+    /// replaced, the rest kept.
+    #[arg(long, default_value = "BENCHMARKS.md")]
+    pub out: PathBuf,
+
+    /// A short run that checks every scenario works (for CI): one run, short
+    /// windows, few rows; fails if any operation failed.
+    #[arg(long)]
+    pub smoke: bool,
+}
+
+/// Every measurement by label, one entry per run.
+#[derive(Default)]
+pub struct Results {
+    pub samples: BTreeMap<String, Vec<Sample>>,
+    pub rss_kib: BTreeMap<String, Vec<u64>>,
+    /// CPU time of the process under test per operation, microseconds.
+    pub cpu_us: BTreeMap<String, Vec<f64>>,
+    pub notes: Vec<String>,
+}
+
+impl Results {
+    fn record(&mut self, label: &str, sample: Sample) {
+        println!(
+            "  {label}: {:.0}/s  p50 {:.2} ms  p99 {:.2} ms  ({} ops, {} errors)",
+            sample.rate(),
+            sample.p50_us as f64 / 1000.0,
+            sample.p99_us as f64 / 1000.0,
+            sample.ops,
+            sample.errors
+        );
+        self.samples
+            .entry(label.to_owned())
+            .or_default()
+            .push(sample);
+    }
+
+    /// Records `sample`, with the CPU `proc` used since `ticks_before`.
+    fn record_with_cpu(
+        &mut self,
+        label: &str,
+        sample: Sample,
+        proc: &Proc,
+        ticks_before: Option<u64>,
+    ) {
+        if let (Some(before), Some(after)) = (ticks_before, proc.cpu_ticks())
+            && sample.all_ops > 0
+        {
+            let us = (after - before) as f64 * 10_000.0 / sample.all_ops as f64;
+            println!("    {label}: {us:.0} µs of CPU per operation");
+            self.cpu_us.entry(label.to_owned()).or_default().push(us);
+        }
+        self.record(label, sample);
+        self.rss(label, proc);
+    }
+
+    fn rss(&mut self, label: &str, proc: &Proc) {
+        if let Some(kib) = proc.peak_rss_kib() {
+            self.rss_kib.entry(label.to_owned()).or_default().push(kib);
+        }
+    }
+}
+
+/// What the suite was given and found.
+pub struct Env {
+    pub args: SuiteArgs,
+    pub idemgate: PathBuf,
+    pub ipx: Option<PathBuf>,
+    pub bench_url: String,
+    pub work: PathBuf,
+    pub pool: PgPool,
+    pub prefix: String,
+    counter: std::sync::atomic::AtomicU64,
+}
+
+impl Env {
+    fn measure(&self) -> Duration {
+        Duration::from_secs_f64(self.args.seconds)
+    }
+
+    fn warmup(&self) -> Duration {
+        Duration::from_secs_f64(self.args.warmup)
+    }
+
+    fn wants(&self, scenario: &str) -> bool {
+        self.args.only.is_empty() || self.args.only.iter().any(|s| s == scenario)
+    }
+
+    /// A prefix no earlier key used.
+    fn fresh_prefix(&self) -> String {
+        let n = self
+            .counter
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{}-{n}", self.prefix)
+    }
+
+    fn log(&self, name: &str) -> PathBuf {
+        self.work.join(format!("{name}.log"))
+    }
+
+    async fn truncate(&self) -> anyhow::Result<()> {
+        sqlx::query("TRUNCATE idempotency_keys, idempotency_reservations")
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// `idemgate serve` on `database_url`, ready.
+    async fn serve(
+        &self,
+        database_url: &str,
+        extra: &[(&str, String)],
+    ) -> anyhow::Result<(Proc, SocketAddr)> {
+        let addr = procs::free_addr()?;
+        let mut env = vec![
+            ("DATABASE_URL", database_url.to_owned()),
+            ("IDEMGATE_LISTEN", addr.to_string()),
+            ("IDEMGATE_PRUNE_INTERVAL", "0".to_owned()),
+            ("RUST_LOG", "warn".to_owned()),
+        ];
+        env.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
+        let mut proc = Proc::spawn(
+            "idemgate serve",
+            &self.idemgate,
+            &["serve"],
+            &env,
+            None,
+            &self.log("idemgate-serve"),
+        )?;
+        proc.wait_ready(addr, Some("/readyz")).await?;
+        Ok((proc, addr))
+    }
+
+    /// `idemgate proxy` in front of `upstream`, ready.
+    async fn proxy(&self, upstream: SocketAddr) -> anyhow::Result<(Proc, SocketAddr)> {
+        let addr = procs::free_addr()?;
+        let admin = procs::free_addr()?;
+        let env = [
+            ("DATABASE_URL", self.bench_url.clone()),
+            ("IDEMGATE_LISTEN", addr.to_string()),
+            ("IDEMGATE_ADMIN_LISTEN", admin.to_string()),
+            ("IDEMGATE_PRUNE_INTERVAL", "0".to_owned()),
+            ("RUST_LOG", "warn".to_owned()),
+        ];
+        let upstream = format!("http://{upstream}");
+        let mut proc = Proc::spawn(
+            "idemgate proxy",
+            &self.idemgate,
+            &["proxy", "--upstream", &upstream],
+            &env,
+            None,
+            &self.log("idemgate-proxy"),
+        )?;
+        proc.wait_ready(admin, Some("/readyz")).await?;
+        Ok((proc, addr))
+    }
+
+    /// idempotent-proxy-server on Redis in front of `upstream`, ready.
+    async fn ipx(&self, bin: &Path, upstream: SocketAddr) -> anyhow::Result<(Proc, SocketAddr)> {
+        let addr = procs::free_addr()?;
+        // It refuses to start without a .env file in its working directory.
+        let dir = self.work.join("idempotent-proxy");
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join(".env"), "")?;
+        let env = [
+            ("SERVER_ADDR", addr.to_string()),
+            ("REDIS_URL", self.args.redis_url.clone()),
+            ("URL_ORIGIN", format!("http://{upstream}/v1/charges")),
+            // Its keys live as long as its request timeout (ms): long enough
+            // for the replay measurement to find them.
+            ("REQUEST_TIMEOUT", "600000".to_owned()),
+            ("LOG_LEVEL", "warn".to_owned()),
+        ];
+        let mut proc = Proc::spawn(
+            "idempotent-proxy",
+            bin,
+            &[],
+            &env,
+            Some(&dir),
+            &self.log("idempotent-proxy"),
+        )?;
+        proc.wait_ready(addr, None).await?;
+        Ok((proc, addr))
+    }
+}
+
+async fn measure<W: Worker>(env: &Env, workers: Vec<W>) -> anyhow::Result<Sample> {
+    load::run_for(workers, env.warmup(), env.measure()).await
+}
+
+/// Completes `n` keys through the reservation API and returns them.
+async fn populate_api(
+    addr: SocketAddr,
+    prefix: &str,
+    n: usize,
+) -> anyhow::Result<Arc<Vec<String>>> {
+    let keys: Vec<String> = (0..n).map(|i| format!("{prefix}-r{i}")).collect();
+    let mut conn = Conn::new(addr);
+    for key in &keys {
+        workers::api_pair(&mut conn, key).await?;
+    }
+    Ok(Arc::new(keys))
+}
+
+/// Sends each key once through a proxy at `path`, so that the next send of it
+/// is a replay.
+async fn populate_proxy(
+    addr: SocketAddr,
+    path: &str,
+    prefix: &str,
+    n: usize,
+) -> anyhow::Result<Arc<Vec<String>>> {
+    let keys: Vec<String> = (0..n).map(|i| format!("{prefix}-r{i}")).collect();
+    let mut conn = Conn::new(addr);
+    for key in &keys {
+        conn.post_json(
+            path,
+            &[("idempotency-key", key)],
+            bytes::Bytes::from_static(workers::CHARGE_BODY.as_bytes()),
+            http::StatusCode::CREATED,
+        )
+        .await?;
+    }
+    Ok(Arc::new(keys))
+}
+
+fn raw_pairs(env: &Env, c: usize) -> Vec<RawPair> {
+    let prefix = env.fresh_prefix();
+    (0..c)
+        .map(|w| RawPair::new(env.pool.clone(), &prefix, w))
+        .collect()
+}
+
+fn api_pairs(env: &Env, addr: SocketAddr, c: usize) -> Vec<ApiPair> {
+    let prefix = env.fresh_prefix();
+    (0..c).map(|w| ApiPair::new(addr, &prefix, w)).collect()
+}
+
+fn api_replays(addr: SocketAddr, keys: &Arc<Vec<String>>, c: usize) -> Vec<ApiReplay> {
+    (0..c)
+        .map(|w| ApiReplay::new(addr, keys.clone(), w))
+        .collect()
+}
+
+fn posts(addr: SocketAddr, path: &str, keys: &Keys, c: usize) -> Vec<ProxyPost> {
+    (0..c)
+        .map(|w| ProxyPost::new(addr, path, keys.clone(), w))
+        .collect()
+}
+
+/// Scenarios 1 and 2: the raw-SQL bound, then the reservation API.
+async fn sql_and_api(env: &Env, res: &mut Results) -> anyhow::Result<()> {
+    for c in [8, 32] {
+        env.truncate().await?;
+        res.record(
+            &format!("raw-pair c={c}"),
+            measure(env, raw_pairs(env, c)).await?,
+        );
+        env.truncate().await?;
+        let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
+        let label = format!("api-pair c={c}");
+        let before = proc.cpu_ticks();
+        let sample = measure(env, api_pairs(env, addr, c)).await?;
+        res.record_with_cpu(&label, sample, &proc, before);
+        proc.stop().await;
+    }
+    Ok(())
+}
+
+/// Scenario 3: replays, beside a primary-key SELECT of the same rows.
+async fn replays(env: &Env, res: &mut Results) -> anyhow::Result<()> {
+    for c in [8, 32] {
+        env.truncate().await?;
+        let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
+        let keys = populate_api(addr, &env.fresh_prefix(), env.args.replay_keys).await?;
+        let selects = (0..c)
+            .map(|w| RawSelect::new(env.pool.clone(), &keys, w))
+            .collect();
+        res.record(&format!("raw-select c={c}"), measure(env, selects).await?);
+        let label = format!("api-replay c={c}");
+        let before = proc.cpu_ticks();
+        let sample = measure(env, api_replays(addr, &keys, c)).await?;
+        res.record_with_cpu(&label, sample, &proc, before);
+        proc.stop().await;
+    }
+    Ok(())
+}
+
+/// Scenario 4: the proxy, beside the origin alone and idempotent-proxy.
+async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Result<()> {
+    for c in [1, 8] {
+        if c == 1 {
+            env.truncate().await?;
+            res.record("raw-pair c=1", measure(env, raw_pairs(env, 1)).await?);
+        }
+        let fresh = Keys::Fresh(env.fresh_prefix());
+        res.record(
+            &format!("origin c={c}"),
+            measure(env, posts(origin, "/v1/charges", &fresh, c)).await?,
+        );
+
+        env.truncate().await?;
+        let (proc, addr) = env.proxy(origin).await?;
+        let fresh = Keys::Fresh(env.fresh_prefix());
+        let label = format!("idemgate-new c={c}");
+        let before = proc.cpu_ticks();
+        let sample = measure(env, posts(addr, "/v1/charges", &fresh, c)).await?;
+        res.record_with_cpu(&label, sample, &proc, before);
+        let keys = populate_proxy(
+            addr,
+            "/v1/charges",
+            &env.fresh_prefix(),
+            env.args.replay_keys,
+        )
+        .await?;
+        let label = format!("idemgate-replay c={c}");
+        let before = proc.cpu_ticks();
+        let sample = measure(env, posts(addr, "/v1/charges", &Keys::Replay(keys), c)).await?;
+        res.record_with_cpu(&label, sample, &proc, before);
+        proc.stop().await;
+
+        if let Some(bin) = &env.ipx {
+            let (proc, addr) = env.ipx(bin, origin).await?;
+            let fresh = Keys::Fresh(env.fresh_prefix());
+            let label = format!("ipx-new c={c}");
+            let before = proc.cpu_ticks();
+            let sample = measure(env, posts(addr, "/URL_ORIGIN", &fresh, c)).await?;
+            res.record_with_cpu(&label, sample, &proc, before);
+            let keys = populate_proxy(
+                addr,
+                "/URL_ORIGIN",
+                &env.fresh_prefix(),
+                env.args.replay_keys,
+            )
+            .await?;
+            let label = format!("ipx-replay c={c}");
+            let before = proc.cpu_ticks();
+            let sample = measure(env, posts(addr, "/URL_ORIGIN", &Keys::Replay(keys), c)).await?;
+            res.record_with_cpu(&label, sample, &proc, before);
+            proc.stop().await;
+        }
+    }
+    Ok(())
+}
+
+/// Inserts `n` expired records (with their reservation ids), as a day of
+/// traffic whose keys have all run out would leave them.
+async fn insert_expired(pool: &PgPool, n: u64) -> anyhow::Result<()> {
+    let n = i64::try_from(n)?;
+    sqlx::query(
+        "INSERT INTO idempotency_keys
+            (tenant, key_hash, fingerprint, state, reservation_id, attempt, response_status,
+             response_headers, response_body, created_at, completed_at, expires_at)
+         SELECT 'expired', sha256(('k' || i)::bytea), repeat('f', 64), 'completed',
+                gen_random_uuid(), 1, 201, '[[\"content-type\",\"application/json\"]]'::jsonb,
+                convert_to(repeat('x', 100), 'UTF8'), now() - interval '2 days',
+                now() - interval '2 days', now() - interval '1 day' + i * interval '1 ms'
+           FROM generate_series(1, $1) AS i",
+    )
+    .bind(n)
+    .execute(pool)
+    .await?;
+    sqlx::query(
+        "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
+         SELECT tenant, reservation_id, key_hash FROM idempotency_keys WHERE tenant = 'expired'",
+    )
+    .execute(pool)
+    .await?;
+    sqlx::query("VACUUM ANALYZE idempotency_keys")
+        .execute(pool)
+        .await?;
+    sqlx::query("VACUUM ANALYZE idempotency_reservations")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// Scenario 5: live traffic (scenario 2 at c = 8) with and without the
+/// pruning job deleting a backlog of expired rows.
+async fn prune(env: &Env, res: &mut Results) -> anyhow::Result<()> {
+    let c = 8;
+    env.truncate().await?;
+    let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
+    res.record(
+        "prune-off c=8",
+        measure(env, api_pairs(env, addr, c)).await?,
+    );
+    proc.stop().await;
+
+    env.truncate().await?;
+    let t = Instant::now();
+    insert_expired(&env.pool, env.args.prune_rows).await?;
+    println!(
+        "  inserted {} expired rows in {:.1} s",
+        env.args.prune_rows,
+        t.elapsed().as_secs_f64()
+    );
+    // The job starts with the process and passes every second until the
+    // backlog is gone; the window lasts until then (at least `seconds`).
+    let started = Instant::now();
+    let (proc, addr) = env
+        .serve(
+            &env.bench_url,
+            &[("IDEMGATE_PRUNE_INTERVAL", "1".to_owned())],
+        )
+        .await?;
+    let pool = env.pool.clone();
+    let min = env.measure();
+    let pruned_in = Arc::new(std::sync::Mutex::new(None::<Duration>));
+    let pruned_at = pruned_in.clone();
+    let end = async move {
+        let window = Instant::now();
+        loop {
+            let left: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE tenant = 'expired')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(true);
+            if !left {
+                let mut at = pruned_at.lock().unwrap_or_else(|e| e.into_inner());
+                at.get_or_insert(started.elapsed());
+                if window.elapsed() >= min {
+                    return;
+                }
+            }
+            if window.elapsed() > Duration::from_secs(600) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    };
+    let before = proc.cpu_ticks();
+    let sample = load::run(api_pairs(env, addr, c), env.warmup(), end).await?;
+    res.record_with_cpu("prune-on c=8", sample, &proc, before);
+    proc.stop().await;
+    let took = *pruned_in.lock().unwrap_or_else(|e| e.into_inner());
+    match took {
+        Some(d) => {
+            let note = format!(
+                "{} expired rows (and their reservation ids) pruned in {:.1} s ({:.0} rows/s) while the live load ran",
+                env.args.prune_rows,
+                d.as_secs_f64(),
+                env.args.prune_rows as f64 / d.as_secs_f64()
+            );
+            println!("  {note}");
+            res.notes.push(note);
+        }
+        None => anyhow::bail!("the pruning job did not finish within 10 minutes"),
+    }
+    Ok(())
+}
+
+/// Scenario 6: scenarios 2 and 3 on the embedded SQLite store.
+async fn sqlite(env: &Env, res: &mut Results) -> anyhow::Result<()> {
+    for c in [8, 32] {
+        let url = |name: &str| format!("sqlite://{}", env.work.join(name).display());
+        let file = format!("pairs-{}.db", env.fresh_prefix());
+        let (proc, addr) = env.serve(&url(&file), &[]).await?;
+        let label = format!("sqlite-pair c={c}");
+        let before = proc.cpu_ticks();
+        let sample = measure(env, api_pairs(env, addr, c)).await?;
+        res.record_with_cpu(&label, sample, &proc, before);
+        proc.stop().await;
+
+        let file = format!("replays-{}.db", env.fresh_prefix());
+        let (proc, addr) = env.serve(&url(&file), &[]).await?;
+        let keys = populate_api(addr, &env.fresh_prefix(), env.args.replay_keys).await?;
+        let label = format!("sqlite-replay c={c}");
+        let before = proc.cpu_ticks();
+        let sample = measure(env, api_replays(addr, &keys, c)).await?;
+        res.record_with_cpu(&label, sample, &proc, before);
+        proc.stop().await;
+    }
+    Ok(())
+}
+
+/// Creates the benchmark database beside `admin_url` and returns its URL.
+async fn create_database(admin_url: &str) -> anyhow::Result<String> {
+    let options = PgConnectOptions::from_str(admin_url).context("DATABASE_URL")?;
+    let mut admin = options.connect().await.context("connect to PostgreSQL")?;
+    sqlx::query("DROP DATABASE IF EXISTS idemgate_bench WITH (FORCE)")
+        .execute(&mut admin)
+        .await?;
+    sqlx::query("CREATE DATABASE idemgate_bench")
+        .execute(&mut admin)
+        .await?;
+    let mut url = url::Url::parse(admin_url).context("DATABASE_URL")?;
+    url.set_path("/idemgate_bench");
+    Ok(url.to_string())
+}
+
+/// Runs the suite and returns its results and environment.
+pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
+    if args.smoke {
+        args.runs = 1;
+        args.seconds = args.seconds.min(0.5);
+        args.warmup = args.warmup.min(0.2);
+        args.prune_rows = args.prune_rows.min(5000);
+        args.replay_keys = args.replay_keys.min(50);
+    }
+    let idemgate = match &args.idemgate {
+        Some(p) => p.clone(),
+        None => procs::sibling("idemgate")?,
+    };
+    let idemgate = std::fs::canonicalize(&idemgate).with_context(|| {
+        format!(
+            "no idemgate binary at {} (build it with `cargo build --release`, or pass --idemgate)",
+            idemgate.display()
+        )
+    })?;
+    let ipx = args
+        .idempotent_proxy
+        .as_deref()
+        .and_then(|p| std::fs::canonicalize(p).ok());
+    let work = match &args.work_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::temp_dir().join(format!("idemgate-bench-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&work)?;
+
+    let bench_url = create_database(&args.database_url).await?;
+    let status = tokio::process::Command::new(&idemgate)
+        .arg("migrate")
+        .env("DATABASE_URL", &bench_url)
+        .status()
+        .await?;
+    anyhow::ensure!(status.success(), "idemgate migrate failed");
+    // The same pool size idemgate opens by default, so the bound is fair.
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&bench_url)
+        .await?;
+
+    let env = Env {
+        prefix: uuid::Uuid::new_v4().simple().to_string()[..12].to_owned(),
+        args,
+        idemgate,
+        ipx,
+        bench_url,
+        work,
+        pool,
+        counter: Default::default(),
+    };
+    let mut res = Results::default();
+    if env.ipx.is_none() && env.wants("proxy") {
+        res.notes.push(
+            "idempotent-proxy-server was not available: its comparison was skipped".to_owned(),
+        );
+    }
+
+    let origin_addr = procs::free_addr()?;
+    let mut origin = Proc::spawn(
+        "origin",
+        &std::env::current_exe()?,
+        &["origin", "--listen", &origin_addr.to_string()],
+        &[],
+        None,
+        &env.log("origin"),
+    )?;
+    origin.wait_ready(origin_addr, None).await?;
+
+    for run in 1..=env.args.runs {
+        println!("run {run} of {}", env.args.runs);
+        if env.wants("sql") {
+            sql_and_api(&env, &mut res).await?;
+        }
+        if env.wants("replay") {
+            replays(&env, &mut res).await?;
+        }
+        if env.wants("proxy") {
+            proxy(&env, origin_addr, &mut res).await?;
+        }
+        if env.wants("sqlite") {
+            sqlite(&env, &mut res).await?;
+        }
+        if env.wants("prune") {
+            prune(&env, &mut res).await?;
+        }
+    }
+    origin.stop().await;
+    Ok((env, res))
+}
