@@ -1,5 +1,12 @@
 //! The `idemgate` command line: parse, configure, call into the library.
 
+/// mimalloc instead of the system allocator: the request path allocates and
+/// frees many small buffers (headers, JSON, rows), and glibc's malloc, free and
+/// memmove were the largest user-space items in its profile. Only the binary
+/// chooses; the library leaves the allocator to whoever embeds it.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -2,6 +2,7 @@
 //! raw-SQL baselines, a small origin server, and the suite that runs every
 //! scenario and writes BENCHMARKS.md. `bench/run` builds and runs it.
 
+mod ab;
 mod http;
 mod load;
 mod origin;
@@ -29,6 +30,8 @@ enum Command {
     /// Drives one kind of load at a running server and prints what it
     /// measured: for profiling one path by hand.
     Load(LoadArgs),
+    /// Measures a change: two idemgate binaries side by side, loaded in turns.
+    Ab(ab::AbArgs),
     /// Serves the origin the proxy scenarios forward to: any POST gets a 201
     /// with a small JSON body.
     Origin {
@@ -96,6 +99,7 @@ async fn load(args: LoadArgs) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Load(args) => load(args).await,
+        Command::Ab(args) => ab::run(args).await,
         Command::Origin { listen } => origin::serve(listen).await,
         Command::Suite(args) => {
             let out = args.out.clone();
