@@ -54,7 +54,7 @@ struct Side {
 
 async fn start(
     name: &'static str,
-    bin: &PathBuf,
+    bin: &std::path::Path,
     args: &AbArgs,
     origin: SocketAddr,
     log: &std::path::Path,
@@ -88,7 +88,10 @@ async fn start(
 
 async fn turn(side: &mut Side, args: &AbArgs, round: usize) -> anyhow::Result<()> {
     let prefix = format!("ab-{}-{}-{round}", uuid::Uuid::new_v4().simple(), side.name);
-    let (warmup, measure) = (Duration::from_secs(1), Duration::from_secs_f64(args.seconds));
+    let (warmup, measure) = (
+        Duration::from_secs(1),
+        Duration::from_secs_f64(args.seconds),
+    );
     let before = side.proc.cpu_ticks();
     let sample: Sample = if args.kind == "api-pair" {
         let w = (0..args.concurrency)
@@ -136,8 +139,22 @@ pub async fn run(args: AbArgs) -> anyhow::Result<()> {
         &work.join("origin.log"),
     )?;
     origin.wait_ready(origin_addr, None).await?;
-    let mut a = start("before", &args.before, &args, origin_addr, &work.join("before.log")).await?;
-    let mut b = start("after", &args.after, &args, origin_addr, &work.join("after.log")).await?;
+    let mut a = start(
+        "before",
+        &args.before,
+        &args,
+        origin_addr,
+        &work.join("before.log"),
+    )
+    .await?;
+    let mut b = start(
+        "after",
+        &args.after,
+        &args,
+        origin_addr,
+        &work.join("after.log"),
+    )
+    .await?;
     for round in 0..args.rounds {
         // Alternate who goes first, so neither always follows the other.
         if round % 2 == 0 {
