@@ -43,7 +43,8 @@ enum Command {
 
 #[derive(clap::Args)]
 struct LoadArgs {
-    /// What to send: `api-pair` (reserve + commit on the reservation API) or
+    /// What to send: `api-pair` (reserve + commit on the reservation API),
+    /// `api-replay` (reserves of keys completed first, 1000 of them) or
     /// `proxy-new` (a POST with a new key through a proxy).
     #[arg(long)]
     kind: String,
@@ -82,7 +83,16 @@ async fn load(args: LoadArgs) -> anyhow::Result<()> {
                 .collect();
             load::run_for(w, warmup, measure).await?
         }
-        other => anyhow::bail!("--kind: expected api-pair or proxy-new, got {other:?}"),
+        "api-replay" => {
+            let keys = suite::populate_api(args.addr, &prefix, 1000).await?;
+            let w = (0..args.concurrency)
+                .map(|w| workers::ApiReplay::new(args.addr, keys.clone(), w))
+                .collect();
+            load::run_for(w, warmup, measure).await?
+        }
+        other => {
+            anyhow::bail!("--kind: expected api-pair, api-replay or proxy-new, got {other:?}")
+        }
     };
     println!(
         "{:.0}/s  p50 {:.3} ms  p99 {:.3} ms  ({} ops, {} errors)",

@@ -263,7 +263,7 @@ async fn measure<W: Worker>(env: &Env, workers: Vec<W>) -> anyhow::Result<Sample
 }
 
 /// Completes `n` keys through the reservation API and returns them.
-async fn populate_api(
+pub async fn populate_api(
     addr: SocketAddr,
     prefix: &str,
     n: usize,
