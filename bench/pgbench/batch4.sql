@@ -1,0 +1,4 @@
+-- Four keys per iteration, as group commit would send them: four
+-- reservations in one transaction, then their four commits in another.
+WITH ins AS (INSERT INTO idempotency_keys (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt, created_at, expires_at) SELECT 'pgbench', sha256((random()::text || g)::bytea), 'fp', 'in_flight', gen_random_uuid(), now() + interval '30 s', 1, now(), now() + interval '1 day' FROM generate_series(1, 4) g RETURNING key_hash) SELECT array_agg(encode(key_hash, 'hex'))::text AS ks FROM ins \gset
+UPDATE idempotency_keys SET state = 'completed', response_status = 201, response_headers = '[]', response_body = '\x00', completed_at = now(), lease_expires_at = NULL WHERE tenant = 'pgbench' AND key_hash = ANY (SELECT decode(x, 'hex') FROM unnest(:ks::text[]) x);
