@@ -123,7 +123,12 @@ pub async fn run_for<W: Worker>(
 ) -> anyhow::Result<Sample> {
     // An async block, so the window's clock starts after the warm-up, not
     // when this is called.
-    run(workers, warmup, async move { tokio::time::sleep(measure).await }).await
+    run(
+        workers,
+        warmup,
+        async move { tokio::time::sleep(measure).await },
+    )
+    .await
 }
 
 /// The median of some values (the mean of the middle two for an even count).

@@ -335,7 +335,11 @@ async fn sql_and_api(env: &Env, run: usize, res: &mut Results) -> anyhow::Result
     for c in [8, 32] {
         // Alternate which goes first, so that a slow drift of the machine
         // (a checkpoint, another tenant) does not always fall on one side.
-        for api_turn in if run % 2 == 1 { [false, true] } else { [true, false] } {
+        for api_turn in if run % 2 == 1 {
+            [false, true]
+        } else {
+            [true, false]
+        } {
             env.truncate().await?;
             if !api_turn {
                 res.record(
