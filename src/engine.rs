@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 pub use crate::replay_cache::{DEFAULT_REPLAY_CACHE_BYTES, ReplayCache};
+use crate::seal::{self, Sealer};
 use crate::store::{
     Claim, ClaimRequest, KeyState, Record, Recovery, Store, StoreError, StoredResponse,
 };
@@ -152,6 +153,8 @@ pub struct Engine {
     limits: Limits,
     waiters: Waiters,
     replay_cache: Option<ReplayCache>,
+    /// Seals responses before they reach the store (`IDEMGATE_SEAL_KEY`).
+    sealer: Option<Arc<Sealer>>,
 }
 
 // === impl Engine ===
@@ -165,6 +168,51 @@ impl Engine {
             limits,
             waiters: Waiters::default(),
             replay_cache: ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES),
+            sealer: None,
+        }
+    }
+
+    /// The same engine sealing stored responses with `sealer` (see
+    /// [`crate::seal`]); `None` stores them as they are. Records already
+    /// stored in the other form stay readable: unsealed ones always, sealed
+    /// ones under any of the sealer's keys.
+    pub fn with_sealer(mut self, sealer: Option<Sealer>) -> Engine {
+        self.sealer = sealer.map(Arc::new);
+        self
+    }
+
+    /// Whether responses are sealed at rest.
+    pub fn seals(&self) -> bool {
+        self.sealer.is_some()
+    }
+
+    /// Replaces a sealed response in `record` by the response it holds. A
+    /// record that cannot be opened is a store error: it is never replayed.
+    fn open(&self, record: &mut Record) -> Result<(), EngineError> {
+        let Some(response) = record.response.as_mut() else {
+            return Ok(());
+        };
+        if !seal::is_sealed(response) {
+            return Ok(());
+        }
+        let opened = match &self.sealer {
+            None => Err(seal::OpenError::NoKey),
+            Some(sealer) => sealer.open(&record.tenant, record.reservation_id, response),
+        };
+        match opened {
+            Ok(plain) => {
+                *response = plain;
+                Ok(())
+            }
+            Err(why) => {
+                tracing::error!(
+                    tenant = %record.tenant,
+                    key.hash = %hex::encode(&record.key_hash),
+                    error = %why,
+                    "a stored response cannot be opened; answering 500 instead of replaying it"
+                );
+                Err(StoreError::Other(format!("sealed response: {why}")))
+            }
         }
     }
 
@@ -242,7 +290,7 @@ impl Engine {
     async fn claim(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
         // Before the store call: the database reads its clock after this.
         let started = std::time::Instant::now();
-        let claim = self
+        let mut claim = self
             .store
             .reserve(&ClaimRequest {
                 tenant: req.tenant.clone(),
@@ -253,6 +301,7 @@ impl Engine {
                 ttl_seconds: req.ttl_seconds,
             })
             .await?;
+        self.open(&mut claim.record)?;
         if !claim.claimed {
             self.remember(&claim.record, started, claim.now);
         }
@@ -313,7 +362,19 @@ impl Engine {
     ) -> Result<CommitOutcome, EngineError> {
         // Before the store calls: the database reads its clock after this.
         let started = std::time::Instant::now();
-        if let Some(record) = self.store.complete(tenant, id, response).await? {
+        let sealed;
+        let to_store = match &self.sealer {
+            None => response,
+            Some(sealer) => {
+                sealed = sealer.seal(tenant, id, response);
+                &sealed
+            }
+        };
+        if let Some(mut record) = self.store.complete(tenant, id, to_store).await? {
+            if self.sealer.is_some() {
+                // What was just sealed: the replay cache holds the open form.
+                record.response = Some(response.clone());
+            }
             // `completed_at` is the database's clock at this commit.
             if let Some(completed_at) = record.completed_at {
                 self.remember(&record, started, completed_at);
@@ -324,7 +385,8 @@ impl Engine {
         let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
             return Ok(CommitOutcome::Refused(Refusal::NotFound));
         };
-        let record = found.record;
+        let mut record = found.record;
+        self.open(&mut record)?;
         Ok(match refusal_for(&record, id, found.now) {
             Refusal::AlreadyCompleted if record.response.as_ref() == Some(response) => {
                 // Its `completed_at` is an earlier commit's: the lookup's
@@ -370,7 +432,10 @@ impl Engine {
         recovery: &Recovery,
     ) -> Result<Result<Record, Refusal>, EngineError> {
         match self.store.checkpoint(tenant, id, recovery).await? {
-            Some(record) => Ok(Ok(record)),
+            Some(mut record) => {
+                self.open(&mut record)?;
+                Ok(Ok(record))
+            }
             None => self.refusal(tenant, id).await.map(Err),
         }
     }
@@ -382,9 +447,10 @@ impl Engine {
         tenant: &str,
         id: Uuid,
     ) -> Result<Option<(Record, Option<Refusal>)>, EngineError> {
-        let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
+        let Some(mut found) = self.store.find_by_reservation(tenant, id).await? else {
             return Ok(None);
         };
+        self.open(&mut found.record)?;
         let live = found.record.reservation_id == id
             && found.now < found.record.expires_at
             && found.record.state == KeyState::InFlight;

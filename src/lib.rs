@@ -13,6 +13,7 @@ pub mod layer;
 pub mod proxy;
 pub mod prune;
 pub mod replay_cache;
+pub mod seal;
 pub mod server;
 pub mod store;
 pub mod telemetry;

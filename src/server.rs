@@ -53,9 +53,17 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
 }
 
 /// The reservation API's state from its settings.
+///
+/// # Panics
+///
+/// When a seal setting is unusable: [`ServeArgs::validate`] refuses those
+/// first.
 pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
     AppState(Arc::new(App {
-        engine: args.run.engine(store, args.policy.limits()),
+        engine: args
+            .run
+            .engine(store, args.policy.limits())
+            .expect("seal settings are checked by ServeArgs::validate"),
         tokens: args.tokens.clone().unwrap_or_default(),
         key_policy: args.policy.key_policy(),
         fingerprint_policy: args.policy.fingerprint_policy(),
@@ -89,7 +97,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     api::serve(
         listener,
         api::router(state),
-        args.run.grace(),
+        args.run.serving(),
         api::shutdown_signal(),
     )
     .await?;

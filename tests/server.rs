@@ -22,7 +22,10 @@ async fn real_socket_and_graceful_shutdown() {
     let server = tokio::spawn(api::serve(
         listener,
         app.router.clone(),
-        Duration::from_secs(10),
+        api::Serving {
+            grace: Duration::from_secs(10),
+            header_read_timeout: Duration::from_secs(10),
+        },
         async move {
             let _ = stop_rx.await;
         },

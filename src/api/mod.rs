@@ -8,7 +8,6 @@ pub mod reservations;
 pub mod views;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
@@ -136,8 +135,37 @@ pub fn router(state: AppState) -> Router {
         .merge(Scalar::with_url("/docs", api))
         .fallback(|| async { problem::ApiError::NotFound("no such endpoint; see /docs".into()) })
         .layer(DefaultBodyLimit::max(envelope_limit))
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                refuse_declared_oversize(req, next, envelope_limit)
+            },
+        ))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// Answers `413 payload-too-large` at once when the declared
+/// `Content-Length` is over `limit`: the body limit alone would only trip
+/// after reading that much, and a client that declares a terabyte and sends
+/// a byte would hold its request open until it gave up.
+async fn refuse_declared_oversize(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+    limit: usize,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|len| len > u64::try_from(limit).unwrap_or(u64::MAX)) {
+        return problem::ApiError::PayloadTooLarge(format!(
+            "the declared Content-Length is over the limit of {limit} bytes"
+        ))
+        .into_response();
+    }
+    next.run(req).await
 }
 
 /// The operational endpoints alone — `/healthz`, `/readyz`, `/metrics` and
@@ -160,41 +188,87 @@ pub fn admin_router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves; then stops accepting,
-/// lets in-flight requests finish for up to `grace`, and returns.
+/// How a listener treats its connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Serving {
+    /// How long in-flight requests get to finish after the shutdown signal.
+    pub grace: Duration,
+    /// How long a client has to send a request's headers; a slower one's
+    /// connection is closed, so slow clients cannot hold connections open.
+    pub header_read_timeout: Duration,
+}
+
+/// Largest request head (request line and headers) a client may send; a
+/// bigger one is answered `431 Request Header Fields Too Large`.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Serves `app` on `listener` until `shutdown` resolves; then closes the
+/// listener at once, lets in-flight requests finish for up to `grace`, and
+/// returns.
+///
+/// hyper's connection builder is used directly rather than `axum::serve`,
+/// which sets no timer, so hyper's header read timeout never fired and a
+/// client that trickled its headers held its connection for ever.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
-    grace: Duration,
+    serving: Serving,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let (tx, rx) = tokio::sync::watch::channel(false);
-    // The peer address goes into every request (ConnectInfo): the proxy
-    // forwards it as X-Forwarded-For.
-    let app = app.into_make_service_with_connect_info::<SocketAddr>();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-        let mut rx = rx;
-        let _ = rx.wait_for(|stop| *stop).await;
-    });
-    let server = std::pin::pin!(server.into_future());
-    let shutdown = std::pin::pin!(shutdown);
-    let mut server = server;
-    tokio::select! {
-        res = &mut server => return res,
-        () = shutdown => {}
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(serving.header_read_timeout)
+        .max_header_size(MAX_HEAD_BYTES);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: say so, breathe,
+                    // go on serving the connections already open.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        // The peer address goes into every request (ConnectInfo): the proxy
+        // forwards it as X-Forwarded-For.
+        let service = tower::ServiceExt::map_request(
+            app.clone(),
+            move |mut req: http::Request<hyper::body::Incoming>| {
+                req.extensions_mut()
+                    .insert(axum::extract::ConnectInfo(peer));
+                req.map(axum::body::Body::new)
+            },
+        );
+        let conn = http.serve_connection(
+            hyper_util::rt::TokioIo::new(stream),
+            hyper_util::service::TowerToHyperService::new(service),
+        );
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
     }
+    drop(listener);
     tracing::info!(
-        grace_seconds = grace.as_secs(),
+        grace_seconds = serving.grace.as_secs(),
         "shutting down: finishing in-flight requests"
     );
-    let _ = tx.send(true);
-    match tokio::time::timeout(grace, server).await {
-        Ok(res) => res,
-        Err(_) => {
-            tracing::warn!("shutdown grace elapsed with requests still running");
-            Ok(())
-        }
+    if tokio::time::timeout(serving.grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown grace elapsed with requests still running");
     }
+    Ok(())
 }
 
 /// Resolves on SIGTERM or ctrl-c.

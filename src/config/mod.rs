@@ -17,6 +17,7 @@ use subtle::ConstantTimeEq;
 use crate::engine::{DEFAULT_REPLAY_CACHE_BYTES, Engine, Limits};
 use crate::fingerprint::{FingerprintPolicy, JsonPointer};
 use crate::key::{KeyFormat, KeyPolicy};
+use crate::seal::Sealer;
 
 /// Where the records live.
 #[derive(Debug, Clone, Args)]
@@ -61,10 +62,26 @@ pub struct RunArgs {
     #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE", default_value_t = 30)]
     pub shutdown_grace: u64,
 
+    /// Seconds a client has to send a request's headers before its
+    /// connection is closed (slow clients cannot hold connections open).
+    #[arg(long, env = "IDEMGATE_HEADER_READ_TIMEOUT", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_read_timeout: u64,
+
     /// Bytes of memory for completed responses, replayed from there without
     /// a database round trip until they expire (0 turns the cache off).
     #[arg(long, env = "IDEMGATE_REPLAY_CACHE_BYTES", default_value_t = DEFAULT_REPLAY_CACHE_BYTES)]
     pub replay_cache_bytes: u64,
+
+    /// Seals stored responses at rest (AES-256-GCM): 32 random bytes,
+    /// base64 (`openssl rand -base64 32`). New responses are sealed under it.
+    #[arg(long, env = "IDEMGATE_SEAL_KEY", hide_env_values = true)]
+    pub seal_key: Option<SecretString>,
+
+    /// Retired seal keys, comma-separated base64: responses sealed under them
+    /// still open, none is sealed under them any more.
+    #[arg(long, env = "IDEMGATE_SEAL_KEY_PREVIOUS", hide_env_values = true)]
+    pub seal_key_previous: Option<SecretString>,
 }
 
 // === impl RunArgs ===
@@ -88,10 +105,54 @@ impl RunArgs {
         Duration::from_secs(self.shutdown_grace)
     }
 
+    /// How the listeners treat their connections.
+    pub fn serving(&self) -> crate::api::Serving {
+        crate::api::Serving {
+            grace: self.grace(),
+            header_read_timeout: Duration::from_secs(self.header_read_timeout),
+        }
+    }
+
     /// The engine over `store` within `limits`, with this command's replay
-    /// cache.
-    pub fn engine(&self, store: std::sync::Arc<dyn crate::store::Store>, limits: Limits) -> Engine {
-        Engine::new(store, limits).with_replay_cache(self.replay_cache_bytes)
+    /// cache and seal keys.
+    pub fn engine(
+        &self,
+        store: std::sync::Arc<dyn crate::store::Store>,
+        limits: Limits,
+    ) -> Result<Engine, ConfigError> {
+        Ok(Engine::new(store, limits)
+            .with_replay_cache(self.replay_cache_bytes)
+            .with_sealer(self.sealer()?))
+    }
+
+    /// The sealer the seal settings describe, if `IDEMGATE_SEAL_KEY` is set;
+    /// an error naming the setting (never its value) if a key is unusable.
+    pub fn sealer(&self) -> Result<Option<Sealer>, ConfigError> {
+        let previous = self
+            .seal_key_previous
+            .as_ref()
+            .map(|p| p.expose_secret())
+            .filter(|p| !p.trim().is_empty());
+        let Some(current) = self
+            .seal_key
+            .as_ref()
+            .map(|k| k.expose_secret())
+            .filter(|k| !k.trim().is_empty())
+        else {
+            if previous.is_some() {
+                return Err(ConfigError {
+                    setting: "IDEMGATE_SEAL_KEY_PREVIOUS",
+                    problem: "is set without IDEMGATE_SEAL_KEY: set the current key too".into(),
+                });
+            }
+            return Ok(None);
+        };
+        Sealer::from_settings(current, previous)
+            .map(Some)
+            .map_err(|e| ConfigError {
+                setting: e.setting,
+                problem: e.problem,
+            })
     }
 }
 
@@ -359,6 +420,7 @@ impl ServeArgs {
                 ),
             });
         }
+        self.run.sealer()?;
         self.policy.validate()
     }
 }

@@ -71,7 +71,7 @@ impl Proxy {
             problem,
         })?;
         let policy = layer_policy(args, routes);
-        let engine = Arc::new(args.run.engine(store.clone(), args.policy.limits()));
+        let engine = Arc::new(args.run.engine(store.clone(), args.policy.limits())?);
         let admin = admin::router(store, args, &policy);
         let guarded = IdempotencyLayer::new(engine.clone(), policy).layer(client);
         let app = Router::new()
@@ -150,10 +150,10 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let grace = args.run.grace();
+    let serving = args.run.serving();
     let served = tokio::try_join!(
-        api::serve(listener, proxy.app, grace, until_stopped(stopped.clone())),
-        api::serve(admin, proxy.admin, grace, until_stopped(stopped)),
+        api::serve(listener, proxy.app, serving, until_stopped(stopped.clone())),
+        api::serve(admin, proxy.admin, serving, until_stopped(stopped)),
     );
     if let Some(p) = pruner {
         p.abort();

@@ -119,3 +119,60 @@ pub fn run_script_expecting(script: &str, expected: &[&str]) {
         at += found + want.len();
     }
 }
+
+/// Sends `signal` (`"KILL"`, `"TERM"`, `"STOP"`, `"CONT"`, …) to the process
+/// `pid` with kill(1) (the crate forbids `unsafe`, so no libc call).
+#[track_caller]
+pub fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .expect("kill(1) is installed");
+    assert!(status.success(), "kill -{signal} {pid} failed");
+}
+
+/// Waits up to `limit` for `child` to exit; `None` if it is still running.
+pub async fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let started = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if started.elapsed() >= limit {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Takes `child`'s piped stderr and reads it on a thread into the returned
+/// buffer, so a busy process never blocks on a full pipe (64 KiB of logs).
+pub fn drain_stderr(child: &mut Child) -> std::sync::Arc<std::sync::Mutex<String>> {
+    let buf = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    if let Some(pipe) = child.stderr.take() {
+        let sink = buf.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead as _;
+            for line in std::io::BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                let mut s = sink.lock().unwrap();
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+    }
+    buf
+}
+
+/// Counts `idempotency_keys` rows in `state` (`in_flight`, `completed`).
+pub async fn count_state(db: &TestDb, state: &str) -> i64 {
+    use sqlx::Connection as _;
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE state = $1")
+        .bind(state)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let _ = conn.close().await;
+    n
+}

@@ -53,18 +53,21 @@ impl TestProxy {
         let addr = listener.local_addr().unwrap();
         let base = format!("http://{addr}");
         let admin_base = format!("http://{}", admin.local_addr().unwrap());
-        let grace = Duration::from_secs(5);
+        let serving = api::Serving {
+            grace: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(10),
+        };
         let tasks = vec![
             tokio::spawn(api::serve(
                 listener,
                 proxy.app,
-                grace,
+                serving,
                 std::future::pending(),
             )),
             tokio::spawn(api::serve(
                 admin,
                 proxy.admin,
-                grace,
+                serving,
                 std::future::pending(),
             )),
         ];
@@ -186,6 +189,12 @@ pub struct ProxyProcess {
 
 impl ProxyProcess {
     pub async fn start(db: &TestDb, upstream: &str) -> ProxyProcess {
+        ProxyProcess::start_with(db, upstream, &[]).await
+    }
+
+    /// As [`ProxyProcess::start`], with extra `proxy` flags (e.g.
+    /// `--upstream-timeout 2`).
+    pub async fn start_with(db: &TestDb, upstream: &str, extra: &[&str]) -> ProxyProcess {
         let (port, admin) = (super::bin::free_port(), super::bin::free_port());
         let child = super::bin::idemgate(db)
             .env_remove("IDEMGATE_UPSTREAM")
@@ -193,6 +202,7 @@ impl ProxyProcess {
             .args(["proxy", "--upstream", upstream])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .args(extra)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -215,6 +225,11 @@ impl ProxyProcess {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// `http://127.0.0.1:PORT` of the proxy listener.
+    pub fn base(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
     }
 
     pub fn stderr(&mut self) -> String {

@@ -165,6 +165,34 @@ async fn echo(method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Resp
     .into_response()
 }
 
+/// [`router`] plus `/numbered/{ms}`: sleeps `ms`, then answers 201
+/// `{"execution": n, "slept_ms": ms}` where `n` counts the executions of this
+/// route with the request's `Idempotency-Key` (1 for the first), so two
+/// executions of one key give two different bodies.
+pub fn numbered_router(counts: Arc<Counts>) -> Router {
+    let numbered = Router::new()
+        .route("/numbered/{ms}", any(numbered))
+        .layer(axum::middleware::from_fn_with_state(counts.clone(), count))
+        .with_state(counts.clone());
+    router(counts).merge(numbered)
+}
+
+async fn numbered(
+    State(counts): State<Arc<Counts>>,
+    Path(ms): Path<u64>,
+    headers: HeaderMap,
+) -> Response {
+    let key = headers
+        .get("idempotency-key")
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default();
+    // `count` has already counted this request as started.
+    let n = counts.started(&key);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    let doc = json!({ "execution": n, "slept_ms": ms });
+    (StatusCode::CREATED, axum::Json(doc)).into_response()
+}
+
 /// The origin, served on a real socket until dropped.
 pub struct Upstream {
     pub addr: SocketAddr,
@@ -184,6 +212,20 @@ impl Upstream {
         let addr = listener.local_addr().unwrap();
         let counts = Arc::new(Counts::default());
         let app = router(counts.clone());
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Upstream { addr, counts, task }
+    }
+
+    /// As [`Upstream::start`], serving [`numbered_router`].
+    pub async fn start_numbered() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the upstream");
+        let addr = listener.local_addr().unwrap();
+        let counts = Arc::new(Counts::default());
+        let app = numbered_router(counts.clone());
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });

@@ -1,0 +1,324 @@
+//! Stored responses sealed at rest (SPEC §8: `IDEMGATE_SEAL_KEY`,
+//! AES-256-GCM), so that a database dump reveals no response header or body.
+//!
+//! No schema change: a sealed response keeps its status in the clear and
+//! stores one marker header, `@idemgate-sealed: v1 key=<key id>`, with the
+//! sealed blob as its body. `@` is not a valid character in an HTTP field
+//! name, so no real response carries that header. The blob is
+//!
+//! ```text
+//! version (1 byte, 1) | key id (8 bytes) | nonce (12 bytes, random) | AES-256-GCM ciphertext + tag
+//! ```
+//!
+//! where the key id is the first 8 bytes of SHA-256 of the key (it tells the
+//! configured keys apart; it does not reveal the key) and the plaintext is the
+//! header list as JSON, its length first (4 bytes, big-endian), then the body.
+//! The associated data binds the format version, the status, the tenant and
+//! the reservation id that completed the record (unique per record, stored in
+//! the same row): a blob moved to another record, or a status edited in the
+//! database, fails to open. A blob that cannot be opened (unknown key,
+//! tampered bytes) is an error, never replayed.
+
+use aes_gcm::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
+use aes_gcm::{Aes256Gcm, Nonce};
+use base64::Engine as _;
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use crate::store::StoredResponse;
+
+/// The name of the marker header of a sealed response.
+pub const SEALED_HEADER: &str = "@idemgate-sealed";
+
+const VERSION: u8 = 1;
+const KEY_ID_LEN: usize = 8;
+const NONCE_LEN: usize = 12;
+const PREFIX_LEN: usize = 1 + KEY_ID_LEN + NONCE_LEN;
+
+/// Whether `response` is in sealed form. Cheap: looks at the first header name.
+pub fn is_sealed(response: &StoredResponse) -> bool {
+    response
+        .headers
+        .first()
+        .is_some_and(|(name, _)| name == SEALED_HEADER)
+}
+
+/// The key id of a sealed response, in hex, as its marker header names it.
+pub fn sealed_key_id(response: &StoredResponse) -> Option<&str> {
+    let (name, value) = response.headers.first()?;
+    (name == SEALED_HEADER)
+        .then(|| value.strip_prefix("v1 key="))
+        .flatten()
+}
+
+/// Why a sealed response could not be opened. Never holds key material.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum OpenError {
+    /// The record was sealed, but this process has no seal key.
+    #[error("the stored response is sealed but no IDEMGATE_SEAL_KEY is configured")]
+    NoKey,
+    /// Sealed under a key that is neither the seal key nor a previous one.
+    #[error(
+        "the stored response is sealed under key id {0}, which is neither IDEMGATE_SEAL_KEY nor in IDEMGATE_SEAL_KEY_PREVIOUS"
+    )]
+    UnknownKey(String),
+    /// The blob is malformed, tampered with, or moved from another record.
+    #[error("the sealed response failed authentication (tampered with, truncated or moved)")]
+    Corrupt,
+}
+
+struct SealKey {
+    id: [u8; KEY_ID_LEN],
+    cipher: Aes256Gcm,
+}
+
+impl SealKey {
+    fn new(key: &[u8; 32]) -> SealKey {
+        let digest = Sha256::digest(key);
+        let mut id = [0u8; KEY_ID_LEN];
+        id.copy_from_slice(&digest[..KEY_ID_LEN]);
+        SealKey {
+            id,
+            cipher: Aes256Gcm::new(key.into()),
+        }
+    }
+}
+
+/// Seals responses under the current key and opens them under it or a
+/// previous one. `Debug` shows key ids only.
+pub struct Sealer {
+    current: SealKey,
+    previous: Vec<SealKey>,
+}
+
+impl std::fmt::Debug for Sealer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sealer")
+            .field("key_id", &self.key_id())
+            .field("previous", &self.previous.len())
+            .finish()
+    }
+}
+
+/// A seal setting that cannot be used: which one, and why (never its value).
+#[derive(Debug, PartialEq, Eq)]
+pub struct KeyError {
+    /// `IDEMGATE_SEAL_KEY` or `IDEMGATE_SEAL_KEY_PREVIOUS`.
+    pub setting: &'static str,
+    /// What is wrong.
+    pub problem: String,
+}
+
+/// Decodes one base64 key of exactly 32 bytes.
+fn decode_key(setting: &'static str, text: &str) -> Result<[u8; 32], KeyError> {
+    let text = text.trim();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(text))
+        .map_err(|_| KeyError {
+            setting,
+            problem: "not valid base64 (expected 32 random bytes, base64-encoded: \
+                      `openssl rand -base64 32`)"
+                .into(),
+        })?;
+    <[u8; 32]>::try_from(bytes.as_slice()).map_err(|_| KeyError {
+        setting,
+        problem: format!(
+            "decodes to {} bytes; an AES-256 key is exactly 32 bytes (`openssl rand -base64 32`)",
+            bytes.len()
+        ),
+    })
+}
+
+impl Sealer {
+    /// A sealer that seals under `current` and also opens under `previous`.
+    pub fn new(current: &[u8; 32], previous: &[[u8; 32]]) -> Sealer {
+        Sealer {
+            current: SealKey::new(current),
+            previous: previous.iter().map(SealKey::new).collect(),
+        }
+    }
+
+    /// A sealer from the settings' text: `current` base64, `previous`
+    /// comma-separated base64 keys (empty entries ignored).
+    pub fn from_settings(current: &str, previous: Option<&str>) -> Result<Sealer, KeyError> {
+        let current = decode_key("IDEMGATE_SEAL_KEY", current)?;
+        let previous = previous
+            .unwrap_or_default()
+            .split(',')
+            .filter(|k| !k.trim().is_empty())
+            .map(|k| decode_key("IDEMGATE_SEAL_KEY_PREVIOUS", k))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Sealer::new(&current, &previous))
+    }
+
+    /// The current key's id, in hex.
+    pub fn key_id(&self) -> String {
+        hex::encode(self.current.id)
+    }
+
+    fn aad(status: u16, tenant: &str, reservation_id: Uuid) -> Vec<u8> {
+        let mut aad = Vec::with_capacity(32 + tenant.len());
+        aad.extend_from_slice(b"idemgate-seal");
+        aad.push(VERSION);
+        aad.extend_from_slice(&status.to_be_bytes());
+        aad.extend_from_slice(&(tenant.len() as u64).to_be_bytes());
+        aad.extend_from_slice(tenant.as_bytes());
+        aad.extend_from_slice(reservation_id.as_bytes());
+        aad
+    }
+
+    /// The sealed form of `response`, for the record of `tenant` completed by
+    /// `reservation_id`.
+    pub fn seal(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        response: &StoredResponse,
+    ) -> StoredResponse {
+        let headers =
+            serde_json::to_vec(&response.headers).expect("a list of string pairs serializes");
+        let mut plain = Vec::with_capacity(4 + headers.len() + response.body.len());
+        plain.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+        plain.extend_from_slice(&headers);
+        plain.extend_from_slice(&response.body);
+        let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
+        let aad = Self::aad(response.status, tenant, reservation_id);
+        let sealed = self
+            .current
+            .cipher
+            .encrypt(
+                &nonce,
+                Payload {
+                    msg: &plain,
+                    aad: &aad,
+                },
+            )
+            .expect("AES-GCM encryption of an in-memory buffer cannot fail");
+        let mut body = Vec::with_capacity(PREFIX_LEN + sealed.len());
+        body.push(VERSION);
+        body.extend_from_slice(&self.current.id);
+        body.extend_from_slice(&nonce);
+        body.extend_from_slice(&sealed);
+        StoredResponse {
+            status: response.status,
+            headers: vec![(
+                SEALED_HEADER.to_owned(),
+                format!("v1 key={}", self.key_id()),
+            )],
+            body,
+        }
+    }
+
+    /// The response that `sealed` (in sealed form) holds.
+    pub fn open(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        sealed: &StoredResponse,
+    ) -> Result<StoredResponse, OpenError> {
+        let blob = &sealed.body;
+        if blob.len() < PREFIX_LEN || blob[0] != VERSION {
+            return Err(OpenError::Corrupt);
+        }
+        let id = &blob[1..1 + KEY_ID_LEN];
+        let key = std::iter::once(&self.current)
+            .chain(&self.previous)
+            .find(|k| k.id == id)
+            .ok_or_else(|| OpenError::UnknownKey(hex::encode(id)))?;
+        let nonce: [u8; NONCE_LEN] = blob[1 + KEY_ID_LEN..PREFIX_LEN]
+            .try_into()
+            .map_err(|_| OpenError::Corrupt)?;
+        let nonce = Nonce::from(nonce);
+        let aad = Self::aad(sealed.status, tenant, reservation_id);
+        let plain = key
+            .cipher
+            .decrypt(
+                &nonce,
+                Payload {
+                    msg: &blob[PREFIX_LEN..],
+                    aad: &aad,
+                },
+            )
+            .map_err(|_| OpenError::Corrupt)?;
+        let (len, rest) = plain.split_at_checked(4).ok_or(OpenError::Corrupt)?;
+        let len = u32::from_be_bytes(len.try_into().map_err(|_| OpenError::Corrupt)?) as usize;
+        let (headers, body) = rest.split_at_checked(len).ok_or(OpenError::Corrupt)?;
+        let headers = serde_json::from_slice(headers).map_err(|_| OpenError::Corrupt)?;
+        Ok(StoredResponse {
+            status: sealed.status,
+            headers,
+            body: body.to_vec(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn response() -> StoredResponse {
+        StoredResponse {
+            status: 201,
+            headers: vec![("x-secret".into(), "hdr-value".into())],
+            body: b"secret body".to_vec(),
+        }
+    }
+
+    #[test]
+    fn round_trip_and_binding() {
+        let a = Sealer::new(&[1; 32], &[]);
+        let id = Uuid::new_v4();
+        let sealed = a.seal("acme", id, &response());
+        assert!(is_sealed(&sealed));
+        assert_eq!(sealed_key_id(&sealed), Some(a.key_id().as_str()));
+        assert_eq!(a.open("acme", id, &sealed).unwrap(), response());
+        // Another tenant, another record, another status: refused.
+        assert_eq!(a.open("globex", id, &sealed), Err(OpenError::Corrupt));
+        assert_eq!(
+            a.open("acme", Uuid::new_v4(), &sealed),
+            Err(OpenError::Corrupt)
+        );
+        let mut status = sealed.clone();
+        status.status = 200;
+        assert_eq!(a.open("acme", id, &status), Err(OpenError::Corrupt));
+        // Every single-byte change is detected.
+        for i in 0..sealed.body.len() {
+            let mut t = sealed.clone();
+            t.body[i] ^= 0x01;
+            assert!(a.open("acme", id, &t).is_err(), "byte {i}");
+        }
+        let mut short = sealed.clone();
+        short.body.truncate(5);
+        assert_eq!(a.open("acme", id, &short), Err(OpenError::Corrupt));
+    }
+
+    #[test]
+    fn rotation_opens_previous_keys_only() {
+        let id = Uuid::new_v4();
+        let old = Sealer::new(&[1; 32], &[]).seal("t", id, &response());
+        let rotated = Sealer::new(&[2; 32], &[[1; 32]]);
+        assert_eq!(rotated.open("t", id, &old).unwrap(), response());
+        let new = rotated.seal("t", id, &response());
+        assert_eq!(sealed_key_id(&new), Some(rotated.key_id().as_str()));
+        let only_b = Sealer::new(&[2; 32], &[]);
+        assert!(matches!(
+            only_b.open("t", id, &old),
+            Err(OpenError::UnknownKey(_))
+        ));
+    }
+
+    #[test]
+    fn settings_are_checked_without_echoing_them() {
+        let good = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+        assert!(Sealer::from_settings(&good, Some(&format!("{good}, {good}"))).is_ok());
+        let e = Sealer::from_settings("not base64!!", None).unwrap_err();
+        assert_eq!(e.setting, "IDEMGATE_SEAL_KEY");
+        assert!(!e.problem.contains("not base64!!"));
+        let short = base64::engine::general_purpose::STANDARD.encode([7u8; 16]);
+        let e = Sealer::from_settings(&short, None).unwrap_err();
+        assert!(e.problem.contains("16 bytes"), "{}", e.problem);
+        let e = Sealer::from_settings(&good, Some(&short)).unwrap_err();
+        assert_eq!(e.setting, "IDEMGATE_SEAL_KEY_PREVIOUS");
+    }
+}
