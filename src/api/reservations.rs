@@ -36,7 +36,7 @@ const MODE: &str = "api";
     path = "/v1/reservations",
     tag = "reservations",
     params(
-        ("Idempotency-Key" = String, Header, description = "The key: an RFC 8941 sf-string (a bare token is accepted unless strict mode is on)."),
+        ("Idempotency-Key" = String, Header, min_length = 1, description = "The key: an RFC 8941 sf-string (a bare token is accepted unless strict mode is on)."),
         ("Prefer" = Option<String>, Header, description = "`wait=N`: hold the request up to N seconds (capped) while another holder is in flight."),
     ),
     request_body(content = Option<ReserveBody>, content_type = "application/json"),
@@ -295,9 +295,9 @@ pub async fn checkpoint_reservation(
     ApiJson(body): ApiJson<Recovery>,
 ) -> Result<axum::Json<RecordView>> {
     let id = reservation_id(&id)?;
-    if body.recovery_point.is_empty() || body.recovery_point.len() > 255 {
+    if body.recovery_point.is_empty() || body.recovery_point.chars().count() > 255 {
         return Err(ApiError::InvalidRequest(
-            "recovery_point must hold 1 to 255 bytes".into(),
+            "recovery_point must hold 1 to 255 characters".into(),
         ));
     }
     let data_len = body.data.as_ref().map_or(0, |d| d.to_string().len());

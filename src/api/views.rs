@@ -18,12 +18,15 @@ use crate::store::{KeyState, Record, Recovery, StoredResponse};
 #[serde(deny_unknown_fields)]
 pub struct ReserveBody {
     /// An opaque fingerprint the caller computed (at most 512 characters).
+    #[schema(min_length = 1, max_length = 512)]
     pub fingerprint: Option<String>,
     /// The request, for idemgate to fingerprint (SPEC §3).
     pub request: Option<RequestDescription>,
     /// Lease in seconds (1..=max, default 30).
+    #[schema(minimum = 1)]
     pub lease_seconds: Option<u32>,
     /// Seconds the key is remembered, from now (1..=max, default 86400).
+    #[schema(minimum = 1)]
     pub ttl_seconds: Option<u32>,
 }
 
@@ -35,8 +38,10 @@ pub struct RequestDescription {
     pub method: String,
     /// Path with its query.
     pub path: String,
-    /// JSON body, canonicalised (RFC 8785) with the ignored pointers left out.
-    #[schema(value_type = Object, nullable)]
+    /// JSON body (any JSON value), canonicalised (RFC 8785) with the ignored
+    /// pointers left out.
+    #[serde(default)]
+    #[schema(value_type = Value, required = false)]
     pub body: Option<serde_json::Value>,
 }
 
@@ -65,7 +70,7 @@ pub struct ResponseView {
     /// HTTP status.
     pub status: u16,
     /// Header lines as `[name, value]` pairs.
-    #[schema(value_type = Vec<Vec<String>>)]
+    #[schema(schema_with = header_lines)]
     pub headers: Vec<(String, String)>,
     /// The body, when it is UTF-8 text.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -94,10 +99,11 @@ pub struct CompletedView {
 #[serde(deny_unknown_fields)]
 pub struct CommitBody {
     /// HTTP status (100..=599).
+    #[schema(minimum = 100, maximum = 599)]
     pub status: u16,
     /// Header lines as `[name, value]` pairs.
     #[serde(default)]
-    #[schema(value_type = Vec<Vec<String>>)]
+    #[schema(schema_with = header_lines)]
     pub headers: Vec<(String, String)>,
     /// The body as text.
     pub body: Option<String>,
@@ -110,6 +116,7 @@ pub struct CommitBody {
 #[serde(deny_unknown_fields)]
 pub struct ExtendBody {
     /// New lease, counted from now (default: the default lease).
+    #[schema(minimum = 1)]
     pub lease_seconds: Option<u32>,
 }
 
@@ -200,4 +207,18 @@ pub(super) fn record_view(id: Uuid, record: &Record, live: bool) -> RecordView {
         completed_at: record.completed_at,
         expires_at: record.expires_at,
     }
+}
+
+/// The schema of header lines: an array of `[name, value]` pairs, each
+/// exactly two strings.
+fn header_lines() -> utoipa::openapi::schema::Array {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    let pair = ArrayBuilder::new()
+        .items(ObjectBuilder::new().schema_type(Type::String))
+        .min_items(Some(2))
+        .max_items(Some(2));
+    ArrayBuilder::new()
+        .items(pair)
+        .description(Some("Header lines as `[name, value]` pairs."))
+        .build()
 }

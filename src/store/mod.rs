@@ -81,10 +81,12 @@ impl StoredResponse {
 /// takes the key over after a crash.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Recovery {
-    /// The name of the last step that completed.
+    /// The name of the last step that completed (1 to 255 characters).
+    #[schema(min_length = 1, max_length = 255)]
     pub recovery_point: String,
-    /// Whatever the holder needs to resume from that step.
-    #[schema(value_type = Object, nullable)]
+    /// Whatever the holder needs to resume from that step: any JSON value.
+    #[serde(default)]
+    #[schema(value_type = Value, required = false)]
     pub data: Option<serde_json::Value>,
 }
 
