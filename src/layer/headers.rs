@@ -43,7 +43,10 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
 /// The header lines of a response worth storing for replay: no hop-by-hop
 /// header, none on the deny list, no `Content-Length` (the replay's body
 /// decides it), and none of idemgate's own replay headers.
-pub(crate) fn storable(headers: &HeaderMap, deny: &[HeaderName]) -> Vec<(String, String)> {
+///
+/// Public only for the fuzz targets (`fuzz/`); not part of the API.
+#[doc(hidden)]
+pub fn storable(headers: &HeaderMap, deny: &[HeaderName]) -> Vec<(String, String)> {
     let mut headers = headers.clone();
     strip_connection_headers(&mut headers);
     for name in deny.iter().chain(&[
