@@ -393,45 +393,35 @@ async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Resu
 
         env.truncate().await?;
         let (proc, addr) = env.proxy(origin).await?;
-        let fresh = Keys::Fresh(env.fresh_prefix());
-        let label = format!("idemgate-new c={c}");
-        let before = proc.cpu_ticks();
-        let sample = measure(env, posts(addr, "/v1/charges", &fresh, c)).await?;
-        res.record_with_cpu(&label, sample, &proc, before);
-        let keys = populate_proxy(
-            addr,
-            "/v1/charges",
-            &env.fresh_prefix(),
-            env.args.replay_keys,
-        )
-        .await?;
-        let label = format!("idemgate-replay c={c}");
-        let before = proc.cpu_ticks();
-        let sample = measure(env, posts(addr, "/v1/charges", &Keys::Replay(keys), c)).await?;
-        res.record_with_cpu(&label, sample, &proc, before);
-        proc.stop().await;
-
+        proxy_door(env, "idemgate", proc, addr, "/v1/charges", c, res).await?;
         if let Some(bin) = &env.ipx {
             let (proc, addr) = env.ipx(bin, origin).await?;
-            let fresh = Keys::Fresh(env.fresh_prefix());
-            let label = format!("ipx-new c={c}");
-            let before = proc.cpu_ticks();
-            let sample = measure(env, posts(addr, "/URL_ORIGIN", &fresh, c)).await?;
-            res.record_with_cpu(&label, sample, &proc, before);
-            let keys = populate_proxy(
-                addr,
-                "/URL_ORIGIN",
-                &env.fresh_prefix(),
-                env.args.replay_keys,
-            )
-            .await?;
-            let label = format!("ipx-replay c={c}");
-            let before = proc.cpu_ticks();
-            let sample = measure(env, posts(addr, "/URL_ORIGIN", &Keys::Replay(keys), c)).await?;
-            res.record_with_cpu(&label, sample, &proc, before);
-            proc.stop().await;
+            proxy_door(env, "ipx", proc, addr, "/URL_ORIGIN", c, res).await?;
         }
     }
+    Ok(())
+}
+
+/// New keys, then replays, through one proxy process (`{name}-new`,
+/// `{name}-replay`); stops it after.
+async fn proxy_door(
+    env: &Env,
+    name: &str,
+    proc: Proc,
+    addr: SocketAddr,
+    path: &str,
+    c: usize,
+    res: &mut Results,
+) -> anyhow::Result<()> {
+    let fresh = Keys::Fresh(env.fresh_prefix());
+    let before = proc.cpu_ticks();
+    let sample = measure(env, posts(addr, path, &fresh, c)).await?;
+    res.record_with_cpu(&format!("{name}-new c={c}"), sample, &proc, before);
+    let keys = populate_proxy(addr, path, &env.fresh_prefix(), env.args.replay_keys).await?;
+    let before = proc.cpu_ticks();
+    let sample = measure(env, posts(addr, path, &Keys::Replay(keys), c)).await?;
+    res.record_with_cpu(&format!("{name}-replay c={c}"), sample, &proc, before);
+    proc.stop().await;
     Ok(())
 }
 
