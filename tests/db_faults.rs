@@ -7,11 +7,13 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::app::{TestApp, fresh_key};
-use common::pg::TestDb;
+use common::pg::{TempCluster, TestDb};
 use idemgate::store::postgres::PgSettings;
+use sha2::{Digest, Sha256};
 use sqlx::Connection;
 
 /// Another session that holds every row of `idempotency_keys` locked until
@@ -111,4 +113,179 @@ async fn every_connection_busy_gives_a_503_after_the_acquire_timeout() {
 
     release(locker).await;
     assert_eq!(app.reserve(&fresh_key(), "{}").await.status, 201);
+}
+
+/// What a worker saw while the database misbehaved.
+#[derive(Default)]
+struct Tally {
+    /// Keys whose commit was answered 200: they must survive anything.
+    acknowledged: Vec<String>,
+    /// 503 store-unavailable answers.
+    unavailable: usize,
+    /// Anything else (a 500, a lost reservation's 404, …): must stay empty.
+    unexpected: Vec<(u16, String)>,
+}
+
+/// Reserve + commit of fresh keys until `stop`, each commit's body naming
+/// its key.
+async fn load(app: Arc<TestApp>, stop: Arc<AtomicBool>) -> Tally {
+    let mut tally = Tally::default();
+    while !stop.load(Ordering::Relaxed) {
+        let key = fresh_key();
+        let res = app.reserve(&key, "").await;
+        match res.status.as_u16() {
+            201 => {}
+            503 => {
+                tally.unavailable += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+            other => {
+                tally
+                    .unexpected
+                    .push((other, format!("reserve: {:?}", res.body)));
+                continue;
+            }
+        }
+        let id = res.reservation_id();
+        let body = format!(r#"{{"status":201,"body":"stored {key}"}}"#);
+        let done = app.act(&id, "commit", &body).await;
+        match done.status.as_u16() {
+            200 => tally.acknowledged.push(key),
+            // Maybe stored, maybe not: nobody was told it was.
+            503 => tally.unavailable += 1,
+            other => tally
+                .unexpected
+                .push((other, format!("commit: {:?}", done.body))),
+        }
+    }
+    tally
+}
+
+/// Runs `fault` against `cluster` while eight clients reserve and commit,
+/// then checks: no answer but 2xx and 503, recovery within 5 s of the fault's
+/// end, and every commit answered 200 replayed from the database afterwards
+/// (the replay cache is off, so the replay is read from the database).
+async fn under_load<F, Fut>(cluster: &TempCluster, fault: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let settings = PgSettings {
+        acquire_timeout: Duration::from_secs(1),
+        ..PgSettings::default()
+    };
+    let app = Arc::new(
+        TestApp::with_settings(&cluster.url(), &["--replay-cache-bytes", "0"], settings).await,
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(load(app.clone(), stop.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    fault().await;
+    let back = Instant::now();
+    let recovered = loop {
+        if bounded(app.reserve(&fresh_key(), "")).await.status == 201 {
+            break back.elapsed();
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(5),
+            "not recovered within 5 s of the fault's end"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Tally::default();
+    for w in workers {
+        let t = bounded(w).await.expect("worker");
+        all.acknowledged.extend(t.acknowledged);
+        all.unavailable += t.unavailable;
+        all.unexpected.extend(t.unexpected);
+    }
+    assert!(
+        all.unexpected.is_empty(),
+        "answers other than 2xx and 503: {:?}",
+        all.unexpected
+    );
+    assert!(!all.acknowledged.is_empty(), "the load made no progress");
+    // Every acknowledged commit is in the database with its response…
+    let hashes: Vec<Vec<u8>> = all
+        .acknowledged
+        .iter()
+        .map(|k| Sha256::digest(k.as_bytes()).to_vec())
+        .collect();
+    let bodies: Vec<Vec<u8>> = all
+        .acknowledged
+        .iter()
+        .map(|k| format!("stored {k}").into_bytes())
+        .collect();
+    let mut conn = sqlx::PgConnection::connect(&cluster.url())
+        .await
+        .expect("connect");
+    let found: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM unnest($1::bytea[], $2::bytea[]) AS a(key_hash, body)
+           JOIN idempotency_keys k ON k.tenant = 'default' AND k.key_hash = a.key_hash
+          WHERE k.state = 'completed' AND k.response_body = a.body",
+    )
+    .bind(&hashes)
+    .bind(&bodies)
+    .fetch_one(&mut conn)
+    .await
+    .expect("count");
+    assert_eq!(
+        usize::try_from(found).unwrap(),
+        all.acknowledged.len(),
+        "acknowledged commits were lost"
+    );
+    // …and replays through the API (a sample; the cache is off).
+    for key in all
+        .acknowledged
+        .iter()
+        .step_by(all.acknowledged.len() / 20 + 1)
+    {
+        let replay = app.reserve(key, "").await;
+        assert_eq!(
+            replay.status, 200,
+            "an acknowledged commit was lost: {replay:#?}"
+        );
+        assert_eq!(replay.body["response"]["body"], format!("stored {key}"));
+    }
+    println!(
+        "{} commits acknowledged and all found after the fault; {} answers 503; recovered {recovered:?} after it",
+        all.acknowledged.len(),
+        all.unavailable
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_under_load_loses_no_acknowledged_commit() {
+    let cluster = TempCluster::start().await.expect("a private PostgreSQL");
+    under_load(&cluster, || async {
+        cluster.stop().await.expect("stop");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cluster.restart().await.expect("restart");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_connections_under_load_lose_no_acknowledged_commit() {
+    let cluster = TempCluster::start().await.expect("a private PostgreSQL");
+    let url = cluster.url();
+    under_load(&cluster, || async move {
+        let mut admin = sqlx::PgConnection::connect(&url).await.expect("connect");
+        for _ in 0..3 {
+            sqlx::query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                  WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            .execute(&mut admin)
+            .await
+            .expect("terminate");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    })
+    .await;
 }
