@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::app::{TestApp, fresh_key};
 use common::pg::{TempCluster, TestDb};
+use common::proxy::TestProxy;
+use common::upstream::Upstream;
 use idemgate::store::postgres::PgSettings;
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -288,4 +290,108 @@ async fn terminated_connections_under_load_lose_no_acknowledged_commit() {
         }
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_under_a_restart_forwards_nothing_it_could_not_record() {
+    let cluster = TempCluster::start().await.expect("a private PostgreSQL");
+    let upstream = Upstream::start().await;
+    let proxy = Arc::new(
+        TestProxy::start(
+            &cluster.url(),
+            &upstream.url(),
+            &["--db-acquire-timeout", "1", "--replay-cache-bytes", "0"],
+            vec![],
+        )
+        .await,
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let (proxy, stop) = (proxy.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let key = fresh_key();
+                    let res = proxy.post("/ok", &key, r#"{"amount":1}"#).await;
+                    if res.status == 503 {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    answers.push((key, res.status.as_u16()));
+                }
+                answers
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.stop().await.expect("stop");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.restart().await.expect("restart");
+    let back = Instant::now();
+    while !bounded(proxy.post("/ok", &fresh_key(), "{}"))
+        .await
+        .status
+        .is_success()
+    {
+        assert!(
+            back.elapsed() < Duration::from_secs(5),
+            "not recovered within 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut answers = Vec::new();
+    for w in workers {
+        answers.extend(bounded(w).await.expect("worker"));
+    }
+    let (mut forwarded, mut refused) = (Vec::new(), 0usize);
+    for (key, status) in answers {
+        match status {
+            // Refused: the key could not be recorded, so it went nowhere.
+            503 => {
+                assert_eq!(
+                    upstream.started(&key),
+                    0,
+                    "forwarded a request it could not record"
+                );
+                refused += 1;
+            }
+            s if (200..300).contains(&s) => {
+                assert_eq!(upstream.started(&key), 1, "executed {s} more than once");
+                forwarded.push(key);
+            }
+            other => panic!("answered {other}: only the origin's answer or 503 may come back"),
+        }
+    }
+    assert!(
+        refused > 0,
+        "the outage was not felt: the test proves nothing"
+    );
+    // Every forwarded request's response is (or becomes, once a commit
+    // deferred by the outage lands) the replay: nothing runs twice.
+    for key in &forwarded {
+        let res = proxy
+            .send(
+                "POST",
+                "/ok",
+                &[
+                    ("idempotency-key", key.as_str()),
+                    ("content-type", "application/json"),
+                    ("prefer", "wait=10"),
+                ],
+                Some(r#"{"amount":1}"#),
+            )
+            .await;
+        assert!(
+            res.status.is_success(),
+            "retry of a forwarded key: {res:#?}"
+        );
+        assert_eq!(res.headers["idempotent-replayed"], "true");
+        assert_eq!(upstream.started(key), 1, "a retry ran the request again");
+    }
+    println!(
+        "{} requests forwarded and replayed after the restart, {refused} refused with 503 and never forwarded",
+        forwarded.len()
+    );
 }
