@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::load::{self, Sample, median};
-use crate::procs::{self, Proc};
+use crate::procs::{self, Door, Proc};
 use crate::workers::{ApiPair, Keys, ProxyPost};
 
 /// What to compare.
@@ -59,23 +59,12 @@ async fn start(
     origin: SocketAddr,
     log: &std::path::Path,
 ) -> anyhow::Result<Side> {
-    let addr = procs::free_addr()?;
-    let admin = procs::free_addr()?;
-    let env = [
-        ("DATABASE_URL", args.database_url.clone()),
-        ("IDEMGATE_LISTEN", addr.to_string()),
-        ("IDEMGATE_ADMIN_LISTEN", admin.to_string()),
-        ("IDEMGATE_PRUNE_INTERVAL", "0".to_owned()),
-        ("RUST_LOG", "warn".to_owned()),
-    ];
-    let upstream = format!("http://{origin}");
-    let (cmd, ready): (Vec<&str>, SocketAddr) = match args.kind.as_str() {
-        "api-pair" => (vec!["serve"], addr),
-        "proxy-new" => (vec!["proxy", "--upstream", &upstream], admin),
+    let door = match args.kind.as_str() {
+        "api-pair" => Door::Serve,
+        "proxy-new" => Door::Proxy(origin),
         other => anyhow::bail!("--kind: expected api-pair or proxy-new, got {other:?}"),
     };
-    let mut proc = Proc::spawn(name, bin, &cmd, &env, None, log)?;
-    proc.wait_ready(ready, Some("/readyz")).await?;
+    let (proc, addr) = procs::idemgate(name, bin, &door, &args.database_url, &[], log).await?;
     Ok(Side {
         name,
         proc,

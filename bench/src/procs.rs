@@ -126,6 +126,48 @@ impl Proc {
     }
 }
 
+/// Which door an idemgate process opens.
+pub enum Door {
+    /// `idemgate serve`: the reservation API.
+    Serve,
+    /// `idemgate proxy` in front of this origin.
+    Proxy(SocketAddr),
+}
+
+/// Starts `bin serve` or `bin proxy` on free ports over `database_url`, with
+/// the pruning job off and warnings only (`extra` may override), waits for
+/// its `/readyz`, and returns it with the address its door listens on.
+pub async fn idemgate(
+    name: &str,
+    bin: &Path,
+    door: &Door,
+    database_url: &str,
+    extra: &[(&str, String)],
+    log: &Path,
+) -> anyhow::Result<(Proc, SocketAddr)> {
+    let addr = free_addr()?;
+    let admin = free_addr()?;
+    let mut env = vec![
+        ("DATABASE_URL", database_url.to_owned()),
+        ("IDEMGATE_LISTEN", addr.to_string()),
+        ("IDEMGATE_ADMIN_LISTEN", admin.to_string()),
+        ("IDEMGATE_PRUNE_INTERVAL", "0".to_owned()),
+        ("RUST_LOG", "warn".to_owned()),
+    ];
+    env.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
+    let upstream;
+    let (args, ready): (Vec<&str>, SocketAddr) = match door {
+        Door::Serve => (vec!["serve"], addr),
+        Door::Proxy(origin) => {
+            upstream = format!("http://{origin}");
+            (vec!["proxy", "--upstream", &upstream], admin)
+        }
+    };
+    let mut proc = Proc::spawn(name, bin, &args, &env, None, log)?;
+    proc.wait_ready(ready, Some("/readyz")).await?;
+    Ok((proc, addr))
+}
+
 /// The directory of the running executable: `idemgate` is built beside it.
 pub fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;

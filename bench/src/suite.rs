@@ -15,7 +15,7 @@ use sqlx::{ConnectOptions, PgPool};
 
 use crate::http::Conn;
 use crate::load::{self, Sample, Worker};
-use crate::procs::{self, Proc};
+use crate::procs::{self, Door, Proc};
 use crate::workers::{self, ApiPair, ApiReplay, Keys, ProxyPost, RawPair, RawSelect};
 
 /// How the suite runs.
@@ -193,48 +193,31 @@ impl Env {
         database_url: &str,
         extra: &[(&str, String)],
     ) -> anyhow::Result<(Proc, SocketAddr)> {
-        let addr = procs::free_addr()?;
-        let mut env = vec![
-            ("DATABASE_URL", database_url.to_owned()),
-            ("IDEMGATE_LISTEN", addr.to_string()),
-            ("IDEMGATE_PRUNE_INTERVAL", "0".to_owned()),
-            ("RUST_LOG", "warn".to_owned()),
-        ];
-        env.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
-        let mut proc = Proc::spawn(
+        let log = self.log("idemgate-serve");
+        procs::idemgate(
             "idemgate serve",
             &self.idemgate,
-            &["serve"],
-            &env,
-            None,
-            &self.log("idemgate-serve"),
-        )?;
-        proc.wait_ready(addr, Some("/readyz")).await?;
-        Ok((proc, addr))
+            &Door::Serve,
+            database_url,
+            extra,
+            &log,
+        )
+        .await
     }
 
     /// `idemgate proxy` in front of `upstream`, ready.
     async fn proxy(&self, upstream: SocketAddr) -> anyhow::Result<(Proc, SocketAddr)> {
-        let addr = procs::free_addr()?;
-        let admin = procs::free_addr()?;
-        let env = [
-            ("DATABASE_URL", self.bench_url.clone()),
-            ("IDEMGATE_LISTEN", addr.to_string()),
-            ("IDEMGATE_ADMIN_LISTEN", admin.to_string()),
-            ("IDEMGATE_PRUNE_INTERVAL", "0".to_owned()),
-            ("RUST_LOG", "warn".to_owned()),
-        ];
-        let upstream = format!("http://{upstream}");
-        let mut proc = Proc::spawn(
+        let log = self.log("idemgate-proxy");
+        let door = Door::Proxy(upstream);
+        procs::idemgate(
             "idemgate proxy",
             &self.idemgate,
-            &["proxy", "--upstream", &upstream],
-            &env,
-            None,
-            &self.log("idemgate-proxy"),
-        )?;
-        proc.wait_ready(admin, Some("/readyz")).await?;
-        Ok((proc, addr))
+            &door,
+            &self.bench_url,
+            &[],
+            &log,
+        )
+        .await
     }
 
     /// idempotent-proxy-server on Redis in front of `upstream`, ready.
