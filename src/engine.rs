@@ -93,7 +93,62 @@ pub enum ReserveOutcome {
     },
     /// The key was used with another fingerprint.
     Mismatch,
+    /// The key is new (or free to take over), but its tenant is at one of its
+    /// [`TenantLimits`]: nothing was claimed.
+    OverLimit {
+        /// The limit that held the claim back.
+        limit: TenantLimit,
+        /// Whole seconds until room is likely (at least 1).
+        retry_after: u64,
+    },
 }
+
+/// How much of the store one tenant may hold, so that no tenant can exhaust
+/// it for the others. `None`: no limit.
+///
+/// In-flight keys are counted by the claim itself: on SQLite exactly (under
+/// the write lock); on PostgreSQL against the claim's snapshot, so claims of
+/// one tenant running at the same instant can pass the limit by at most one
+/// each (at most the number of database connections). Stored bytes are read
+/// from the store at most every [`STORED_USAGE_REFRESH`] per tenant and
+/// process, and this process's own commits are added in between: the limit
+/// can be passed by what the tenant commits through other processes in that
+/// time, and by the responses of keys already in flight, which are always
+/// stored — an effect that happened is never refused its record.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TenantLimits {
+    /// Most keys a tenant may hold in flight (leases not ended).
+    pub max_in_flight: Option<u32>,
+    /// Most bytes of stored responses a tenant may keep (bodies and header
+    /// lists, as stored, until their keys expire).
+    pub max_stored_bytes: Option<u64>,
+}
+
+/// One of the [`TenantLimits`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TenantLimit {
+    /// [`TenantLimits::max_in_flight`].
+    InFlightKeys,
+    /// [`TenantLimits::max_stored_bytes`].
+    StoredBytes,
+}
+
+impl TenantLimit {
+    /// A sentence for the client.
+    pub fn detail(self) -> &'static str {
+        match self {
+            TenantLimit::InFlightKeys => {
+                "this tenant holds as many keys in flight as it may; retry once one completes"
+            }
+            TenantLimit::StoredBytes => {
+                "this tenant's stored responses take as much room as it may; retry once some expire"
+            }
+        }
+    }
+}
+
+/// How long a tenant's stored-bytes figure is used before it is read again.
+pub const STORED_USAGE_REFRESH: Duration = Duration::from_secs(2);
 
 /// Why a holder's write was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,6 +210,19 @@ pub struct Engine {
     replay_cache: Option<ReplayCache>,
     /// Seals responses before they reach the store (`IDEMGATE_SEAL_KEY`).
     sealer: Option<Arc<Sealer>>,
+    tenant_limits: TenantLimits,
+    /// Each tenant's last stored-bytes figure, behind a lock that lets one
+    /// caller at a time read it again.
+    stored_usage: moka::sync::Cache<String, Arc<tokio::sync::Mutex<Option<StoredFigure>>>>,
+}
+
+/// A tenant's stored bytes as last read, plus this process's commits since.
+#[derive(Debug, Clone, Copy)]
+struct StoredFigure {
+    bytes: u64,
+    /// Time from the reading until the first of its records expires.
+    next_expiry_in: Option<Duration>,
+    read_at: std::time::Instant,
 }
 
 // === impl Engine ===
@@ -169,7 +237,24 @@ impl Engine {
             waiters: Waiters::default(),
             replay_cache: ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES),
             sealer: None,
+            tenant_limits: TenantLimits::default(),
+            // Bounded: the proxy's tenants are whatever credentials arrive.
+            stored_usage: moka::sync::Cache::builder()
+                .max_capacity(10_000)
+                .time_to_idle(Duration::from_secs(600))
+                .build(),
         }
+    }
+
+    /// The same engine holding each tenant to `limits`.
+    pub fn with_tenant_limits(mut self, limits: TenantLimits) -> Engine {
+        self.tenant_limits = limits;
+        self
+    }
+
+    /// The limits each tenant is held to.
+    pub fn tenant_limits(&self) -> TenantLimits {
+        self.tenant_limits
     }
 
     /// The same engine sealing stored responses with `sealer` (see
@@ -186,34 +271,54 @@ impl Engine {
         self.sealer.is_some()
     }
 
-    /// Replaces a sealed response in `record` by the response it holds. A
-    /// record that cannot be opened is a store error: it is never replayed.
+    /// Replaces a sealed response and sealed recovery data in `record` by
+    /// what they hold. A record that cannot be opened is a store error: it is
+    /// never replayed nor handed on.
     fn open(&self, record: &mut Record) -> Result<(), EngineError> {
+        let opened = self
+            .open_response(record)
+            .and_then(|()| self.open_recovery(record));
+        opened.map_err(|why| {
+            tracing::error!(
+                tenant = %record.tenant,
+                key.hash = %hex::encode(&record.key_hash),
+                error = %why,
+                "a stored record cannot be opened; answering 500 instead of using it"
+            );
+            StoreError::Other(format!("sealed record: {why}"))
+        })
+    }
+
+    fn open_response(&self, record: &mut Record) -> Result<(), seal::OpenError> {
         let Some(response) = record.response.as_mut() else {
             return Ok(());
         };
         if !seal::is_sealed(response) {
             return Ok(());
         }
-        let opened = match &self.sealer {
-            None => Err(seal::OpenError::NoKey),
-            Some(sealer) => sealer.open(&record.tenant, record.reservation_id, response),
+        let sealer = self.sealer.as_ref().ok_or(seal::OpenError::NoKey)?;
+        *response = sealer.open(&record.tenant, record.reservation_id, response)?;
+        Ok(())
+    }
+
+    fn open_recovery(&self, record: &mut Record) -> Result<(), seal::OpenError> {
+        let Some(recovery) = record.recovery.as_mut() else {
+            return Ok(());
         };
-        match opened {
-            Ok(plain) => {
-                *response = plain;
-                Ok(())
-            }
-            Err(why) => {
-                tracing::error!(
-                    tenant = %record.tenant,
-                    key.hash = %hex::encode(&record.key_hash),
-                    error = %why,
-                    "a stored response cannot be opened; answering 500 instead of replaying it"
-                );
-                Err(StoreError::Other(format!("sealed response: {why}")))
-            }
+        let Some(data) = recovery.data.as_mut() else {
+            return Ok(());
+        };
+        if !seal::is_sealed_recovery(data) {
+            return Ok(());
         }
+        let sealer = self.sealer.as_ref().ok_or(seal::OpenError::NoKey)?;
+        *data = sealer.open_recovery(
+            &record.tenant,
+            &record.key_hash,
+            &recovery.recovery_point,
+            data,
+        )?;
+        Ok(())
     }
 
     /// The same engine with a replay cache of at most `max_bytes` (0: no
@@ -288,9 +393,19 @@ impl Engine {
     }
 
     async fn claim(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        // Over its stored bytes, a tenant may still read what it has: the
+        // claim only reads (a limit of 0 keys in flight).
+        let stored_full = match self.tenant_limits.max_stored_bytes {
+            Some(max) => self.stored_retry_after(&req.tenant, max).await?,
+            None => None,
+        };
+        let max_in_flight = match stored_full {
+            Some(_) => Some(0),
+            None => self.tenant_limits.max_in_flight,
+        };
         // Before the store call: the database reads its clock after this.
         let started = std::time::Instant::now();
-        let mut claim = self
+        let claim = self
             .store
             .reserve(&ClaimRequest {
                 tenant: req.tenant.clone(),
@@ -299,13 +414,99 @@ impl Engine {
                 reservation_id: Uuid::new_v4(),
                 lease_seconds: req.lease_seconds,
                 ttl_seconds: req.ttl_seconds,
+                max_in_flight,
             })
             .await?;
+        let Some(mut claim) = claim else {
+            return self.over_limit(&req.tenant, stored_full).await;
+        };
         self.open(&mut claim.record)?;
         if !claim.claimed {
             self.remember(&claim.record, started, claim.now);
+            if max_in_flight.is_some()
+                && claimable(&claim.record, claim.now, req.fingerprint.as_deref())
+            {
+                return self.over_limit(&req.tenant, stored_full).await;
+            }
         }
         Ok(decide(claim, req.fingerprint.as_deref()))
+    }
+
+    /// The answer to a claim a tenant limit held back.
+    async fn over_limit(
+        &self,
+        tenant: &str,
+        stored_full: Option<u64>,
+    ) -> Result<ReserveOutcome, EngineError> {
+        if let Some(retry_after) = stored_full {
+            return Ok(ReserveOutcome::OverLimit {
+                limit: TenantLimit::StoredBytes,
+                retry_after,
+            });
+        }
+        let max = self.tenant_limits.max_in_flight.unwrap_or(0);
+        let usage = self.store.in_flight_usage(tenant, max).await?;
+        let wait = usage
+            .next_lease_end
+            .and_then(|end| (end - usage.now).to_std().ok());
+        tracing::debug!(live = usage.keys, max, "tenant at its in-flight limit");
+        Ok(ReserveOutcome::OverLimit {
+            limit: TenantLimit::InFlightKeys,
+            retry_after: whole_seconds_up(wait.unwrap_or(Duration::from_secs(1))),
+        })
+    }
+
+    /// `Some(retry_after)` when the tenant's stored bytes reach `max`; reads
+    /// them again when the figure is older than [`STORED_USAGE_REFRESH`].
+    async fn stored_retry_after(&self, tenant: &str, max: u64) -> Result<Option<u64>, EngineError> {
+        let slot = self
+            .stored_usage
+            .get_with_by_ref(tenant, || Arc::new(tokio::sync::Mutex::new(None)));
+        // One reader per tenant: the others wait and use its figure.
+        let mut figure = slot.lock().await;
+        let fresh = figure
+            .as_ref()
+            .is_some_and(|f| f.read_at.elapsed() < STORED_USAGE_REFRESH);
+        if !fresh {
+            let read_at = std::time::Instant::now();
+            let usage = self.store.stored_usage(tenant).await?;
+            *figure = Some(StoredFigure {
+                bytes: usage.bytes,
+                next_expiry_in: usage
+                    .next_expiry
+                    .and_then(|at| (at - usage.now).to_std().ok()),
+                read_at,
+            });
+        }
+        let Some(f) = figure.as_ref() else {
+            return Ok(None);
+        };
+        if f.bytes < max {
+            return Ok(None);
+        }
+        // Until the first stored record expires; if that is unknown (the
+        // bytes are this process's own commits), until the next reading.
+        let wait = f.next_expiry_in.map_or(STORED_USAGE_REFRESH, |d| {
+            d.saturating_sub(f.read_at.elapsed())
+        });
+        Ok(Some(whole_seconds_up(wait)))
+    }
+
+    /// Adds a commit's stored size to its tenant's figure, if one is kept.
+    fn count_stored(&self, tenant: &str, stored: &StoredResponse) {
+        if self.tenant_limits.max_stored_bytes.is_none() {
+            return;
+        }
+        let Some(slot) = self.stored_usage.get(tenant) else {
+            return;
+        };
+        // Skipped while a reading is under way: it may or may not see this
+        // commit, and the next one will.
+        if let Ok(mut figure) = slot.try_lock()
+            && let Some(f) = figure.as_mut()
+        {
+            f.bytes = f.bytes.saturating_add(stored_size(stored));
+        }
     }
 
     async fn claim_waiting(
@@ -371,6 +572,7 @@ impl Engine {
             }
         };
         if let Some(mut record) = self.store.complete(tenant, id, to_store).await? {
+            self.count_stored(tenant, to_store);
             if self.sealer.is_some() {
                 // What was just sealed: the replay cache holds the open form.
                 record.response = Some(response.clone());
@@ -424,14 +626,36 @@ impl Engine {
         }
     }
 
-    /// Records a recovery point for reservation `id`.
+    /// Records a recovery point for reservation `id`; with a seal key, its
+    /// data is sealed at rest like a stored response.
     pub async fn checkpoint(
         &self,
         tenant: &str,
         id: Uuid,
         recovery: &Recovery,
     ) -> Result<Result<Record, Refusal>, EngineError> {
-        match self.store.checkpoint(tenant, id, recovery).await? {
+        let sealed;
+        let to_store = match (&self.sealer, &recovery.data) {
+            (Some(sealer), Some(data)) => {
+                // The blob is bound to the key's record: its hash is fixed
+                // for the life of the reservation id.
+                let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
+                    return Ok(Err(Refusal::NotFound));
+                };
+                sealed = Recovery {
+                    recovery_point: recovery.recovery_point.clone(),
+                    data: Some(sealer.seal_recovery(
+                        tenant,
+                        &found.record.key_hash,
+                        &recovery.recovery_point,
+                        data,
+                    )),
+                };
+                &sealed
+            }
+            _ => recovery,
+        };
+        match self.store.checkpoint(tenant, id, to_store).await? {
             Some(mut record) => {
                 self.open(&mut record)?;
                 Ok(Ok(record))
@@ -513,6 +737,33 @@ fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome {
             ReserveOutcome::InFlight { retry_after }
         }
     }
+}
+
+/// Whether the claim would have applied to `record` (expired, or in flight
+/// past its lease with a compatible fingerprint) had no limit held it back:
+/// the store's claim conditions, read back.
+fn claimable(record: &Record, now: DateTime<Utc>, fingerprint: Option<&str>) -> bool {
+    now >= record.expires_at
+        || (record.state == KeyState::InFlight
+            && record.lease_expires_at.is_none_or(|end| end <= now)
+            && !reused(record, fingerprint))
+}
+
+/// About what a stored response takes in the store: its body and its header
+/// list.
+fn stored_size(response: &StoredResponse) -> u64 {
+    let headers: usize = response
+        .headers
+        .iter()
+        .map(|(n, v)| n.len() + v.len() + 6)
+        .sum();
+    u64::try_from(response.body.len() + headers).unwrap_or(u64::MAX)
+}
+
+/// Whole seconds, rounded up, never 0: "retry now" would only spin.
+fn whole_seconds_up(d: Duration) -> u64 {
+    let ms = d.as_millis();
+    u64::try_from(ms.div_ceil(1000)).unwrap_or(u64::MAX).max(1)
 }
 
 /// What a completed record that this caller did not claim means for it: the

@@ -35,6 +35,24 @@ const KEY_ID_LEN: usize = 8;
 const NONCE_LEN: usize = 12;
 const PREFIX_LEN: usize = 1 + KEY_ID_LEN + NONCE_LEN;
 
+/// The member of sealed recovery data that holds the base64 blob.
+const SEALED_DATA: &str = "sealed";
+
+/// Whether checkpoint recovery data is in sealed form: an object of exactly
+/// the marker and the blob. (Unlike a header name, any JSON object could be a
+/// caller's own data; one of this exact shape is read as sealed, and a
+/// caller who stores such an object itself gets its own data refused on
+/// takeover, never another's.)
+pub fn is_sealed_recovery(data: &serde_json::Value) -> bool {
+    data.as_object().is_some_and(|o| {
+        o.len() == 2
+            && o.get(SEALED_HEADER)
+                .and_then(serde_json::Value::as_str)
+                .is_some_and(|m| m.starts_with("v1 key="))
+            && o.get(SEALED_DATA).is_some_and(serde_json::Value::is_string)
+    })
+}
+
 /// Whether `response` is in sealed form. Cheap: looks at the first header name.
 pub fn is_sealed(response: &StoredResponse) -> bool {
     response
@@ -168,6 +186,53 @@ impl Sealer {
         aad
     }
 
+    /// `version | key id | nonce | ciphertext + tag` of `plain` under the
+    /// current key, bound to `aad`.
+    fn seal_blob(&self, plain: &[u8], aad: &[u8]) -> Vec<u8> {
+        let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
+        let sealed = self
+            .current
+            .cipher
+            .encrypt(&nonce, Payload { msg: plain, aad })
+            .expect("AES-GCM encryption of an in-memory buffer cannot fail");
+        let mut blob = Vec::with_capacity(PREFIX_LEN + sealed.len());
+        blob.push(VERSION);
+        blob.extend_from_slice(&self.current.id);
+        blob.extend_from_slice(&nonce);
+        blob.extend_from_slice(&sealed);
+        blob
+    }
+
+    /// What [`Sealer::seal_blob`] sealed, under whichever configured key it
+    /// names.
+    fn open_blob(&self, blob: &[u8], aad: &[u8]) -> Result<Vec<u8>, OpenError> {
+        if blob.len() < PREFIX_LEN || blob[0] != VERSION {
+            return Err(OpenError::Corrupt);
+        }
+        let id = &blob[1..1 + KEY_ID_LEN];
+        let key = std::iter::once(&self.current)
+            .chain(&self.previous)
+            .find(|k| k.id == id)
+            .ok_or_else(|| OpenError::UnknownKey(hex::encode(id)))?;
+        let nonce: [u8; NONCE_LEN] = blob[1 + KEY_ID_LEN..PREFIX_LEN]
+            .try_into()
+            .map_err(|_| OpenError::Corrupt)?;
+        key.cipher
+            .decrypt(
+                &Nonce::from(nonce),
+                Payload {
+                    msg: &blob[PREFIX_LEN..],
+                    aad,
+                },
+            )
+            .map_err(|_| OpenError::Corrupt)
+    }
+
+    /// The marker's value: the format version and the current key's id.
+    fn marker(&self) -> String {
+        format!("v1 key={}", self.key_id())
+    }
+
     /// The sealed form of `response`, for the record of `tenant` completed by
     /// `reservation_id`.
     pub fn seal(
@@ -182,31 +247,11 @@ impl Sealer {
         plain.extend_from_slice(&(headers.len() as u32).to_be_bytes());
         plain.extend_from_slice(&headers);
         plain.extend_from_slice(&response.body);
-        let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
         let aad = Self::aad(response.status, tenant, reservation_id);
-        let sealed = self
-            .current
-            .cipher
-            .encrypt(
-                &nonce,
-                Payload {
-                    msg: &plain,
-                    aad: &aad,
-                },
-            )
-            .expect("AES-GCM encryption of an in-memory buffer cannot fail");
-        let mut body = Vec::with_capacity(PREFIX_LEN + sealed.len());
-        body.push(VERSION);
-        body.extend_from_slice(&self.current.id);
-        body.extend_from_slice(&nonce);
-        body.extend_from_slice(&sealed);
         StoredResponse {
             status: response.status,
-            headers: vec![(
-                SEALED_HEADER.to_owned(),
-                format!("v1 key={}", self.key_id()),
-            )],
-            body,
+            headers: vec![(SEALED_HEADER.to_owned(), self.marker())],
+            body: self.seal_blob(&plain, &aad),
         }
     }
 
@@ -217,30 +262,8 @@ impl Sealer {
         reservation_id: Uuid,
         sealed: &StoredResponse,
     ) -> Result<StoredResponse, OpenError> {
-        let blob = &sealed.body;
-        if blob.len() < PREFIX_LEN || blob[0] != VERSION {
-            return Err(OpenError::Corrupt);
-        }
-        let id = &blob[1..1 + KEY_ID_LEN];
-        let key = std::iter::once(&self.current)
-            .chain(&self.previous)
-            .find(|k| k.id == id)
-            .ok_or_else(|| OpenError::UnknownKey(hex::encode(id)))?;
-        let nonce: [u8; NONCE_LEN] = blob[1 + KEY_ID_LEN..PREFIX_LEN]
-            .try_into()
-            .map_err(|_| OpenError::Corrupt)?;
-        let nonce = Nonce::from(nonce);
         let aad = Self::aad(sealed.status, tenant, reservation_id);
-        let plain = key
-            .cipher
-            .decrypt(
-                &nonce,
-                Payload {
-                    msg: &blob[PREFIX_LEN..],
-                    aad: &aad,
-                },
-            )
-            .map_err(|_| OpenError::Corrupt)?;
+        let plain = self.open_blob(&sealed.body, &aad)?;
         let (len, rest) = plain.split_at_checked(4).ok_or(OpenError::Corrupt)?;
         let len = u32::from_be_bytes(len.try_into().map_err(|_| OpenError::Corrupt)?) as usize;
         let (headers, body) = rest.split_at_checked(len).ok_or(OpenError::Corrupt)?;
@@ -250,6 +273,56 @@ impl Sealer {
             headers,
             body: body.to_vec(),
         })
+    }
+
+    fn recovery_aad(tenant: &str, key_hash: &[u8], recovery_point: &str) -> Vec<u8> {
+        let mut aad = Vec::with_capacity(64 + tenant.len() + recovery_point.len());
+        aad.extend_from_slice(b"idemgate-seal-recovery");
+        aad.push(VERSION);
+        aad.extend_from_slice(&(tenant.len() as u64).to_be_bytes());
+        aad.extend_from_slice(tenant.as_bytes());
+        aad.extend_from_slice(&(key_hash.len() as u64).to_be_bytes());
+        aad.extend_from_slice(key_hash);
+        aad.extend_from_slice(recovery_point.as_bytes());
+        aad
+    }
+
+    /// The sealed form of a checkpoint's recovery `data`, for the key
+    /// `key_hash` of `tenant` at `recovery_point` (which stays in the clear:
+    /// it names a step, and the blob is bound to it).
+    pub fn seal_recovery(
+        &self,
+        tenant: &str,
+        key_hash: &[u8],
+        recovery_point: &str,
+        data: &serde_json::Value,
+    ) -> serde_json::Value {
+        let plain = serde_json::to_vec(data).expect("a JSON value serializes");
+        let aad = Self::recovery_aad(tenant, key_hash, recovery_point);
+        let blob = self.seal_blob(&plain, &aad);
+        serde_json::json!({
+            SEALED_HEADER: self.marker(),
+            SEALED_DATA: base64::engine::general_purpose::STANDARD.encode(blob),
+        })
+    }
+
+    /// The recovery data that `sealed` (in the form [`Sealer::seal_recovery`]
+    /// gives) holds.
+    pub fn open_recovery(
+        &self,
+        tenant: &str,
+        key_hash: &[u8],
+        recovery_point: &str,
+        sealed: &serde_json::Value,
+    ) -> Result<serde_json::Value, OpenError> {
+        let blob = sealed
+            .get(SEALED_DATA)
+            .and_then(serde_json::Value::as_str)
+            .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+            .ok_or(OpenError::Corrupt)?;
+        let aad = Self::recovery_aad(tenant, key_hash, recovery_point);
+        let plain = self.open_blob(&blob, &aad)?;
+        serde_json::from_slice(&plain).map_err(|_| OpenError::Corrupt)
     }
 }
 
@@ -291,6 +364,42 @@ mod tests {
         let mut short = sealed.clone();
         short.body.truncate(5);
         assert_eq!(a.open("acme", id, &short), Err(OpenError::Corrupt));
+    }
+
+    #[test]
+    fn recovery_data_round_trips_bound_to_its_key_and_step() {
+        let a = Sealer::new(&[1; 32], &[]);
+        let data = serde_json::json!({"charge": "ch_123", "amount": 4200});
+        let sealed = a.seal_recovery("acme", &[7; 32], "charged", &data);
+        assert!(is_sealed_recovery(&sealed));
+        assert!(!is_sealed_recovery(&data));
+        let text = sealed.to_string();
+        assert!(!text.contains("ch_123"), "{text}");
+        assert_eq!(
+            a.open_recovery("acme", &[7; 32], "charged", &sealed),
+            Ok(data.clone())
+        );
+        // Another tenant, key or step: refused.
+        for (tenant, key, step) in [
+            ("globex", [7; 32], "charged"),
+            ("acme", [8; 32], "charged"),
+            ("acme", [7; 32], "shipped"),
+        ] {
+            assert_eq!(
+                a.open_recovery(tenant, &key, step, &sealed),
+                Err(OpenError::Corrupt)
+            );
+        }
+        // Rotation: opens under a previous key, not under a stranger's.
+        let b = Sealer::new(&[2; 32], &[[1; 32]]);
+        assert_eq!(
+            b.open_recovery("acme", &[7; 32], "charged", &sealed),
+            Ok(data)
+        );
+        assert!(matches!(
+            Sealer::new(&[3; 32], &[]).open_recovery("acme", &[7; 32], "charged", &sealed),
+            Err(OpenError::UnknownKey(_))
+        ));
     }
 
     #[test]

@@ -85,6 +85,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             listen = %args.listen,
             "no IDEMGATE_TOKENS: open single-tenant mode (tenant \"default\"), loopback only"
         );
+    } else if state.engine.tenant_limits() == crate::engine::TenantLimits::default() {
+        tracing::info!(
+            "tenants share the store without limits: IDEMGATE_TENANT_MAX_IN_FLIGHT and \
+             IDEMGATE_TENANT_MAX_STORED_BYTES keep one tenant from exhausting it"
+        );
     }
     let pruner = args.run.spawn_pruner(store);
     // Make the metric visible before the first pass.

@@ -90,6 +90,8 @@ pub enum Outcome {
     Released,
     /// Not guarded: passed straight through.
     Passthrough,
+    /// 429: the tenant is at one of its limits; nothing was reserved.
+    Limited,
 }
 
 impl Outcome {
@@ -105,6 +107,7 @@ impl Outcome {
             Outcome::Takeover => "takeover",
             Outcome::Released => "released",
             Outcome::Passthrough => "passthrough",
+            Outcome::Limited => "limited",
         }
     }
 }

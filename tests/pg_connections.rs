@@ -24,6 +24,7 @@ fn claim(key: &str) -> ClaimRequest {
         reservation_id: Uuid::new_v4(),
         lease_seconds: 30,
         ttl_seconds: 3600,
+        max_in_flight: None,
     }
 }
 
@@ -41,7 +42,11 @@ async fn one_connection_store(db: &TestDb) -> Arc<PgStore> {
 async fn a_statement_cancelled_half_way_leaves_no_desynchronised_connection() {
     let db = TestDb::new().await;
     let store = one_connection_store(&db).await;
-    let first = store.reserve(&claim("blocked")).await.expect("reserve");
+    let first = store
+        .reserve(&claim("blocked"))
+        .await
+        .expect("reserve")
+        .expect("no limit");
     assert!(first.claimed);
 
     // Another session locks the key's row, so the next reserve of it waits
@@ -72,7 +77,8 @@ async fn a_statement_cancelled_half_way_leaves_no_desynchronised_connection() {
         let c = store
             .reserve(&claim(&format!("after-{i}")))
             .await
-            .expect("reserve");
+            .expect("reserve")
+            .expect("no limit");
         assert!(c.claimed, "key after-{i} is new");
         let done = store
             .complete(
@@ -141,6 +147,7 @@ async fn a_connection_the_database_killed_is_not_handed_out_again() {
             .reserve(&claim("after-kill"))
             .await
             .expect("reserve")
+            .expect("no limit")
             .claimed
     );
 }

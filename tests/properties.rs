@@ -929,6 +929,7 @@ impl Subject {
                     }
                     ReserveOutcome::InFlight { retry_after } => Expect::InFlight { retry_after },
                     ReserveOutcome::Mismatch => Expect::Mismatch,
+                    ReserveOutcome::OverLimit { .. } => panic!("this engine has no tenant limit"),
                 }
             }
             Op::Commit { id, tag } => {

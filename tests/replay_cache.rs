@@ -29,7 +29,8 @@ use idemgate::engine::{
 use idemgate::layer::LayerPolicy;
 use idemgate::proxy::Proxy;
 use idemgate::store::{
-    Claim, ClaimRequest, Found, PoolStats, Record, Recovery, Store, StoreError, StoredResponse,
+    Claim, ClaimRequest, Found, InFlightUsage, PoolStats, Record, Recovery, Store, StoreError,
+    StoredResponse, StoredUsage,
 };
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
@@ -367,13 +368,12 @@ fn skew(mut record: Record) -> Record {
 
 #[async_trait]
 impl Store for AnHourAhead {
-    async fn reserve(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let claim = self.0.reserve(req).await?;
-        Ok(Claim {
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
+        Ok(self.0.reserve(req).await?.map(|claim| Claim {
             claimed: claim.claimed,
             record: skew(claim.record),
             now: claim.now + SKEW,
-        })
+        }))
     }
 
     async fn complete(
@@ -424,6 +424,24 @@ impl Store for AnHourAhead {
                 record: skew(found.record),
                 now: found.now + SKEW,
             }))
+    }
+
+    async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage, StoreError> {
+        let usage = self.0.in_flight_usage(tenant, up_to).await?;
+        Ok(InFlightUsage {
+            next_lease_end: usage.next_lease_end.map(|t| t + SKEW),
+            now: usage.now + SKEW,
+            ..usage
+        })
+    }
+
+    async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage, StoreError> {
+        let usage = self.0.stored_usage(tenant).await?;
+        Ok(StoredUsage {
+            next_expiry: usage.next_expiry.map(|t| t + SKEW),
+            now: usage.now + SKEW,
+            ..usage
+        })
     }
 
     async fn prune_expired_batch(&self, limit: i64) -> Result<u64, StoreError> {

@@ -231,6 +231,66 @@ async fn tampering_is_detected(b: Backend) {
     );
 }
 
+const RECOVERY_NEEDLE: &str = "plaintext-recovery-needle-5b2e";
+
+/// Checkpoint recovery data is sealed too: nothing of it at rest; the holder
+/// that takes over after a crash gets it back, under a rotated key as well;
+/// without the key the takeover is refused (500), never handed bytes.
+async fn recovery_data_is_sealed_at_rest(b: Backend) {
+    let url = b.url();
+    let a = TestApp::new(&url, &["--seal-key", KEY_A]).await;
+    let key = fresh_key();
+    let id = a
+        .reserve(&key, r#"{"lease_seconds": 1}"#)
+        .await
+        .reservation_id();
+    let checkpoint = format!(
+        r#"{{"recovery_point": "charged", "data": {{"charge": "{RECOVERY_NEEDLE}", "n": 3}}}}"#
+    );
+    let res = a.act(&id, "checkpoint", &checkpoint).await;
+    assert_eq!(res.status, 200, "{res:#?}");
+    assert_eq!(res.body["recovery"]["data"]["charge"], RECOVERY_NEEDLE);
+    let got = a
+        .send("GET", &format!("/v1/reservations/{id}"), &[], None)
+        .await;
+    assert_eq!(
+        got.body["recovery"]["data"]["charge"], RECOVERY_NEEDLE,
+        "{got:#?}"
+    );
+
+    let rows = raw_rows(&b).await;
+    assert_eq!(
+        rows_holding(&rows, RECOVERY_NEEDLE),
+        0,
+        "recovery data in the clear"
+    );
+    assert_eq!(
+        rows_holding(&rows, "charged"),
+        1,
+        "the point's name stays readable"
+    );
+    assert_eq!(rows_holding(&rows, &format!("v1 key={}", key_id(KEY_A))), 1);
+    let policy = a.send("GET", "/v1/policy", &[], None).await.body;
+    assert_eq!(policy["stored_response"]["sealed_at_rest"], true);
+
+    // The crash: the lease ends; a process without the key cannot hand the
+    // data on, and does not take the key over either.
+    TestApp::outlive(1).await;
+    let none = TestApp::new(&url, &[]).await;
+    assert_unopenable(&none.reserve(&key, r#"{"lease_seconds": 1}"#).await);
+    // That refused claim still took the lease (attempt 2) before the data
+    // failed to open: the key waits for that lease to end, as after any crash.
+    TestApp::outlive(1).await;
+    // After a rotation, the new holder gets the data back.
+    let rotated = TestApp::new(&url, &["--seal-key", KEY_B, "--seal-key-previous", KEY_A]).await;
+    let takeover = rotated.reserve(&key, "").await;
+    assert_eq!(takeover.status, 201, "{takeover:#?}");
+    assert_eq!(takeover.body["attempt"], 3);
+    assert_eq!(takeover.body["recovery"]["recovery_point"], "charged");
+    assert_eq!(takeover.body["recovery"]["data"]["charge"], RECOVERY_NEEDLE);
+    assert_eq!(takeover.body["recovery"]["data"]["n"], 3);
+}
+
 /// The proxy (the tower layer underneath) seals what it stores, replays it
 /// opened, and still replays a record stored unsealed.
 async fn proxy_responses_are_sealed_at_rest(b: Backend) {
@@ -293,6 +353,7 @@ both_stores!(
         keys_rotate,
         tampering_is_detected,
         proxy_responses_are_sealed_at_rest,
+        recovery_data_is_sealed_at_rest,
     ],
     concurrent: [],
 );

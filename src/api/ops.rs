@@ -50,6 +50,8 @@ pub struct Policy {
     pub tenant_scoping: &'static str,
     /// Limits on stored responses.
     pub stored_response: StoredResponseRules,
+    /// How much of the store one tenant may hold.
+    pub tenant_limits: TenantLimitRules,
     /// The base of every problem `type` URI; the slug follows.
     pub problem_base: &'static str,
 }
@@ -94,6 +96,20 @@ pub struct StoredResponseRules {
     pub max_body_bytes: usize,
     /// Which statuses are stored (the reservation API stores what it is given).
     pub statuses: &'static str,
+    /// Whether stored responses are sealed at rest (AES-256-GCM,
+    /// `IDEMGATE_SEAL_KEY`), with the recovery data of checkpoints.
+    pub sealed_at_rest: bool,
+}
+
+/// How much of the store one tenant may hold; over a limit, new keys are
+/// answered `429 tenant-limit` with `Retry-After`, and replays go on.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TenantLimitRules {
+    /// Most keys in flight at once (`null`: no limit).
+    pub max_in_flight_keys: Option<u32>,
+    /// Most bytes of stored responses kept until they expire (`null`: no
+    /// limit).
+    pub max_stored_bytes: Option<u64>,
 }
 
 /// Process up.
@@ -179,6 +195,11 @@ pub fn policy(state: &AppState) -> Policy {
         stored_response: StoredResponseRules {
             max_body_bytes: state.max_body_bytes,
             statuses: "every status the caller commits is stored and replayed",
+            sealed_at_rest: state.engine.seals(),
+        },
+        tenant_limits: TenantLimitRules {
+            max_in_flight_keys: state.engine.tenant_limits().max_in_flight,
+            max_stored_bytes: state.engine.tenant_limits().max_stored_bytes,
         },
         problem_base: PROBLEM_BASE,
     }

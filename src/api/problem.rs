@@ -5,6 +5,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+use crate::engine::TenantLimit;
 use crate::key::KeyError;
 use crate::store::StoreError;
 
@@ -61,6 +62,14 @@ pub enum ApiError {
     /// 413 payload-too-large.
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// 429 tenant-limit: the tenant is at one of its limits.
+    #[error("{}", limit.detail())]
+    TenantLimit {
+        /// The limit reached.
+        limit: TenantLimit,
+        /// Seconds until room is likely.
+        retry_after: u64,
+    },
     /// 503 store-unavailable.
     #[error("the idempotency store is unavailable; retry shortly")]
     StoreUnavailable,
@@ -96,6 +105,7 @@ impl ApiError {
             ApiError::InFlight { .. } | ApiError::LeaseLost(_) => StatusCode::CONFLICT,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::TenantLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -115,6 +125,7 @@ impl ApiError {
             ApiError::LeaseLost(_) => "lease-lost",
             ApiError::KeyReused => "key-reused",
             ApiError::PayloadTooLarge(_) => "payload-too-large",
+            ApiError::TenantLimit { .. } => "tenant-limit",
             ApiError::StoreUnavailable => "store-unavailable",
             ApiError::UpstreamUnavailable(_) => "upstream-unavailable",
             ApiError::UpstreamTimeout(_) => "upstream-timeout",
@@ -133,6 +144,7 @@ impl ApiError {
             ApiError::LeaseLost(_) => "Lease lost",
             ApiError::KeyReused => "Idempotency-Key reused",
             ApiError::PayloadTooLarge(_) => "Payload too large",
+            ApiError::TenantLimit { .. } => "Tenant limit reached",
             ApiError::StoreUnavailable => "Store unavailable",
             ApiError::UpstreamUnavailable(_) => "Upstream unavailable",
             ApiError::UpstreamTimeout(_) => "Upstream timeout",
@@ -142,7 +154,9 @@ impl ApiError {
 
     fn retry_after(&self) -> Option<u64> {
         match self {
-            ApiError::InFlight { retry_after } => Some(*retry_after),
+            ApiError::InFlight { retry_after } | ApiError::TenantLimit { retry_after, .. } => {
+                Some(*retry_after)
+            }
             ApiError::StoreUnavailable => Some(STORE_RETRY_AFTER),
             _ => None,
         }

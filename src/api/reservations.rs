@@ -51,6 +51,8 @@ const MODE: &str = "api";
          headers(("Retry-After" = u64))),
         (status = 413, description = "payload-too-large", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "key-reused: the key was used with another payload", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "tenant-limit: the tenant holds as many keys in flight, or as many stored bytes, as it may; nothing was reserved", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64))),
         (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
     ),
     security((), ("bearer" = []))
@@ -151,6 +153,10 @@ pub async fn create_reservation(
             (Outcome::Conflict, Err(ApiError::InFlight { retry_after }))
         }
         ReserveOutcome::Mismatch => (Outcome::Mismatch, Err(ApiError::KeyReused)),
+        ReserveOutcome::OverLimit { limit, retry_after } => (
+            Outcome::Limited,
+            Err(ApiError::TenantLimit { limit, retry_after }),
+        ),
     };
     telemetry::record(MODE, metric, started.elapsed());
     tracing::info!(

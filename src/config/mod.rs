@@ -14,7 +14,7 @@ use clap::Args;
 use secrecy::{ExposeSecret, SecretString};
 use subtle::ConstantTimeEq;
 
-use crate::engine::{DEFAULT_REPLAY_CACHE_BYTES, Engine, Limits};
+use crate::engine::{DEFAULT_REPLAY_CACHE_BYTES, Engine, Limits, TenantLimits};
 use crate::fingerprint::{FingerprintPolicy, JsonPointer};
 use crate::key::{KeyFormat, KeyPolicy};
 use crate::seal::Sealer;
@@ -73,6 +73,17 @@ pub struct RunArgs {
     #[arg(long, env = "IDEMGATE_REPLAY_CACHE_BYTES", default_value_t = DEFAULT_REPLAY_CACHE_BYTES)]
     pub replay_cache_bytes: u64,
 
+    /// Most keys one tenant may hold in flight at once; a new key beyond it
+    /// is answered 429 tenant-limit with Retry-After (0: no limit).
+    #[arg(long, env = "IDEMGATE_TENANT_MAX_IN_FLIGHT", default_value_t = 0)]
+    pub tenant_max_in_flight: u32,
+
+    /// Most bytes of stored responses one tenant may keep until they
+    /// expire; at or over it, its new keys are answered 429 tenant-limit
+    /// with Retry-After while its replays go on (0: no limit).
+    #[arg(long, env = "IDEMGATE_TENANT_MAX_STORED_BYTES", default_value_t = 0)]
+    pub tenant_max_stored_bytes: u64,
+
     /// Seals stored responses at rest (AES-256-GCM): 32 random bytes,
     /// base64 (`openssl rand -base64 32`). New responses are sealed under it.
     #[arg(long, env = "IDEMGATE_SEAL_KEY", hide_env_values = true)]
@@ -122,7 +133,17 @@ impl RunArgs {
     ) -> Result<Engine, ConfigError> {
         Ok(Engine::new(store, limits)
             .with_replay_cache(self.replay_cache_bytes)
-            .with_sealer(self.sealer()?))
+            .with_sealer(self.sealer()?)
+            .with_tenant_limits(self.tenant_limits()))
+    }
+
+    /// The per-tenant limits, 0 read as none.
+    pub fn tenant_limits(&self) -> TenantLimits {
+        TenantLimits {
+            max_in_flight: (self.tenant_max_in_flight > 0).then_some(self.tenant_max_in_flight),
+            max_stored_bytes: (self.tenant_max_stored_bytes > 0)
+                .then_some(self.tenant_max_stored_bytes),
+        }
     }
 
     /// The sealer the seal settings describe, if `IDEMGATE_SEAL_KEY` is set;

@@ -133,6 +133,11 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
         Ok(ReserveOutcome::Mismatch) => {
             (Outcome::Mismatch, None, ApiError::KeyReused.into_response())
         }
+        Ok(ReserveOutcome::OverLimit { limit, retry_after }) => (
+            Outcome::Limited,
+            None,
+            ApiError::TenantLimit { limit, retry_after }.into_response(),
+        ),
     };
 
     // === logging ===

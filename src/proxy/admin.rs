@@ -19,23 +19,31 @@ use crate::layer::LayerPolicy;
 use crate::store::Store;
 
 /// The admin router over `store`.
-pub fn router(store: Arc<dyn Store>, args: &ProxyArgs, policy: &LayerPolicy) -> Router {
+/// `sealed` says whether the proxy's engine seals what it stores.
+pub fn router(
+    store: Arc<dyn Store>,
+    args: &ProxyArgs,
+    policy: &LayerPolicy,
+    sealed: bool,
+) -> Router {
     let state = AppState(Arc::new(App {
         // It reserves nothing (the admin router has no reservation routes),
         // so it needs no replay cache.
-        engine: Engine::new(store, args.policy.limits()).with_replay_cache(0),
+        engine: Engine::new(store, args.policy.limits())
+            .with_replay_cache(0)
+            .with_tenant_limits(args.run.tenant_limits()),
         tokens: Tokens::default(),
         key_policy: args.policy.key_policy(),
         fingerprint_policy: args.policy.fingerprint_policy(),
         max_body_bytes: args.policy.max_body_bytes,
         methods: args.policy.methods.clone(),
     }));
-    let patch = Arc::new(policy_patch(args, policy));
+    let patch = Arc::new(policy_patch(args, policy, sealed));
     api::admin_router(state).layer(axum::middleware::from_fn_with_state(patch, publish))
 }
 
 /// What the proxy publishes over the reservation API's policy.
-fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy) -> Value {
+fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
     let statuses: Vec<String> = policy.release_statuses.iter().map(u16::to_string).collect();
     let tenant = match &policy.tenant_header {
         Some(h) => format!(
@@ -59,6 +67,7 @@ fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy) -> Value {
                 .map(|h| h.as_str())
                 .chain(["hop-by-hop headers"])
                 .collect::<Vec<_>>(),
+            "sealed_at_rest": sealed,
             "over_the_limit": "passed through; replayed with its status and headers, an empty body and Idempotency-Body-Omitted: true",
         },
         "proxy": {

@@ -134,6 +134,10 @@ pub struct ClaimRequest {
     pub lease_seconds: u32,
     /// TTL of a new record.
     pub ttl_seconds: u32,
+    /// The tenant's limit of live in-flight keys: when set, the claim applies
+    /// only while the tenant holds fewer (leases not ended). `Some(0)` claims
+    /// nothing and only reads the record.
+    pub max_in_flight: Option<u32>,
 }
 
 /// What the store found or did for a [`ClaimRequest`].
@@ -157,6 +161,28 @@ pub struct Claim {
 pub struct Found {
     /// The key's record as it is now.
     pub record: Record,
+    /// The database's clock.
+    pub now: DateTime<Utc>,
+}
+
+/// A tenant's live in-flight keys: those whose lease has not ended.
+#[derive(Debug, Clone, Copy)]
+pub struct InFlightUsage {
+    /// How many there are (counted up to the limit asked for).
+    pub keys: u64,
+    /// When the first of their leases ends.
+    pub next_lease_end: Option<DateTime<Utc>>,
+    /// The database's clock.
+    pub now: DateTime<Utc>,
+}
+
+/// What a tenant's completed, unexpired records take in the store.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredUsage {
+    /// Bytes of stored responses: bodies and header lists, as stored.
+    pub bytes: u64,
+    /// When the first of those records expires, and its bytes stop counting.
+    pub next_expiry: Option<DateTime<Utc>>,
     /// The database's clock.
     pub now: DateTime<Utc>,
 }
@@ -191,7 +217,9 @@ pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Claims the key or returns its record as it stands (see [`Claim`]).
-    async fn reserve(&self, req: &ClaimRequest) -> Result<Claim>;
+    /// `None` only under [`ClaimRequest::max_in_flight`]: the limit kept the
+    /// claim from applying and the key has no record.
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>>;
     /// Stores the response and completes the key.
     async fn complete(
         &self,
@@ -224,6 +252,11 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes up to `limit` expired records without waiting on locked rows;
     /// returns how many it deleted.
     async fn prune_expired_batch(&self, limit: i64) -> Result<u64>;
+    /// The tenant's live in-flight keys, counted up to `up_to`.
+    async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage>;
+    /// What the tenant's completed, unexpired records take; this reads every
+    /// one of them, so callers keep the answer a while.
+    async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage>;
     /// Succeeds when the database answers.
     async fn ping(&self) -> Result<()>;
     /// Pool figures, where the store has a pool.

@@ -15,8 +15,8 @@ use tokio::sync::{Semaphore, SemaphorePermit};
 use uuid::Uuid;
 
 use super::{
-    Claim, ClaimRequest, Found, KeyState, PoolStats, Record, Recovery, Result, Store, StoreError,
-    StoredResponse,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, Record, Recovery, Result,
+    Store, StoreError, StoredResponse, StoredUsage,
 };
 
 /// The PostgreSQL schema migrations (`migrations/postgres`).
@@ -371,14 +371,34 @@ fn headers_json(headers: &[(String, String)]) -> serde_json::Value {
 // (fingerprints compatible). When neither applies the DO UPDATE is skipped and
 // the second branch reads the record as it stands. Both branches run in one
 // round trip.
-static RESERVE: LazyLock<String> = LazyLock::new(|| {
+static RESERVE: LazyLock<String> = LazyLock::new(|| reserve_statement(false));
+
+// The same claim under a limit of `$7` live in-flight keys for the tenant: the
+// proposed row exists only while the tenant has fewer, so neither the insert
+// nor the update applies beyond it. The count reads the statement's snapshot,
+// so claims running at the same instant can each see room: the limit can be
+// passed by at most the number of such statements (one per connection).
+static RESERVE_LIMITED: LazyLock<String> = LazyLock::new(|| reserve_statement(true));
+
+fn reserve_statement(limited: bool) -> String {
+    let proposed = if limited {
+        "SELECT $1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 1,
+                    now(), now() + make_interval(secs => $6)
+             WHERE (SELECT count(*) FROM (
+                        SELECT 1 FROM idempotency_keys c
+                         WHERE c.tenant = $1 AND c.state = 'in_flight'
+                           AND c.lease_expires_at > now()
+                         LIMIT $7) live) < $7"
+    } else {
+        "VALUES ($1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 1,
+                    now(), now() + make_interval(secs => $6))"
+    };
     format!(
         "WITH claimed AS (
             INSERT INTO idempotency_keys AS k
                 (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
                  created_at, expires_at)
-            VALUES ($1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 1,
-                    now(), now() + make_interval(secs => $6))
+            {proposed}
             ON CONFLICT (tenant, key_hash) DO UPDATE SET
                 fingerprint = CASE WHEN k.expires_at <= now() THEN EXCLUDED.fingerprint
                                    ELSE COALESCE(k.fingerprint, EXCLUDED.fingerprint) END,
@@ -409,7 +429,7 @@ static RESERVE: LazyLock<String> = LazyLock::new(|| {
         SELECT false, now(), {KEY_COLUMNS} FROM idempotency_keys
          WHERE tenant = $1 AND key_hash = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
     )
-});
+}
 
 /// Restricts a statement on `idempotency_keys k` to the row whose current
 /// holder is reservation `$2` of tenant `$1`, while the record is alive.
@@ -483,29 +503,39 @@ pub mod sql {
 
 #[async_trait]
 impl Store for PgStore {
-    async fn reserve(&self, req: &ClaimRequest) -> Result<Claim> {
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
         // The second branch reads with the statement's snapshot: when another
         // transaction inserted the row after that snapshot was taken, the
         // claim is skipped and the read sees nothing. The next statement has a
-        // fresh snapshot, so a retry settles it.
-        for _ in 0..5 {
-            let row: Option<ClaimRow> = self
-                .fetch_row(
-                    sqlx::query_as(RESERVE.as_str())
-                        .bind(&req.tenant)
-                        .bind(&req.key_hash[..])
-                        .bind(&req.fingerprint)
-                        .bind(req.reservation_id)
-                        .bind(f64::from(req.lease_seconds))
-                        .bind(f64::from(req.ttl_seconds)),
-                )
-                .await?;
-            if let Some(row) = row {
-                return Ok(Claim {
-                    claimed: row.claimed,
-                    now: row.db_now,
-                    record: row.row.try_into()?,
-                });
+        // fresh snapshot, so a retry settles it. Under a limit, nothing twice
+        // running means the limit held the claim back from a key with no
+        // record.
+        for round in 0..5 {
+            let statement = match req.max_in_flight {
+                None => RESERVE.as_str(),
+                Some(_) => RESERVE_LIMITED.as_str(),
+            };
+            let mut query = sqlx::query_as(statement)
+                .bind(&req.tenant)
+                .bind(&req.key_hash[..])
+                .bind(&req.fingerprint)
+                .bind(req.reservation_id)
+                .bind(f64::from(req.lease_seconds))
+                .bind(f64::from(req.ttl_seconds));
+            if let Some(max) = req.max_in_flight {
+                query = query.bind(i64::from(max));
+            }
+            let row: Option<ClaimRow> = self.fetch_row(query).await?;
+            match row {
+                Some(row) => {
+                    return Ok(Some(Claim {
+                        claimed: row.claimed,
+                        now: row.db_now,
+                        record: row.row.try_into()?,
+                    }));
+                }
+                None if req.max_in_flight.is_some() && round > 0 => return Ok(None),
+                None => {}
             }
         }
         Err(StoreError::Unavailable(
@@ -625,6 +655,55 @@ impl Store for PgStore {
             )
             .await?;
         Ok(deleted.and_then(|n| u64::try_from(n).ok()).unwrap_or(0))
+    }
+
+    async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
+        // The partial index `idempotency_keys_in_flight` holds exactly these
+        // rows, and the count stops at `up_to`.
+        let row: Option<(i64, Option<DateTime<Utc>>, DateTime<Utc>)> = self
+            .fetch_row(
+                sqlx::query_as(
+                    "SELECT count(*), min(lease_expires_at), now() FROM (
+                        SELECT lease_expires_at FROM idempotency_keys
+                         WHERE tenant = $1 AND state = 'in_flight' AND lease_expires_at > now()
+                         ORDER BY lease_expires_at
+                         LIMIT $2) live",
+                )
+                .bind(tenant)
+                .bind(i64::from(up_to)),
+            )
+            .await?;
+        let (keys, next_lease_end, now) =
+            row.ok_or_else(|| StoreError::Other("count returned no row".into()))?;
+        Ok(InFlightUsage {
+            keys: u64::try_from(keys).unwrap_or(0),
+            next_lease_end,
+            now,
+        })
+    }
+
+    async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage> {
+        // `octet_length` of a bytea and `pg_column_size` of a jsonb read the
+        // stored size without decompressing the value.
+        let row: Option<(i64, Option<DateTime<Utc>>, DateTime<Utc>)> = self
+            .fetch_row(
+                sqlx::query_as(
+                    "SELECT coalesce(sum(coalesce(octet_length(response_body), 0)
+                                     + coalesce(pg_column_size(response_headers), 0)), 0)::int8,
+                            min(expires_at), now()
+                       FROM idempotency_keys
+                      WHERE tenant = $1 AND state = 'completed' AND expires_at > now()",
+                )
+                .bind(tenant),
+            )
+            .await?;
+        let (bytes, next_expiry, now) =
+            row.ok_or_else(|| StoreError::Other("sum returned no row".into()))?;
+        Ok(StoredUsage {
+            bytes: u64::try_from(bytes).unwrap_or(0),
+            next_expiry,
+            now,
+        })
     }
 
     async fn ping(&self) -> Result<()> {

@@ -42,8 +42,8 @@ use uuid::Uuid;
 use uuid::fmt::Hyphenated;
 
 use super::{
-    Claim, ClaimRequest, Found, KeyState, PoolStats, Record, Recovery, Result, Store, StoreError,
-    StoredResponse,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, Record, Recovery, Result,
+    Store, StoreError, StoredResponse, StoredUsage,
 };
 
 /// The SQLite schema migrations (`migrations/sqlite`).
@@ -348,6 +348,12 @@ const RESERVE: &str = concat!(
     key_columns!()
 );
 
+// ?1 tenant, ?2 now, ?3 the most worth counting.
+const COUNT_IN_FLIGHT: &str = "SELECT count(*) FROM (
+        SELECT 1 FROM idempotency_keys
+         WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2
+         LIMIT ?3)";
+
 const FENCE: &str =
     "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash) VALUES (?1, ?2, ?3)";
 
@@ -424,21 +430,40 @@ const PRUNE_KEYS: &str = concat!(
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn reserve(&self, req: &ClaimRequest) -> Result<Claim> {
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
         let mut tx = self.begin_write().await?;
         let now = now_ms();
         let id = req.reservation_id.hyphenated();
-        let claimed: Option<KeyRow> = sqlx::query_as(RESERVE)
-            .bind(&req.tenant)
-            .bind(&req.key_hash[..])
-            .bind(&req.fingerprint)
-            .bind(id)
-            .bind(now)
-            .bind(secs_ms(req.lease_seconds))
-            .bind(secs_ms(req.ttl_seconds))
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(classify)?;
+        // Under the write lock the count cannot change before the claim: the
+        // limit is exact here.
+        let room = match req.max_in_flight {
+            None => true,
+            Some(max) => {
+                let live: i64 = sqlx::query_scalar(COUNT_IN_FLIGHT)
+                    .bind(&req.tenant)
+                    .bind(now)
+                    .bind(i64::from(max))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                live < i64::from(max)
+            }
+        };
+        let claimed: Option<KeyRow> = if room {
+            sqlx::query_as(RESERVE)
+                .bind(&req.tenant)
+                .bind(&req.key_hash[..])
+                .bind(&req.fingerprint)
+                .bind(id)
+                .bind(now)
+                .bind(secs_ms(req.lease_seconds))
+                .bind(secs_ms(req.ttl_seconds))
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(classify)?
+        } else {
+            None
+        };
         let (claimed, row) = match claimed {
             Some(row) => {
                 sqlx::query(FENCE)
@@ -453,25 +478,33 @@ impl Store for SqliteStore {
             None => {
                 // We hold the write lock: the row the upsert conflicted with
                 // is still there, unchanged.
-                let row: KeyRow = sqlx::query_as(SELECT_KEY)
+                let row: Option<KeyRow> = sqlx::query_as(SELECT_KEY)
                     .bind(&req.tenant)
                     .bind(&req.key_hash[..])
                     .fetch_optional(&mut *tx)
                     .await
-                    .map_err(classify)?
-                    .ok_or_else(|| {
-                        StoreError::Other("the claim neither applied nor found the record".into())
-                    })?;
-                (false, row)
+                    .map_err(classify)?;
+                match row {
+                    Some(row) => (false, row),
+                    None if !room => {
+                        tx.commit().await.map_err(classify)?;
+                        return Ok(None);
+                    }
+                    None => {
+                        return Err(StoreError::Other(
+                            "the claim neither applied nor found the record".into(),
+                        ));
+                    }
+                }
             }
         };
         let record = Record::try_from(row)?;
         tx.commit().await.map_err(classify)?;
-        Ok(Claim {
+        Ok(Some(Claim {
             claimed,
             record,
             now: ts(now)?,
-        })
+        }))
     }
 
     async fn complete(
@@ -605,6 +638,49 @@ impl Store for SqliteStore {
         Ok(deleted)
     }
 
+    async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
+        let now = now_ms();
+        let (keys, next): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT count(*), min(lease_expires_at) FROM (
+                SELECT lease_expires_at FROM idempotency_keys
+                 WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2
+                 ORDER BY lease_expires_at
+                 LIMIT ?3)",
+        )
+        .bind(tenant)
+        .bind(now)
+        .bind(i64::from(up_to))
+        .fetch_one(&self.reader)
+        .await
+        .map_err(classify)?;
+        Ok(InFlightUsage {
+            keys: u64::try_from(keys).unwrap_or(0),
+            next_lease_end: ts_opt(next)?,
+            now: ts(now)?,
+        })
+    }
+
+    async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage> {
+        let now = now_ms();
+        let (bytes, next): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT coalesce(sum(coalesce(length(response_body), 0)
+                                 + coalesce(length(response_headers), 0)), 0),
+                    min(expires_at)
+               FROM idempotency_keys
+              WHERE tenant = ?1 AND state = 'completed' AND expires_at > ?2",
+        )
+        .bind(tenant)
+        .bind(now)
+        .fetch_one(&self.reader)
+        .await
+        .map_err(classify)?;
+        Ok(StoredUsage {
+            bytes: u64::try_from(bytes).unwrap_or(0),
+            next_expiry: ts_opt(next)?,
+            now: ts(now)?,
+        })
+    }
+
     async fn ping(&self) -> Result<()> {
         // Reads the database header, so a file that cannot be read fails here.
         sqlx::query("PRAGMA schema_version")
@@ -641,6 +717,7 @@ mod tests {
             reservation_id: Uuid::new_v4(),
             lease_seconds: 30,
             ttl_seconds: 60,
+            max_in_flight: None,
         }
     }
 
@@ -710,7 +787,12 @@ mod tests {
         };
         let req = claim(1);
         let (claimed, ()) = tokio::join!(store.reserve(&req), release);
-        assert!(claimed.expect("reserve waited for the lock").claimed);
+        assert!(
+            claimed
+                .expect("reserve waited for the lock")
+                .expect("no limit")
+                .claimed
+        );
     }
 
     #[tokio::test]
@@ -771,9 +853,17 @@ mod tests {
     async fn an_in_memory_database_works_through_one_connection() {
         let store = SqliteStore::open("sqlite::memory:").await.expect("open");
         store.migrate().await.expect("migrate");
-        let first = store.reserve(&claim(7)).await.expect("reserve");
+        let first = store
+            .reserve(&claim(7))
+            .await
+            .expect("reserve")
+            .expect("no limit");
         assert!(first.claimed);
-        let second = store.reserve(&claim(7)).await.expect("reserve");
+        let second = store
+            .reserve(&claim(7))
+            .await
+            .expect("reserve")
+            .expect("no limit");
         assert!(!second.claimed);
         assert_eq!(second.record.reservation_id, first.record.reservation_id);
         let found = store
