@@ -259,6 +259,73 @@ both_stores!(
     concurrent: [in_flight_limit_holds_under_a_storm],
 );
 
+/// Three engines (processes) on one PostgreSQL database: the in-flight
+/// limit holds across them within one claim per connection, and stored bytes
+/// committed through one are seen by the others within the refresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limits_hold_across_engines_on_one_database() {
+    const LIMIT: usize = 10;
+    const CLIENTS: usize = 150;
+    let db = common::pg::TestDb::new().await;
+    let flags = [
+        "--tenant-max-in-flight",
+        "10",
+        "--tenant-max-stored-bytes",
+        "3000",
+    ];
+    let mut apps = Vec::new();
+    for _ in 0..3 {
+        apps.push(Arc::new(TestApp::new(&db.url, &flags).await));
+    }
+    let barrier = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let (app, barrier) = (apps[i % 3].clone(), barrier.clone());
+            tokio::spawn(async move {
+                let key = fresh_key();
+                barrier.wait().await;
+                app.reserve(&key, r#"{"lease_seconds": 10}"#).await
+            })
+        })
+        .collect();
+    let mut reserved = Vec::new();
+    let mut limited = 0;
+    for t in tasks {
+        let res = t.await.expect("task");
+        match res.status.as_u16() {
+            201 => reserved.push(res.reservation_id()),
+            429 => {
+                assert_limited(&res, 10);
+                limited += 1;
+            }
+            other => panic!("unexpected {other}: {}", res.text),
+        }
+    }
+    eprintln!(
+        "{CLIENTS} clients over 3 engines at limit {LIMIT}: {} reserved, {limited} × 429",
+        reserved.len()
+    );
+    assert!(reserved.len() >= LIMIT);
+    assert!(
+        reserved.len() <= LIMIT + 3 * 16,
+        "{} reserved past {LIMIT} + one per connection",
+        reserved.len()
+    );
+
+    // Stored bytes: commit 4,000 bytes through engine 0 (the limit was not
+    // reached when they were reserved); engine 1 refuses new keys once it
+    // reads the figure again.
+    let body = format!(r#"{{"status": 200, "body": "{}"}}"#, "y".repeat(2000));
+    for id in &reserved[..2] {
+        let res = apps[0].act(id, "commit", &body).await;
+        assert_eq!(res.status, 200, "{}", res.text);
+    }
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let res = apps[1].reserve(&fresh_key(), "{}").await;
+    assert_limited(&res, 86_400);
+    assert!(res.text.contains("stored"), "{}", res.text);
+}
+
 /// The proxy: a credential at its limit gets the 429 and the origin never
 /// sees the request; another credential passes.
 #[tokio::test]
