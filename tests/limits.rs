@@ -123,6 +123,25 @@ async fn ended_leases_do_not_count(b: Backend) {
     // hold no room.
     let res = app.reserve(&fresh_key(), "{}").await;
     assert_eq!(res.status, 201, "{}", res.text);
+    assert_eq!(
+        app.act(&res.reservation_id(), "release", "").await.status,
+        204
+    );
+
+    // Nor does an expired key whose lease outlived it: the key is new again.
+    let app = TestApp::new(&b.url(), &["--tenant-max-in-flight", "1"]).await;
+    let res = app
+        .reserve(&fresh_key(), r#"{"lease_seconds": 30, "ttl_seconds": 1}"#)
+        .await;
+    assert_eq!(res.status, 201, "{}", res.text);
+    assert_limited(&app.reserve(&fresh_key(), "{}").await, 30);
+    TestApp::outlive(1).await;
+    let res = app.reserve(&fresh_key(), "{}").await;
+    assert_eq!(
+        res.status, 201,
+        "an expired key holds no room: {}",
+        res.text
+    );
 }
 
 /// Many reserves of distinct keys released together: the limit holds — to

@@ -16,7 +16,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::backend::Backend;
-use idemgate::engine::{CommitOutcome, Engine, Refusal, ReserveOutcome, ReserveRequest};
+use idemgate::engine::{
+    CommitOutcome, Engine, Refusal, ReserveOutcome, ReserveRequest, TenantLimit, TenantLimits,
+};
 use idemgate::fingerprint::{
     FingerprintPolicy, JsonPointer, canonical_json, fingerprint_json_request, fingerprint_request,
 };
@@ -633,19 +635,32 @@ struct MRecord {
 /// What each call must come to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Expect {
-    Reserved { attempt: i32, recovery: Option<u8> },
-    Completed { tag: u8 },
-    InFlight { retry_after: u64 },
+    Reserved {
+        attempt: i32,
+        recovery: Option<u8>,
+    },
+    Completed {
+        tag: u8,
+    },
+    InFlight {
+        retry_after: u64,
+    },
     Mismatch,
     Committed,
     AlreadyCommitted,
     Ok,
     Refused(Refusal),
     Pruned(u64),
+    /// `429 tenant-limit` for in-flight keys.
+    OverLimit {
+        retry_after: u64,
+    },
 }
 
 #[derive(Default)]
 struct Model {
+    /// The tenant's limit of live in-flight keys, if any.
+    max_in_flight: Option<usize>,
     now: i64,
     records: HashMap<u8, MRecord>,
     /// The key of each id handed out, while its reservation row exists.
@@ -653,6 +668,25 @@ struct Model {
 }
 
 impl Model {
+    /// `Some(OverLimit)` when a claim now would pass the limit: the live
+    /// in-flight keys (lease not ended, record not expired) fill it.
+    fn over_limit(&self) -> Option<Expect> {
+        let max = self.max_in_flight?;
+        let live: Vec<i64> = self
+            .records
+            .values()
+            .filter(|r| {
+                r.state == MState::InFlight && r.lease_end > self.now && r.expires_at > self.now
+            })
+            .map(|r| r.lease_end)
+            .collect();
+        (live.len() >= max).then(|| Expect::OverLimit {
+            retry_after: u64::try_from(live.iter().min().map_or(1, |end| end - self.now))
+                .expect("live")
+                .max(1),
+        })
+    }
+
     fn live_holder(&self, id: usize) -> Option<u8> {
         let key = (*self.ids.get(id)?)?;
         let r = self.records.get(&key)?;
@@ -689,10 +723,14 @@ impl Model {
                 let fp = (fp > 0).then_some(fp);
                 let next_id = self.ids.len();
                 let lease = i64::from(lease);
+                let over_limit = self.over_limit();
                 match self.records.get_mut(&key) {
                     Some(r) if r.expires_at > now => {
                         let compatible = r.fp.is_none() || fp.is_none() || r.fp == fp;
                         if r.state == MState::InFlight && r.lease_end <= now && compatible {
+                            if let Some(limited) = over_limit {
+                                return limited;
+                            }
                             r.fp = r.fp.or(fp);
                             r.holder = next_id;
                             r.lease_end = now + lease;
@@ -716,6 +754,9 @@ impl Model {
                     }
                     // New, or expired: new again.
                     _ => {
+                        if let Some(limited) = over_limit {
+                            return limited;
+                        }
                         self.records.insert(
                             key,
                             MRecord {
@@ -929,7 +970,11 @@ impl Subject {
                     }
                     ReserveOutcome::InFlight { retry_after } => Expect::InFlight { retry_after },
                     ReserveOutcome::Mismatch => Expect::Mismatch,
-                    ReserveOutcome::OverLimit { .. } => panic!("this engine has no tenant limit"),
+                    ReserveOutcome::OverLimit {
+                        limit: TenantLimit::InFlightKeys,
+                        retry_after,
+                    } => Expect::OverLimit { retry_after },
+                    ReserveOutcome::OverLimit { limit, .. } => panic!("no {limit:?} limit is set"),
                 }
             }
             Op::Commit { id, tag } => {
@@ -1001,7 +1046,10 @@ impl Subject {
 
 /// Runs the model-based property on `backend`: one database for the whole
 /// test, emptied between cases.
-fn state_machine(make: fn() -> std::pin::Pin<Box<dyn Future<Output = Backend>>>) {
+fn state_machine(
+    make: fn() -> std::pin::Pin<Box<dyn Future<Output = Backend>>>,
+    max_in_flight: Option<u32>,
+) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -1023,10 +1071,17 @@ fn state_machine(make: fn() -> std::pin::Pin<Box<dyn Future<Output = Backend>>>)
     let result = runner.run(&prop::collection::vec(op(), 1..=20), |ops| {
         rt.block_on(async {
             raw.reset().await;
-            let mut model = Model::default();
+            let mut model = Model {
+                max_in_flight: max_in_flight.map(|m| m as usize),
+                ..Model::default()
+            };
             let mut subject = Subject {
                 engine: Engine::new(Arc::clone(engine.store()), Default::default())
-                    .with_replay_cache(0),
+                    .with_replay_cache(0)
+                    .with_tenant_limits(TenantLimits {
+                        max_in_flight,
+                        max_stored_bytes: None,
+                    }),
                 raw: match &*raw {
                     Raw::Pg(s) => Raw::Pg(s.clone()),
                     Raw::Sqlite(s) => Raw::Sqlite(s.clone()),
@@ -1053,10 +1108,23 @@ fn state_machine(make: fn() -> std::pin::Pin<Box<dyn Future<Output = Backend>>>)
 
 #[test]
 fn engine_matches_model_postgres() {
-    state_machine(|| Box::pin(Backend::postgres()));
+    state_machine(|| Box::pin(Backend::postgres()), None);
 }
 
 #[test]
 fn engine_matches_model_sqlite() {
-    state_machine(|| Box::pin(Backend::sqlite()));
+    state_machine(|| Box::pin(Backend::sqlite()), None);
+}
+
+/// The same, with the tenant limited to one live key in flight (of the two
+/// keys): every claim the limit holds back is a 429 with the earliest
+/// lease's end, and everything else is as without it.
+#[test]
+fn engine_with_an_in_flight_limit_matches_model_postgres() {
+    state_machine(|| Box::pin(Backend::postgres()), Some(1));
+}
+
+#[test]
+fn engine_with_an_in_flight_limit_matches_model_sqlite() {
+    state_machine(|| Box::pin(Backend::sqlite()), Some(1));
 }

@@ -387,7 +387,7 @@ fn reserve_statement(limited: bool) -> String {
              WHERE (SELECT count(*) FROM (
                         SELECT 1 FROM idempotency_keys c
                          WHERE c.tenant = $1 AND c.state = 'in_flight'
-                           AND c.lease_expires_at > now()
+                           AND c.lease_expires_at > now() AND c.expires_at > now()
                          LIMIT $7) live) < $7"
     } else {
         "VALUES ($1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 1,
@@ -666,6 +666,7 @@ impl Store for PgStore {
                     "SELECT count(*), min(lease_expires_at), now() FROM (
                         SELECT lease_expires_at FROM idempotency_keys
                          WHERE tenant = $1 AND state = 'in_flight' AND lease_expires_at > now()
+                           AND expires_at > now()
                          ORDER BY lease_expires_at
                          LIMIT $2) live",
                 )

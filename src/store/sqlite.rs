@@ -351,7 +351,7 @@ const RESERVE: &str = concat!(
 // ?1 tenant, ?2 now, ?3 the most worth counting.
 const COUNT_IN_FLIGHT: &str = "SELECT count(*) FROM (
         SELECT 1 FROM idempotency_keys
-         WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2
+         WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2 AND expires_at > ?2
          LIMIT ?3)";
 
 const FENCE: &str =
@@ -643,7 +643,7 @@ impl Store for SqliteStore {
         let (keys, next): (i64, Option<i64>) = sqlx::query_as(
             "SELECT count(*), min(lease_expires_at) FROM (
                 SELECT lease_expires_at FROM idempotency_keys
-                 WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2
+                 WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2 AND expires_at > ?2
                  ORDER BY lease_expires_at
                  LIMIT ?3)",
         )
