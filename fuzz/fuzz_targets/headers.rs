@@ -1,8 +1,8 @@
 //! The header handling of the layer and the proxy on arbitrary header lines:
 //! which response headers are stored for replay
 //! (`idemgate::layer::headers::storable`) and which request headers reach
-//! the upstream (what `ProxyClient` does: `strip_connection_headers`, drop
-//! `Host`, `add_forwarded`). Never a panic; nothing hop-by-hop survives;
+//! the upstream (`idemgate::proxy::headers::to_upstream`, what `ProxyClient`
+//! applies to every forwarded request). Never a panic; nothing hop-by-hop survives;
 //! every stored line can be rebuilt by the replay.
 #![no_main]
 
@@ -12,8 +12,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, header};
 use idemgate::headers::prefer_wait;
 use idemgate::key::{KeyPolicy, from_headers};
 use idemgate::layer::headers::storable;
-use idemgate::layer::strip_connection_headers;
-use idemgate::proxy::headers::add_forwarded;
+use idemgate::proxy::headers::to_upstream;
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 
@@ -128,9 +127,7 @@ fuzz_target!(|input: Input| {
         .as_deref()
         .and_then(|h| HeaderValue::from_bytes(h).ok());
     let client = input.client.map(IpAddr::from);
-    strip_connection_headers(&mut forwarded);
-    forwarded.remove(header::HOST);
-    add_forwarded(&mut forwarded, client, host.clone());
+    to_upstream(&mut forwarded, client, host.clone());
     for n in HOP_BY_HOP {
         assert!(!forwarded.contains_key(n), "forwarded hop-by-hop {n}");
     }

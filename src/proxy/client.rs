@@ -20,7 +20,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tower::Service;
 
-use super::headers::add_forwarded;
+use super::headers::to_upstream;
 use crate::api::problem::ApiError;
 use crate::layer::{NotExecuted, OutcomeUnknown, strip_connection_headers};
 
@@ -142,10 +142,7 @@ impl ProxyClient {
             let authority = parts.uri.authority()?;
             http::HeaderValue::from_str(authority.as_str()).ok()
         });
-        strip_connection_headers(&mut parts.headers);
-        // hyper sets Host from the upstream URI.
-        parts.headers.remove(header::HOST);
-        add_forwarded(&mut parts.headers, client, host);
+        to_upstream(&mut parts.headers, client, host);
         parts.uri = match self.target(&parts.uri) {
             Ok(uri) => uri,
             Err(why) => {

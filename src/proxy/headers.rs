@@ -4,7 +4,19 @@
 
 use std::net::IpAddr;
 
-use http::{HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+
+use crate::layer::strip_connection_headers;
+
+/// A request's headers as the upstream gets them: hop-by-hop headers (and
+/// those its `Connection` lines name) stripped, `Host` dropped (the client
+/// sets it from the upstream URI), `X-Forwarded-*` added for `client` and the
+/// original `host`.
+pub fn to_upstream(headers: &mut HeaderMap, client: Option<IpAddr>, host: Option<HeaderValue>) {
+    strip_connection_headers(headers);
+    headers.remove(header::HOST);
+    add_forwarded(headers, client, host);
+}
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
