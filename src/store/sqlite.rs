@@ -10,8 +10,11 @@
 //!   another; across processes (or two stores on one file) `BEGIN IMMEDIATE`
 //!   takes the write lock before the first read, and the busy timeout makes a
 //!   contender wait for it rather than fail. Every write transaction is a
-//!   [`sqlx::Transaction`], which rolls back on drop (an error, or a cancelled
-//!   request), so no connection goes back to the pool with a transaction open.
+//!   [`WriteTx`], which rolls back unless committed (an error, or a cancelled
+//!   request), so no connection goes back to the pool with a transaction open;
+//!   and after a write that failed on a file, the connection is replaced by a
+//!   fresh one (see [`WriteTx`]), so that the store recovers by itself from a
+//!   full disk or a file made read-only once the fault is gone.
 //! * **Reads** (`find_by_reservation`, `ping`) use a separate pool: in WAL mode
 //!   readers never wait on the writer.
 //! * **The clock** is this process's `Utc::now()`, read after the write lock is
@@ -29,15 +32,20 @@
 //!   TEXT. Timestamps therefore have millisecond precision, where PostgreSQL
 //!   keeps microseconds.
 
+use std::ops::{Deref, DerefMut};
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
 };
-use sqlx::{ConnectOptions, FromRow, Sqlite, Transaction};
+use sqlx::{ConnectOptions, FromRow, Sqlite};
 use uuid::Uuid;
 use uuid::fmt::Hyphenated;
 
@@ -64,6 +72,9 @@ pub struct SqliteStore {
     reader: SqlitePool,
     /// True when `reader` is `writer` (in-memory databases).
     shared: bool,
+    /// Raised by a write transaction that ended without a commit, for the
+    /// pool to clean up after it (see [`WriteTx`]).
+    abandoned: Arc<AtomicBool>,
 }
 
 // === impl SqliteStore ===
@@ -85,15 +96,27 @@ impl SqliteStore {
         // not wait for, so only the writer asks; the mode is stored in the
         // file, and readers opened afterwards find it there.
         let writer_options = base.clone().journal_mode(SqliteJournalMode::Wal);
-        let writer = SqlitePoolOptions::new()
+        let mut writer = SqlitePoolOptions::new()
             .max_connections(1)
-            .min_connections(1)
+            // `connect_with` opens the connection at once all the same; none
+            // at all keeps a replaced one (see `WriteTx`) from being reopened
+            // in the background while a fault lasts: the next write opens
+            // it, and sees the file as it is then.
+            .min_connections(0)
             .acquire_timeout(ACQUIRE_TIMEOUT)
             // Keep the one connection for the life of the store: reopening
-            // costs, and an in-memory database would vanish with it.
+            // costs, and an in-memory database would vanish with it. Only a
+            // write that failed on a file replaces it.
             .idle_timeout(None)
             .max_lifetime(None)
-            .test_before_acquire(false)
+            .test_before_acquire(false);
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let flag = abandoned.clone();
+        writer = writer.after_release(move |conn, _| {
+            let abandoned = flag.swap(false, Ordering::AcqRel);
+            Box::pin(after_write(conn, abandoned, in_memory))
+        });
+        let writer = writer
             .connect_with(writer_options)
             .await
             .map_err(classify)?;
@@ -114,6 +137,7 @@ impl SqliteStore {
             writer,
             reader,
             shared: in_memory,
+            abandoned,
         })
     }
 
@@ -141,17 +165,112 @@ impl SqliteStore {
     }
 
     /// Starts a write transaction holding the database's write lock.
-    async fn begin_write(&self) -> Result<Transaction<'static, Sqlite>> {
+    async fn begin_write(&self) -> Result<WriteTx> {
+        let conn = self.writer.acquire().await.map_err(classify)?;
+        // Armed before BEGIN: a BEGIN that fails is a failed write too.
+        let mut tx = WriteTx {
+            conn,
+            abandoned: self.abandoned.clone(),
+            committed: false,
+        };
         // IMMEDIATE takes the write lock now, waiting up to the busy timeout.
         // A deferred BEGIN takes it at the first write; a transaction that
         // read before that, while another connection committed, cannot
         // upgrade (SQLITE_BUSY_SNAPSHOT, which the busy timeout does not
         // retry). Taking it first also lets us read the clock under the lock.
-        self.writer
-            .begin_with("BEGIN IMMEDIATE")
+        sqlx::raw_sql("BEGIN IMMEDIATE")
+            .execute(&mut *tx)
             .await
-            .map_err(classify)
+            .map_err(classify)?;
+        Ok(tx)
     }
+}
+
+/// A write transaction on the write connection: `BEGIN IMMEDIATE` …
+/// `COMMIT`, and when it ends any other way (an error, a cancelled request),
+/// the pool's `after_release` hook ([`after_write`]) cleans up before anyone
+/// else gets the connection.
+///
+/// Not sqlx's `Transaction`, which rolls back and hands the connection back
+/// to the pool as if nothing had happened. After an I/O error that
+/// connection is broken for good. When a write to the WAL fails at COMMIT
+/// (`SQLITE_IOERR_WRITE` on a file made immutable or a filesystem gone
+/// read-only, `SQLITE_FULL` or `EFBIG` on a full disk), SQLite has already
+/// rolled back; sqlx's ROLLBACK then fails ("no transaction is active"), its
+/// transaction depth stays at 1, and every later `BEGIN IMMEDIATE` fails with
+/// "attempted to call begin_with at non-zero transaction depth": a 500 for
+/// every write, for ever, even once the disk has room again. And a
+/// connection opened while the file or its WAL could not be written is
+/// read-only for good (SQLite falls back to read-only without a word), so
+/// it refuses every write after the file is writable again.
+///
+/// So the transaction is plain `BEGIN IMMEDIATE` and `COMMIT`, which keep
+/// sqlx's bookkeeping out of it, and a write that does not commit raises
+/// `abandoned`, in `drop`, before the connection goes back to the pool; the
+/// hook then closes the connection (closing rolls back whatever is open) and
+/// the next write opens a fresh one, which sees the file as it is now. That
+/// costs a reopen, on the failure path only. An in-memory database lives in
+/// its one connection, so there the hook rolls back instead.
+struct WriteTx {
+    conn: PoolConnection<Sqlite>,
+    abandoned: Arc<AtomicBool>,
+    committed: bool,
+}
+
+// === impl WriteTx ===
+
+impl WriteTx {
+    async fn commit(mut self) -> sqlx::Result<()> {
+        sqlx::raw_sql("COMMIT").execute(&mut *self.conn).await?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Deref for WriteTx {
+    type Target = SqliteConnection;
+
+    fn deref(&self) -> &SqliteConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for WriteTx {
+    fn deref_mut(&mut self) -> &mut SqliteConnection {
+        &mut self.conn
+    }
+}
+
+impl Drop for WriteTx {
+    fn drop(&mut self) {
+        // Runs before the fields drop, so before `conn` goes back to the pool.
+        if !self.committed {
+            self.abandoned.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// The write pool's `after_release` hook: whether the connection may serve
+/// the next write. After an abandoned [`WriteTx`], a file's connection is
+/// closed (the pool opens a fresh one on the next write) and an in-memory
+/// database's is rolled back.
+async fn after_write(
+    conn: &mut SqliteConnection,
+    abandoned: bool,
+    in_memory: bool,
+) -> sqlx::Result<bool> {
+    if !abandoned {
+        return Ok(true);
+    }
+    if !in_memory {
+        tracing::debug!("a write did not commit: the write connection is replaced");
+        return Ok(false);
+    }
+    // "No transaction is active" when BEGIN failed or COMMIT got through.
+    if let Err(e) = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await {
+        tracing::debug!(error = %e, "rollback of an abandoned write");
+    }
+    Ok(true)
 }
 
 /// Whether `url` names an in-memory database (`sqlite::memory:`,
@@ -874,5 +993,71 @@ mod tests {
         store.ping().await.expect("ping");
         let stats = store.pool_stats().expect("stats");
         assert_eq!(stats.size, 1);
+    }
+
+    /// A write of 100 kB, about 25 pages.
+    async fn write_past(tx: &mut WriteTx) -> sqlx::Result<()> {
+        sqlx::query(FENCE)
+            .bind("t")
+            .bind(Uuid::new_v4().hyphenated())
+            .bind(vec![0u8; 100_000])
+            .execute(&mut **tx)
+            .await
+            .map(|_| ())
+    }
+
+    #[tokio::test]
+    async fn a_write_that_failed_leaves_its_connection_behind() {
+        let (_dir, _url, store) = fresh().await;
+        // A page limit on the write connection stands in for a full disk;
+        // it belongs to the connection, so a fresh one has none.
+        let pages: i64 = sqlx::query_scalar("PRAGMA page_count")
+            .fetch_one(store.pool())
+            .await
+            .expect("page_count");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "PRAGMA max_page_count = {pages}"
+        )))
+        .execute(store.pool())
+        .await
+        .expect("max_page_count");
+        let mut tx = store.begin_write().await.expect("begin");
+        let err = write_past(&mut tx).await.expect_err("wrote past the limit");
+        assert_eq!(primary(&err), Some(SQLITE_FULL));
+        drop(tx);
+        let limit: i64 = sqlx::query_scalar("PRAGMA max_page_count")
+            .fetch_one(store.pool())
+            .await
+            .expect("max_page_count");
+        assert!(limit > pages, "the same connection came back: {limit}");
+        let mut tx = store.begin_write().await.expect("begin");
+        write_past(&mut tx)
+            .await
+            .expect("a fresh connection writes");
+        tx.commit().await.expect("commit");
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_write_in_memory_is_rolled_back_not_lost() {
+        let store = SqliteStore::open("sqlite::memory:").await.expect("open");
+        store.migrate().await.expect("migrate");
+        let kept = store.reserve(&claim(1)).await.expect("reserve");
+        let mut tx = store.begin_write().await.expect("begin");
+        write_past(&mut tx).await.expect("write");
+        drop(tx);
+        let fences: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_reservations")
+            .fetch_one(&store.reader)
+            .await
+            .expect("count");
+        assert_eq!(
+            fences, 1,
+            "the abandoned write was rolled back, the rest kept"
+        );
+        let found = store
+            .find_by_reservation("t", kept.record.reservation_id)
+            .await
+            .expect("find");
+        assert!(found.is_some());
+        assert!(store.reserve(&claim(2)).await.expect("reserve").claimed);
     }
 }
