@@ -1041,7 +1041,11 @@ mod tests {
     async fn an_abandoned_write_in_memory_is_rolled_back_not_lost() {
         let store = SqliteStore::open("sqlite::memory:").await.expect("open");
         store.migrate().await.expect("migrate");
-        let kept = store.reserve(&claim(1)).await.expect("reserve");
+        let kept = store
+            .reserve(&claim(1))
+            .await
+            .expect("reserve")
+            .expect("no limit");
         let mut tx = store.begin_write().await.expect("begin");
         write_past(&mut tx).await.expect("write");
         drop(tx);
@@ -1058,6 +1062,13 @@ mod tests {
             .await
             .expect("find");
         assert!(found.is_some());
-        assert!(store.reserve(&claim(2)).await.expect("reserve").claimed);
+        assert!(
+            store
+                .reserve(&claim(2))
+                .await
+                .expect("reserve")
+                .expect("no limit")
+                .claimed
+        );
     }
 }
