@@ -15,8 +15,9 @@
 //!   and after a write that failed on a file, the connection is replaced by a
 //!   fresh one (see [`WriteTx`]), so that the store recovers by itself from a
 //!   full disk or a file made read-only once the fault is gone.
-//! * **Reads** (`find_by_reservation`, `ping`) use a separate pool: in WAL mode
-//!   readers never wait on the writer.
+//! * **Reads** (`find_by_reservation`, `ping`, and a reserve's first look at
+//!   the key) use a separate pool: in WAL mode readers never wait on the
+//!   writer, so a replay or a 409 takes no write lock.
 //! * **The clock** is this process's `Utc::now()`, read after the write lock is
 //!   taken, so within a transaction nobody else can act between the clock
 //!   reading and the decision. The SPEC runs one process per file; processes
@@ -162,6 +163,37 @@ impl SqliteStore {
     pub async fn close(&self) {
         self.reader.close().await;
         self.writer.close().await;
+    }
+
+    /// The key's record when no claim can apply to it now — completed, or in
+    /// flight under a live lease, and not expired — read without the write
+    /// lock. Replays and 409s then neither queue behind the writer nor need
+    /// a writable file (a read-only file still replays). A record that turns
+    /// claimable after this read was not claimable at `now`, the moment the
+    /// answer speaks for; anything else goes to the claim.
+    async fn settled(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
+        let now = now_ms();
+        let row: Option<KeyRow> = sqlx::query_as(SELECT_KEY)
+            .bind(&req.tenant)
+            .bind(&req.key_hash[..])
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(classify)?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let record = Record::try_from(row)?;
+        let now = ts(now)?;
+        let live = record.expires_at > now
+            && match record.state {
+                KeyState::Completed => true,
+                KeyState::InFlight => record.lease_expires_at.is_some_and(|end| end > now),
+            };
+        Ok(live.then_some(Claim {
+            claimed: false,
+            record,
+            now,
+        }))
     }
 
     /// Starts a write transaction holding the database's write lock.
@@ -550,6 +582,9 @@ const PRUNE_KEYS: &str = concat!(
 #[async_trait]
 impl Store for SqliteStore {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
+        if let Some(settled) = self.settled(req).await? {
+            return Ok(Some(settled));
+        }
         let mut tx = self.begin_write().await?;
         let now = now_ms();
         let id = req.reservation_id.hyphenated();
