@@ -214,6 +214,29 @@ pub struct Engine {
     /// Each tenant's last stored-bytes figure, behind a lock that lets one
     /// caller at a time read it again.
     stored_usage: moka::sync::Cache<String, Arc<tokio::sync::Mutex<Option<StoredFigure>>>>,
+    /// Commits retrying in the background, which a shutdown waits for.
+    deferred: Arc<Deferred>,
+}
+
+/// The count of background commits still retrying, and a wake-up when it
+/// falls.
+#[derive(Default)]
+struct Deferred {
+    pending: std::sync::atomic::AtomicUsize,
+    fell: Notify,
+}
+
+/// Held by a background commit for as long as it retries (see
+/// [`Engine::hold_deferred`]).
+pub(crate) struct DeferredGuard(Arc<Deferred>);
+
+impl Drop for DeferredGuard {
+    fn drop(&mut self) {
+        self.0
+            .pending
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.0.fell.notify_waiters();
+    }
 }
 
 /// A tenant's stored bytes as last read, plus this process's commits since.
@@ -243,6 +266,43 @@ impl Engine {
                 .max_capacity(10_000)
                 .time_to_idle(Duration::from_secs(600))
                 .build(),
+            deferred: Arc::default(),
+        }
+    }
+
+    /// Counts one background commit until the guard drops.
+    pub(crate) fn hold_deferred(&self) -> DeferredGuard {
+        self.deferred
+            .pending
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        DeferredGuard(self.deferred.clone())
+    }
+
+    /// Commits retrying in the background right now: responses the origin
+    /// gave while the store was away (SPEC §6), not yet stored.
+    pub fn deferred_commits(&self) -> usize {
+        self.deferred
+            .pending
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Waits until every background commit has landed or given up, or
+    /// until `within` has passed; returns how many are still retrying. A
+    /// shutdown calls it after the listeners have drained, so that a
+    /// response already returned to its client is not left unstored.
+    pub async fn finish_deferred(&self, within: Duration) -> usize {
+        let deadline = Instant::now() + within;
+        loop {
+            // Created before the count is read: a guard dropped in between
+            // still wakes it.
+            let fell = self.deferred.fell.notified();
+            let pending = self.deferred_commits();
+            if pending == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, fell).await.is_err() {
+                return self.deferred_commits();
+            }
         }
     }
 

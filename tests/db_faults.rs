@@ -395,3 +395,113 @@ async fn the_proxy_under_a_restart_forwards_nothing_it_could_not_record() {
         forwarded.len()
     );
 }
+
+/// SPEC §6 and §9 together: the origin answered while the store was away,
+/// so the proxy returned the response and retries its commit in the
+/// background; a SIGTERM then must not drop that commit. The process waits
+/// (within its grace) for the store to come back, stores the response, and
+/// exits 0; a retry afterwards is the replay, not a second execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_waits_for_commits_deferred_by_an_outage() {
+    use common::bin::{drain_stderr, free_port, idemgate_at, signal, wait_exit};
+
+    let cluster = TempCluster::start().await.expect("a private PostgreSQL");
+    let upstream = Upstream::start().await;
+    let (port, admin) = (free_port(), free_port());
+    let mut child = idemgate_at(&cluster.url())
+        .args(["proxy", "--upstream", &upstream.url()])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .args(["--shutdown-grace", "15", "--db-acquire-timeout", "1"])
+        .args(["--replay-cache-bytes", "0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("idemgate proxy");
+    let log = drain_stderr(&mut child);
+    let http = reqwest::Client::new();
+    let ready = format!("http://127.0.0.1:{admin}/readyz");
+    let started = Instant::now();
+    while !http
+        .get(&ready)
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(started.elapsed() < Duration::from_secs(20), "never ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The origin takes 1.5 s; the store goes away meanwhile.
+    let key = fresh_key();
+    let request = {
+        let (http, key) = (http.clone(), key.clone());
+        tokio::spawn(async move {
+            http.post(format!("http://127.0.0.1:{port}/slow/1500"))
+                .header("idempotency-key", key)
+                .body("{}")
+                .send()
+                .await
+                .expect("the proxy answers")
+        })
+    };
+    while upstream.started(&key) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "never forwarded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cluster.stop().await.expect("stop");
+    let res = bounded(request).await.expect("request task");
+    assert_eq!(res.status(), 201, "the origin's answer reaches the client");
+
+    // Stop the proxy while its commit waits; bring the store back later.
+    signal(child.id(), "TERM");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        child.try_wait().expect("try_wait").is_none(),
+        "exited with a commit still deferred:\n{}",
+        log.lock().unwrap()
+    );
+    cluster.restart().await.expect("restart");
+    let back = Instant::now();
+    let status = wait_exit(&mut child, Duration::from_secs(15))
+        .await
+        .expect("exits once the commit lands");
+    let took = back.elapsed();
+    assert!(status.success(), "exit {status}:\n{}", log.lock().unwrap());
+
+    let mut conn = sqlx::PgConnection::connect(&cluster.url())
+        .await
+        .expect("connect");
+    let state: String = sqlx::query_scalar("SELECT state FROM idempotency_keys")
+        .fetch_one(&mut conn)
+        .await
+        .expect("one key");
+    assert_eq!(
+        state, "completed",
+        "the deferred commit was lost at shutdown"
+    );
+    eprintln!("the deferred commit landed and the proxy exited {took:?} after the store came back");
+
+    // Another process replays it; the origin ran once.
+    let proxy = TestProxy::start(&cluster.url(), &upstream.url(), &[], vec![]).await;
+    let replay = proxy
+        .send(
+            "POST",
+            "/slow/1500",
+            &[("idempotency-key", key.as_str())],
+            Some("{}"),
+        )
+        .await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replayed"), "true");
+    assert_eq!(upstream.started(&key), 1);
+    let logs = log.lock().unwrap().clone();
+    assert!(
+        logs.contains("waiting for commits deferred"),
+        "the wait is logged:\n{logs}"
+    );
+    assert!(!logs.contains(&key), "a raw key in the log");
+}

@@ -193,14 +193,20 @@ impl Holder {
                     error = %why,
                     "store unavailable at commit: returning the response, retrying the commit in the background"
                 );
-                tokio::spawn(retry_commit(
+                // Counted until it lands or gives up: a shutdown waits for it.
+                let held = engine.hold_deferred();
+                let retry = retry_commit(
                     engine.clone(),
                     self.tenant.clone(),
                     self.reservation_id,
                     stored,
                     self.lease_ends,
                     self.key_hash.clone(),
-                ));
+                );
+                tokio::spawn(async move {
+                    retry.await;
+                    drop(held);
+                });
                 Settled::Deferred
             }
             Err(StoreError::Other(why)) => {

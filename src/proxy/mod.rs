@@ -143,8 +143,11 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
 
     // One signal stops both listeners.
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    let signalled = Arc::new(std::sync::OnceLock::new());
+    let signalled_at = signalled.clone();
     tokio::spawn(async move {
         api::shutdown_signal().await;
+        let _ = signalled_at.set(tokio::time::Instant::now());
         let _ = stop.send(true);
     });
     let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -159,6 +162,26 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         p.abort();
     }
     served?;
+    // Responses already returned whose commits wait for the store: the rest
+    // of the grace is theirs.
+    let pending = proxy.engine.deferred_commits();
+    if pending > 0 {
+        let spent = signalled.get().map_or(Duration::ZERO, |at| at.elapsed());
+        let left = args.run.grace().saturating_sub(spent);
+        tracing::info!(
+            pending,
+            within_seconds = left.as_secs(),
+            "waiting for commits deferred while the store was away"
+        );
+        let lost = proxy.engine.finish_deferred(left).await;
+        if lost > 0 {
+            tracing::warn!(
+                lost,
+                "the grace ended before the store came back: these responses were not stored, \
+                 and their keys stay in flight until their leases end"
+            );
+        }
+    }
     tracing::info!("idemgate proxy stopped");
     Ok(())
 }

@@ -11,8 +11,13 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_idemgate");
 /// `idemgate` with the test database and no stray settings from the caller's
 /// environment.
 pub fn idemgate(db: &TestDb) -> Command {
+    idemgate_at(&db.url)
+}
+
+/// `idemgate` over the database at `url`, without stray settings.
+pub fn idemgate_at(url: &str) -> Command {
     let mut cmd = Command::new(BIN);
-    cmd.env("DATABASE_URL", &db.url)
+    cmd.env("DATABASE_URL", url)
         .env_remove("IDEMGATE_TOKENS")
         .env_remove("IDEMGATE_LISTEN")
         .env("RUST_LOG", "info")
