@@ -634,6 +634,35 @@ async fn two_instances_on_one_database_execute_once(b: Backend) {
     assert_eq!(counts.started(&key), 1, "exactly once across two instances");
 }
 
+/// A handler slower than the lease keeps its key: the layer extends the
+/// lease while it runs, so a retry after the first lease would have ended is
+/// a 409, not a takeover and a second execution.
+async fn a_handler_slower_than_its_lease_keeps_its_key(b: Backend) {
+    let policy = LayerPolicy {
+        lease: Duration::from_secs(2),
+        ..LayerPolicy::default()
+    };
+    let gate = Arc::new(Gate::new(&b, policy).await);
+    let key = fresh_key();
+    let first = {
+        let (gate, key) = (gate.clone(), key.clone());
+        tokio::spawn(async move { gate.post("/slow/4500", &key, "{}").await })
+    };
+    // Past the first lease (2 s), and past a second one had it been taken
+    // at the start.
+    for wait_ms in [2_600, 1_000] {
+        tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+        let dup = gate.post("/slow/4500", &key, "{}").await;
+        dup.assert_problem(409, "request-in-flight");
+        let retry: u64 = dup.header("retry-after").parse().unwrap();
+        assert!((1..=2).contains(&retry), "Retry-After {retry}");
+    }
+    assert_eq!(first.await.unwrap().status, 201);
+    let replay = gate.post("/slow/4500", &key, "{}").await;
+    assert!(replayed(&replay), "{replay:#?}");
+    assert_eq!(gate.counts.started(&key), 1, "executed once");
+}
+
 both_stores! {
     serial: [
         executes_once_then_replays,
@@ -652,5 +681,6 @@ both_stores! {
         a_duplicate_in_flight_is_409_and_prefer_wait_gets_the_replay,
         a_client_that_hangs_up_does_not_cancel_the_call,
         two_instances_on_one_database_execute_once,
+        a_handler_slower_than_its_lease_keeps_its_key,
     ],
 }

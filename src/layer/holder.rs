@@ -83,8 +83,15 @@ enum Buffered {
 
 impl Holder {
     /// Calls the inner service and settles the key.
-    pub async fn run(self, inner: Inner, req: http::Request<Body>) -> (Settled, Response) {
-        let res = match inner(req).await {
+    pub async fn run(mut self, inner: Inner, req: http::Request<Body>) -> (Settled, Response) {
+        let call = inner(req);
+        let answer = match self.shared.policy.mode {
+            // A handler has no timeout of its own: the lease follows it.
+            Mode::Layer => self.keeping_the_lease(call).await,
+            // The upstream timeout bounds the call, and the lease outlasts it.
+            Mode::Proxy => call.await,
+        };
+        let res = match answer {
             Ok(res) => res,
             // Whether the effect happened is unknown: keep the key in flight.
             Err(e) => {
@@ -93,6 +100,48 @@ impl Holder {
             }
         };
         self.response_filter(res).await
+    }
+
+    /// Awaits `call`, extending the lease every third of its length while
+    /// the call runs, so that a handler slower than the lease keeps its key:
+    /// a retry meanwhile is a 409, not a takeover and a second execution. A
+    /// process that dies or stalls stops extending, and its key can be taken
+    /// over once the last lease ends. A refused extension (the key was
+    /// already taken over) stops the heartbeat; a store that is away is tried
+    /// again at the next beat.
+    async fn keeping_the_lease<F: std::future::Future>(&mut self, call: F) -> F::Output {
+        let lease = self.shared.policy.lease;
+        let seconds = u32::try_from(lease.as_secs()).unwrap_or(u32::MAX).max(1);
+        let beat = (lease / 3).max(Duration::from_millis(500));
+        let mut call = std::pin::pin!(call);
+        let mut beating = true;
+        loop {
+            let next = Instant::now() + beat;
+            tokio::select! {
+                out = &mut call => return out,
+                () = tokio::time::sleep_until(next), if beating => {
+                    // Read before the call: the store's lease ends no
+                    // earlier than this + lease.
+                    let asked = Instant::now();
+                    match self.shared.engine.extend(&self.tenant, self.reservation_id, seconds).await {
+                        Ok(Ok(_)) => self.lease_ends = asked + lease,
+                        Ok(Err(refusal)) => {
+                            tracing::warn!(
+                                key.hash = %self.key_hash,
+                                reason = refusal.detail(),
+                                "the lease could not be extended; the handler runs on, but its response may not be stored"
+                            );
+                            beating = false;
+                        }
+                        Err(e) => tracing::warn!(
+                            key.hash = %self.key_hash,
+                            error = %e,
+                            "the lease could not be extended; trying again at the next beat"
+                        ),
+                    }
+                }
+            }
+        }
     }
 
     async fn response_filter(self, res: Response) -> (Settled, Response) {

@@ -75,8 +75,11 @@ pub struct LayerPolicy {
     /// Largest request body accepted and response body stored
     /// (`IDEMGATE_MAX_BODY_BYTES`).
     pub max_body_bytes: usize,
-    /// How long a request holds its key while the inner service works; a
-    /// retry after that takes the key over. Longer than the slowest handler.
+    /// How long a request holds its key without news from its holder. In
+    /// layer mode the holder extends it every third of its length while the
+    /// inner service works, so a slow handler keeps its key; a retry after a
+    /// lease that was not extended (the process died or stalled) takes the
+    /// key over. In proxy mode it outlasts the upstream timeout instead.
     pub lease: Duration,
     /// How long a key is remembered, from its first request.
     pub ttl: Duration,
