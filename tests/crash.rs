@@ -188,6 +188,17 @@ async fn api(base: &str, path: &str, key: Option<&str>, body: Value) -> (u16, Va
     (status, res.json().await.unwrap_or(Value::Null))
 }
 
+/// `POST /v1/reservations/{id}/commit` of a 201 with `body`.
+async fn commit(base: &str, id: &str, body: &str) -> (u16, Value) {
+    api(
+        base,
+        &format!("/v1/reservations/{id}/commit"),
+        None,
+        json!({"status": 201, "headers": [], "body": body}),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kill_9_serve_with_held_reservations_then_takeover_hands_on_the_checkpoint() {
     const N: usize = 20;
@@ -266,23 +277,10 @@ async fn kill_9_serve_with_held_reservations_then_takeover_hands_on_the_checkpoi
         let new_id = body["reservation_id"].as_str().unwrap().to_owned();
         assert_ne!(new_id, old_ids[i]);
         // The dead holder's commit is refused; the new holder's is stored.
-        let commit = json!({"status": 201, "headers": [], "body": format!("new-{i}")});
-        let (status, body) = api(
-            &restarted.base(),
-            &format!("/v1/reservations/{}/commit", old_ids[i]),
-            None,
-            json!({"status": 201, "headers": [], "body": "old"}),
-        )
-        .await;
+        let (status, body) = commit(&restarted.base(), &old_ids[i], "old").await;
         assert_eq!(status, 409, "{body}");
         assert_eq!(slug(&body), "lease-lost");
-        let (status, _) = api(
-            &restarted.base(),
-            &format!("/v1/reservations/{new_id}/commit"),
-            None,
-            commit,
-        )
-        .await;
+        let (status, _) = commit(&restarted.base(), &new_id, &format!("new-{i}")).await;
         assert_eq!(status, 200);
     }
     for (i, key) in keys.iter().enumerate() {
@@ -323,31 +321,13 @@ async fn paused_holder_over_the_api_cannot_overwrite_the_new_holder() {
     let new = body["reservation_id"].as_str().unwrap().to_owned();
 
     // The old holder wakes up and commits first: refused.
-    let (status, body) = api(
-        &a.base(),
-        &format!("/v1/reservations/{old}/commit"),
-        None,
-        json!({"status": 201, "headers": [], "body": "old holder"}),
-    )
-    .await;
+    let (status, body) = commit(&a.base(), &old, "old holder").await;
     assert_eq!(status, 409, "{body}");
     assert_eq!(slug(&body), "lease-lost");
-    let (status, _) = api(
-        &b.base(),
-        &format!("/v1/reservations/{new}/commit"),
-        None,
-        json!({"status": 201, "headers": [], "body": "new holder"}),
-    )
-    .await;
+    let (status, _) = commit(&b.base(), &new, "new holder").await;
     assert_eq!(status, 200);
     // And again after the new holder's commit: still refused.
-    let (status, body) = api(
-        &a.base(),
-        &format!("/v1/reservations/{old}/commit"),
-        None,
-        json!({"status": 201, "headers": [], "body": "old holder"}),
-    )
-    .await;
+    let (status, body) = commit(&a.base(), &old, "old holder").await;
     assert_eq!(status, 409, "{body}");
     assert_eq!(slug(&body), "lease-lost");
     for base in [a.base(), b.base()] {
