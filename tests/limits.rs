@@ -19,26 +19,6 @@ const TOKENS: &str = "acme:acme-secret-token-1,globex:globex-secret-token-2";
 const ACME: &str = "Bearer acme-secret-token-1";
 const GLOBEX: &str = "Bearer globex-secret-token-2";
 
-async fn reserve_as(app: &TestApp, auth: &str, key: &str, body: &str) -> TestResponse {
-    app.send(
-        "POST",
-        "/v1/reservations",
-        &[("idempotency-key", key), ("authorization", auth)],
-        Some(body),
-    )
-    .await
-}
-
-async fn act_as(app: &TestApp, auth: &str, id: &str, action: &str, body: &str) -> TestResponse {
-    app.send(
-        "POST",
-        &format!("/v1/reservations/{id}/{action}"),
-        &[("authorization", auth)],
-        Some(body),
-    )
-    .await
-}
-
 /// The 429's promises: the slug, a `Retry-After` within `1..=max`, and the
 /// same figure in the body.
 fn assert_limited(res: &TestResponse, max_retry: u64) -> u64 {
@@ -61,14 +41,16 @@ async fn in_flight_limit_refuses_new_keys_only(b: Backend) {
     let keys: Vec<String> = (0..3).map(|_| fresh_key()).collect();
     let mut ids = Vec::new();
     for key in &keys {
-        let res = reserve_as(&app, ACME, key, r#"{"lease_seconds": 20}"#).await;
+        let res = app.reserve_as(ACME, key, r#"{"lease_seconds": 20}"#).await;
         assert_eq!(res.status, 201, "{}", res.text);
         ids.push(res.reservation_id());
     }
 
     // A fourth key: refused, and not reserved.
     let fourth = fresh_key();
-    let res = reserve_as(&app, ACME, &fourth, r#"{"lease_seconds": 20}"#).await;
+    let res = app
+        .reserve_as(ACME, &fourth, r#"{"lease_seconds": 20}"#)
+        .await;
     assert_limited(&res, 20);
     assert!(res.text.contains("in flight"), "{}", res.text);
     let usage = app.store.in_flight_usage("acme", 100).await.expect("usage");
@@ -76,29 +58,31 @@ async fn in_flight_limit_refuses_new_keys_only(b: Backend) {
 
     // A retry of a key in flight is still a 409, not a 429; another tenant
     // is untouched.
-    reserve_as(&app, ACME, &keys[0], r#"{"lease_seconds": 20}"#)
+    app.reserve_as(ACME, &keys[0], r#"{"lease_seconds": 20}"#)
         .await
         .assert_problem(409, "request-in-flight");
     assert_eq!(
-        reserve_as(&app, GLOBEX, &fourth, "{}").await.status,
+        app.reserve_as(GLOBEX, &fourth, "{}").await.status,
         201,
         "globex has its own room"
     );
 
     // A commit frees a slot, and the committed key replays at the limit.
-    let commit = act_as(
-        &app,
-        ACME,
-        &ids[0],
-        "commit",
-        r#"{"status": 201, "body": "done"}"#,
-    )
-    .await;
+    let commit = app
+        .act_as(
+            ACME,
+            &ids[0],
+            "commit",
+            r#"{"status": 201, "body": "done"}"#,
+        )
+        .await;
     assert_eq!(commit.status, 200, "{}", commit.text);
-    let res = reserve_as(&app, ACME, &fourth, r#"{"lease_seconds": 20}"#).await;
+    let res = app
+        .reserve_as(ACME, &fourth, r#"{"lease_seconds": 20}"#)
+        .await;
     assert_eq!(res.status, 201, "{}", res.text);
-    assert_limited(&reserve_as(&app, ACME, &fresh_key(), "{}").await, 20);
-    let replay = reserve_as(&app, ACME, &keys[0], "{}").await;
+    assert_limited(&app.reserve_as(ACME, &fresh_key(), "{}").await, 20);
+    let replay = app.reserve_as(ACME, &keys[0], "{}").await;
     assert_eq!(
         replay.status, 200,
         "a replay is never limited: {}",
@@ -106,9 +90,9 @@ async fn in_flight_limit_refuses_new_keys_only(b: Backend) {
     );
 
     // A release frees one too.
-    assert_eq!(act_as(&app, ACME, &ids[1], "release", "").await.status, 204);
-    assert_eq!(reserve_as(&app, ACME, &fresh_key(), "{}").await.status, 201);
-    assert_limited(&reserve_as(&app, ACME, &fresh_key(), "{}").await, 30);
+    assert_eq!(app.act_as(ACME, &ids[1], "release", "").await.status, 204);
+    assert_eq!(app.reserve_as(ACME, &fresh_key(), "{}").await.status, 201);
+    assert_limited(&app.reserve_as(ACME, &fresh_key(), "{}").await, 30);
 }
 
 async fn ended_leases_do_not_count(b: Backend) {
@@ -212,29 +196,28 @@ async fn stored_bytes_limit_refuses_new_keys_until_records_expire(b: Backend) {
     // Under the limit at each reserve: 0, then about 2,000 bytes.
     for _ in 0..2 {
         let key = fresh_key();
-        let res = reserve_as(&app, ACME, &key, r#"{"ttl_seconds": 3}"#).await;
+        let res = app.reserve_as(ACME, &key, r#"{"ttl_seconds": 3}"#).await;
         assert_eq!(res.status, 201, "{}", res.text);
-        let commit = act_as(&app, ACME, &res.reservation_id(), "commit", &body).await;
+        let commit = app
+            .act_as(ACME, &res.reservation_id(), "commit", &body)
+            .await;
         assert_eq!(commit.status, 200, "{}", commit.text);
         done.push(key);
     }
     // About 4,000 bytes now: new keys wait for the first record to expire.
-    let res = reserve_as(&app, ACME, &fresh_key(), "{}").await;
+    let res = app.reserve_as(ACME, &fresh_key(), "{}").await;
     let retry = assert_limited(&res, 3);
     assert!(res.text.contains("stored"), "{}", res.text);
     // Replays go on; so does another tenant.
-    let replay = reserve_as(&app, ACME, &done[1], "{}").await;
+    let replay = app.reserve_as(ACME, &done[1], "{}").await;
     assert_eq!(replay.status, 200, "{}", replay.text);
-    assert_eq!(
-        reserve_as(&app, GLOBEX, &fresh_key(), "{}").await.status,
-        201
-    );
+    assert_eq!(app.reserve_as(GLOBEX, &fresh_key(), "{}").await.status, 201);
 
     // Once the records expire (and the figure is read again), there is room.
     tokio::time::sleep(Duration::from_secs(retry) + Duration::from_millis(300)).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
-        let res = reserve_as(&app, ACME, &fresh_key(), "{}").await;
+        let res = app.reserve_as(ACME, &fresh_key(), "{}").await;
         if res.status == 201 {
             break;
         }

@@ -34,14 +34,7 @@ async fn other_tenants_ids_are_not_found_in_any_state(b: Backend) {
         let mut ids = Vec::new();
         for end in ["in_flight", "completed", "released"] {
             let key = fresh_key();
-            let res = app
-                .send(
-                    "POST",
-                    "/v1/reservations",
-                    &[("idempotency-key", key.as_str()), ("authorization", acme)],
-                    Some(""),
-                )
-                .await;
+            let res = app.reserve_as(acme, &key, "").await;
             assert_eq!(res.status, 201, "{res:#?}");
             let id = res.reservation_id();
             let action = match end {
@@ -50,14 +43,7 @@ async fn other_tenants_ids_are_not_found_in_any_state(b: Backend) {
                 _ => None,
             };
             if let Some((action, body)) = action {
-                let res = app
-                    .send(
-                        "POST",
-                        &format!("/v1/reservations/{id}/{action}"),
-                        &as_(acme),
-                        Some(body),
-                    )
-                    .await;
+                let res = app.act_as(acme, &id, action, body).await;
                 assert!(res.status.is_success(), "{res:#?}");
             }
             ids.push((end, key, id));
@@ -84,28 +70,14 @@ async fn other_tenants_ids_are_not_found_in_any_state(b: Backend) {
                 assert!(!res.text.contains("acme"), "{end} {path}: {}", res.text);
             }
             // The same key under globex: an independent, new record.
-            let res = app
-                .send(
-                    "POST",
-                    "/v1/reservations",
-                    &[("idempotency-key", key.as_str()), ("authorization", globex)],
-                    Some(""),
-                )
-                .await;
+            let res = app.reserve_as(globex, key, "").await;
             assert_eq!(res.status, 201, "{end}: {res:#?}");
             assert_eq!(res.body["attempt"], 1);
             assert!(!res.text.contains("acme"), "{}", res.text);
         }
         // Acme's records are untouched by all of that.
         let (_, key, id) = &ids[1];
-        let res = app
-            .send(
-                "POST",
-                "/v1/reservations",
-                &[("idempotency-key", key.as_str()), ("authorization", acme)],
-                Some(""),
-            )
-            .await;
+        let res = app.reserve_as(acme, key, "").await;
         assert_eq!(
             res.body["response"]["body"], "acme-private-body",
             "{res:#?}"

@@ -161,6 +161,29 @@ impl TestApp {
         .await
     }
 
+    /// `POST /v1/reservations` with `key` as the tenant `auth` (an
+    /// `Authorization` value) names.
+    pub async fn reserve_as(&self, auth: &str, key: &str, body: &str) -> TestResponse {
+        self.send(
+            "POST",
+            "/v1/reservations",
+            &[("idempotency-key", key), ("authorization", auth)],
+            Some(body),
+        )
+        .await
+    }
+
+    /// `POST /v1/reservations/{id}/{action}` as the tenant `auth` names.
+    pub async fn act_as(&self, auth: &str, id: &str, action: &str, body: &str) -> TestResponse {
+        self.send(
+            "POST",
+            &format!("/v1/reservations/{id}/{action}"),
+            &[("authorization", auth)],
+            Some(body),
+        )
+        .await
+    }
+
     /// `POST /v1/reservations/{id}/{action}`.
     pub async fn act(&self, id: &str, action: &str, body: &str) -> TestResponse {
         self.send(
