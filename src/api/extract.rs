@@ -31,12 +31,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
             })?;
         // No body, or a JSON `null`, means "no fields": every field of these
         // bodies is optional or checked by its handler.
-        let text: &[u8] =
-            if bytes.iter().all(u8::is_ascii_whitespace) || bytes.trim_ascii() == b"null" {
-                b"{}"
-            } else {
-                &bytes
-            };
+        let text: &[u8] = match bytes.trim_ascii() {
+            b"" | b"null" => b"{}",
+            _ => &bytes,
+        };
         serde_json::from_slice(text)
             .map(ApiJson)
             .map_err(|e| ApiError::InvalidRequest(format!("invalid JSON body: {e}")))

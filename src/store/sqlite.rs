@@ -248,9 +248,9 @@ impl SqliteStore {
     /// flight under a live lease, and not expired — read without the write
     /// lock, for when the claim cannot be made: a file that cannot be
     /// written still replays and answers 409s. (Not read first on every
-    /// reserve: that costs new keys 13 % more CPU, measured.) A record that
-    /// turns claimable after this read was not claimable at `now`, the
-    /// moment the answer speaks for.
+    /// reserve: that cost new keys 13 % more CPU, RELIABILITY.md §3.) A
+    /// record that turns claimable after this read was not claimable at
+    /// `now`, the moment the answer speaks for.
     async fn settled(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
         let now = now_ms();
         let row: Option<KeyRow> = sqlx::query_as(SELECT_KEY)
