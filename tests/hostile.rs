@@ -176,7 +176,7 @@ async fn bytes_that_are_not_utf8_and_json_that_does_not_parse_are_400() {
     let db = TestDb::new().await;
     let served = Served::start(&db, &[]).await;
     let json = "Content-Type: application/json";
-    let cases: [(&str, Vec<u8>, &[&str], &str); 4] = [
+    let cases: [(&str, Vec<u8>, &[&str], &str); 7] = [
         (
             "body not UTF-8",
             vec![0xff, 0xfe, b'{', b'}'],
@@ -193,6 +193,27 @@ async fn bytes_that_are_not_utf8_and_json_that_does_not_parse_are_400() {
             "wrong field type",
             br#"{"lease_seconds":"soon"}"#.to_vec(),
             &["Idempotency-Key: k-type", json],
+            "invalid-request",
+        ),
+        // serde reads a struct from a JSON array of its fields in order; the
+        // document says an object, so an array is refused (schemathesis found
+        // `[null, null, null, null]` answered 201).
+        (
+            "an array where the object goes",
+            b"[null, null, null, null]".to_vec(),
+            &["Idempotency-Key: k-array", json],
+            "invalid-request",
+        ),
+        (
+            "an empty array",
+            b"[]".to_vec(),
+            &["Idempotency-Key: k-empty-array", json],
+            "invalid-request",
+        ),
+        (
+            "a number",
+            b" 7 ".to_vec(),
+            &["Idempotency-Key: k-number", json],
             "invalid-request",
         ),
         (

@@ -31,9 +31,16 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
             })?;
         // No body, or a JSON `null`, means "no fields": every field of these
         // bodies is optional or checked by its handler.
+        // Every body here is an object. serde would also read a struct from
+        // an array of its fields in order, which the document does not allow.
         let text: &[u8] = match bytes.trim_ascii() {
             b"" | b"null" => b"{}",
-            _ => &bytes,
+            [b'{', ..] => &bytes,
+            _ => {
+                return Err(ApiError::InvalidRequest(
+                    "the request body must be a JSON object".into(),
+                ));
+            }
         };
         serde_json::from_slice(text)
             .map(ApiJson)
