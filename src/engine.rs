@@ -341,7 +341,7 @@ impl Engine {
         opened.map_err(|why| {
             tracing::error!(
                 tenant = %record.tenant,
-                key.hash = %hex::encode(&record.key_hash),
+                key.hash = %crate::key::hash_prefix(&record.key_hash),
                 error = %why,
                 "a stored record cannot be opened; answering 500 instead of using it"
             );

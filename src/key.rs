@@ -111,8 +111,15 @@ impl IdempotencyKey {
     /// The first 12 hex characters of [`hash`](Self::hash): the only form of the key logs may carry.
     #[must_use]
     pub fn hash_prefix(&self) -> String {
-        hex::encode(&self.hash[..6])
+        hash_prefix(&self.hash)
     }
+}
+
+/// The first 12 hex characters of a key hash (all of it, if shorter): the
+/// only form of a key that logs and views may carry.
+#[must_use]
+pub fn hash_prefix(hash: &[u8]) -> String {
+    hex::encode(&hash[..6.min(hash.len())])
 }
 
 impl fmt::Debug for IdempotencyKey {

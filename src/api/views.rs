@@ -198,7 +198,7 @@ pub(super) fn record_view(id: Uuid, record: &Record, live: bool) -> RecordView {
         live,
         state: record.state,
         attempt: record.attempt,
-        key_hash_prefix: hex::encode(&record.key_hash[..6.min(record.key_hash.len())]),
+        key_hash_prefix: crate::key::hash_prefix(&record.key_hash),
         fingerprint: record.fingerprint.clone(),
         lease_expires_at: record.lease_expires_at,
         recovery: record.recovery.clone(),
