@@ -261,6 +261,21 @@ async fn unknown_ids_and_paths_are_404(b: Backend) {
     app.send("GET", "/v2/nothing", &[], None)
         .await
         .assert_problem(404, "not-found");
+    // A path that exists with a method it does not take: a problem too, and
+    // the Allow header says which methods it takes.
+    for (method, path, allow) in [
+        ("PUT", "/v1/reservations", "POST"),
+        ("GET", &format!("/v1/reservations/{unknown}/commit"), "POST"),
+        ("POST", "/healthz", "GET"),
+        ("DELETE", "/v1/policy", "GET"),
+    ] {
+        let res = app.send(method, path, &[], None).await;
+        res.assert_problem(405, "method-not-allowed");
+        assert!(
+            res.header("allow").contains(allow),
+            "{method} {path}: {res:#?}"
+        );
+    }
 }
 
 async fn commit_is_idempotent_for_the_same_response_only(b: Backend) {

@@ -500,6 +500,15 @@ async fn the_admin_listener_serves_the_operational_endpoints() {
         404,
         "the admin listener proxies nothing"
     );
+    let res = proxy
+        .http
+        .post(format!("{}/metrics", proxy.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 405);
+    assert_eq!(res.headers()["content-type"], "application/problem+json");
+    assert!(res.text().await.unwrap().contains("method-not-allowed"));
 
     // On the main listener the same paths belong to the upstream.
     let before = upstream.total();

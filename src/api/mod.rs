@@ -134,6 +134,7 @@ pub fn router(state: AppState) -> Router {
         )
         .merge(Scalar::with_url("/docs", api))
         .fallback(|| async { problem::ApiError::NotFound("no such endpoint; see /docs".into()) })
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(envelope_limit))
         .layer(axum::middleware::from_fn(
             move |req: axum::extract::Request, next: axum::middleware::Next| {
@@ -142,6 +143,14 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// A path that exists, asked with a method it does not take: a problem like
+/// every other error (axum adds the `Allow` header).
+async fn method_not_allowed(method: http::Method) -> problem::ApiError {
+    problem::ApiError::MethodNotAllowed(format!(
+        "this endpoint does not take {method}; the Allow header lists what it takes"
+    ))
 }
 
 /// Answers `413 payload-too-large` at once when the declared
@@ -184,6 +193,7 @@ pub fn admin_router(state: AppState) -> Router {
                     .into(),
             )
         })
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(TraceLayer::new_for_http())
         .with_state(state)
 }

@@ -47,6 +47,10 @@ pub enum ApiError {
     /// 404 not-found.
     #[error("{0}")]
     NotFound(String),
+    /// 405 method-not-allowed: the path exists, the method does not (the
+    /// `Allow` header lists the ones that do).
+    #[error("{0}")]
+    MethodNotAllowed(String),
     /// 409 request-in-flight.
     #[error("a request with this key is still being processed")]
     InFlight {
@@ -102,6 +106,7 @@ impl ApiError {
             }
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::InFlight { .. } | ApiError::LeaseLost(_) => StatusCode::CONFLICT,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -121,6 +126,7 @@ impl ApiError {
             ApiError::InvalidRequest(_) => "invalid-request",
             ApiError::Unauthorized(_) => "unauthorized",
             ApiError::NotFound(_) => "not-found",
+            ApiError::MethodNotAllowed(_) => "method-not-allowed",
             ApiError::InFlight { .. } => "request-in-flight",
             ApiError::LeaseLost(_) => "lease-lost",
             ApiError::KeyReused => "key-reused",
@@ -140,6 +146,7 @@ impl ApiError {
             ApiError::InvalidRequest(_) => "Invalid request",
             ApiError::Unauthorized(_) => "Unauthorized",
             ApiError::NotFound(_) => "Not found",
+            ApiError::MethodNotAllowed(_) => "Method not allowed",
             ApiError::InFlight { .. } => "Request in flight",
             ApiError::LeaseLost(_) => "Lease lost",
             ApiError::KeyReused => "Idempotency-Key reused",
