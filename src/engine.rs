@@ -725,7 +725,9 @@ impl Engine {
     }
 
     /// The record that reservation `id` belongs to, with whether `id` is still
-    /// its live holder.
+    /// its live holder; `None` for an unknown id, and for one whose key has
+    /// since expired, been released, or been reserved afresh by another
+    /// request. After a takeover the old id still shows the key's record.
     pub async fn get(
         &self,
         tenant: &str,
@@ -734,10 +736,16 @@ impl Engine {
         let Some(mut found) = self.store.find_by_reservation(tenant, id).await? else {
             return Ok(None);
         };
+        // An expired or released key is forgotten, whether or not pruning
+        // has deleted its row yet; and once it is reserved afresh (attempt
+        // 1 under another id), its record belongs to another request, which
+        // an old id must not be shown.
+        let other_request = found.record.reservation_id != id && found.record.attempt == 1;
+        if found.now >= found.record.expires_at || other_request {
+            return Ok(None);
+        }
         self.open(&mut found.record)?;
-        let live = found.record.reservation_id == id
-            && found.now < found.record.expires_at
-            && found.record.state == KeyState::InFlight;
+        let live = found.record.reservation_id == id && found.record.state == KeyState::InFlight;
         let refusal = (!live).then(|| refusal_for(&found.record, id, found.now));
         Ok(Some((found.record, refusal)))
     }

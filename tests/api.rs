@@ -350,7 +350,23 @@ async fn release_makes_the_key_new_again(b: Backend) {
     let id2 = again.reservation_id();
     assert_eq!(app.act(&id2, "release", "").await.status, 204);
     let other = CHARGE.replace("500", "900");
-    assert_eq!(app.reserve(&key, &other).await.status, 201);
+    let id3 = app.reserve(&key, &other).await.reservation_id();
+    let cp = r#"{"recovery_point":"p","data":{"of":"the third request"}}"#;
+    assert_eq!(app.act(&id3, "checkpoint", cp).await.status, 200);
+    // A released id shows nothing: its key was forgotten, and the record the
+    // key has now belongs to another request. The live id still shows it.
+    let path = |id: &str| format!("/v1/reservations/{id}");
+    for dead in [&id, &id2] {
+        app.send("GET", &path(dead), &[], None)
+            .await
+            .assert_problem(404, "not-found");
+    }
+    let live = app.send("GET", &path(&id3), &[], None).await;
+    assert_eq!(live.body["recovery"]["data"]["of"], "the third request");
+    assert_eq!(app.act(&id3, "release", "").await.status, 204);
+    app.send("GET", &path(&id3), &[], None)
+        .await
+        .assert_problem(404, "not-found");
 }
 
 async fn extend_moves_the_lease_end(b: Backend) {

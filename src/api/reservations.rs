@@ -322,6 +322,10 @@ pub async fn checkpoint_reservation(
 }
 
 /// The public view of the record a reservation belongs to.
+///
+/// An id taken over still shows its key's record (`live` false). An id whose
+/// key expired or was released is `404`, as it is once pruning has deleted the
+/// row, and so is one whose key another request has reserved since.
 #[utoipa::path(
     get,
     path = "/v1/reservations/{id}",
