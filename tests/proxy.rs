@@ -413,6 +413,47 @@ methods = ["PUT"]
 }
 
 #[tokio::test]
+async fn a_route_rule_is_not_dodged_by_spelling_the_path_differently() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    std::fs::write(&path, "[[routes]]\npath = \"/pay\"\nrequire_key = true\n").unwrap();
+    let routes = routes::from_file(&path, 604_800).expect("routes");
+    let db = TestDb::new().await;
+    let upstream = Upstream::start().await;
+    let proxy = TestProxy::start(&db.url, &upstream.url(), &[], routes).await;
+
+    for target in [
+        "/pay",
+        "//pay",
+        "/x/../pay",
+        "/./pay",
+        "/%70ay",
+        "/%2e%2E/pay",
+        "/x//..//pay?via=query",
+    ] {
+        proxy
+            .send_raw("POST", target, &[])
+            .await
+            .assert_problem(400, "key-missing");
+    }
+    assert_eq!(upstream.total(), 0, "the upstream never sees them");
+
+    // Matched normalized, forwarded as sent.
+    let key = fresh_key();
+    let res = proxy
+        .send_raw("POST", "/x/../%70ay", &[("idempotency-key", &key)])
+        .await;
+    assert_eq!(res.status, 200, "{res:#?}");
+    assert_eq!(res.text, "upstream /x/../%70ay");
+    assert_eq!(upstream.started(&key), 1);
+
+    // `%2F` is not decoded: not the route, so no key needed.
+    let res = proxy.send_raw("POST", "/%2Fpay", &[]).await;
+    assert_eq!(res.status, 200, "{res:#?}");
+    assert_eq!(upstream.total(), 2);
+}
+
+#[tokio::test]
 async fn forwarded_headers_are_added_and_hop_by_hop_headers_stripped_upstream() {
     let (_db, upstream, proxy) = setup(&[]).await;
     let request = "POST /echo/path?b=2&a=1 HTTP/1.1\r\n\

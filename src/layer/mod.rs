@@ -81,6 +81,7 @@ mod holder;
     reason = "tower-http's layout: layer.rs, service.rs, future.rs"
 )]
 mod layer;
+mod path;
 mod policy;
 mod service;
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 use globset::GlobMatcher;
 use http::{HeaderName, Method};
 
+use super::path;
 use crate::engine::Limits;
 use crate::fingerprint::FingerprintPolicy;
 use crate::key::KeyPolicy;
@@ -123,9 +124,15 @@ pub(crate) struct Guard {
 
 impl LayerPolicy {
     /// The rule for `method` on `path`: the first matching route's settings
-    /// over the global ones.
+    /// over the global ones. Routes are matched against `path` normalized
+    /// once here ([`path::normalize`]), not against the path as sent.
     pub(crate) fn guard(&self, method: &Method, path: &str) -> Guard {
-        let route = self.routes.iter().find(|r| r.matches(path));
+        let route = if self.routes.is_empty() {
+            None
+        } else {
+            let path = path::normalize(path);
+            self.routes.iter().find(|r| r.matches(&path))
+        };
         let methods = route
             .and_then(|r| r.methods.as_deref())
             .unwrap_or(&self.methods);
@@ -145,6 +152,11 @@ impl LayerPolicy {
 /// `/payments/123`); one with `*`, `?`, `[` or `{` is a glob over the whole
 /// path, where `*` stays within one segment and `**` crosses segments
 /// (`/v1/*/charges`).
+///
+/// The layer matches it against the request's path after normalization:
+/// percent-encoded unreserved characters decoded, repeated slashes merged,
+/// and `.` and `..` segments resolved (so `//pay`, `/x/../pay` and `/%70ay`
+/// are all `/pay`); the request goes on with its path as sent.
 #[derive(Debug, Clone)]
 pub struct Route {
     path: String,
@@ -191,7 +203,8 @@ impl Route {
         &self.path
     }
 
-    /// Whether the rule applies to a request for `path`.
+    /// Whether the rule applies to a request for `path`, taken as it is (the
+    /// layer passes the normalized path).
     pub fn matches(&self, path: &str) -> bool {
         match &self.glob {
             Some(glob) => glob.is_match(path),
@@ -238,5 +251,31 @@ mod tests {
         assert!(other.guarded && !other.require_key);
         assert_eq!(other.ttl, Duration::from_secs(86_400));
         assert!(!policy.guard(&Method::GET, "/other").guarded);
+    }
+
+    #[test]
+    fn routes_match_the_normalized_path() {
+        let mut pay = Route::new("/pay").unwrap();
+        pay.require_key = Some(true);
+        pay.methods = Some(vec![Method::POST]);
+        let policy = LayerPolicy {
+            routes: vec![pay],
+            ..LayerPolicy::default()
+        };
+        for path in [
+            "/pay",
+            "//pay",
+            "/x/../pay",
+            "/./pay",
+            "/%70ay",
+            "/%2e%2e/pay",
+        ] {
+            let g = policy.guard(&Method::POST, path);
+            assert!(g.guarded && g.require_key, "{path:?}");
+            assert!(!policy.guard(&Method::PATCH, path).guarded, "{path:?}");
+        }
+        for path in ["/", "/other", "/%2Fpay", "/pa%2Fy"] {
+            assert!(!policy.guard(&Method::POST, path).require_key, "{path:?}");
+        }
     }
 }

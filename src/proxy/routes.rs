@@ -9,7 +9,12 @@
 //! ```
 //!
 //! The first rule whose path matches applies; what it leaves out comes from
-//! the global settings.
+//! the global settings. The request path (without its query) is matched after
+//! normalization: percent-encoded unreserved characters (RFC 3986 §6.2.2.2)
+//! decoded, repeated slashes merged, then `.` and `..` segments resolved
+//! (§5.2.4, never above the root), so `//pay`, `/x/../pay` and `/%70ay` all
+//! match a rule for `/pay`; reserved characters such as `%2F` stay encoded,
+//! and the path forwarded upstream is unchanged.
 
 use std::path::Path;
 use std::time::Duration;

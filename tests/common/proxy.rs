@@ -128,6 +128,60 @@ impl TestProxy {
         })
     }
 
+    /// Sends one HTTP/1.1 request over a plain socket with `target` exactly as
+    /// given (an HTTP client would resolve `/x/../pay` itself), a `{}` body,
+    /// and `headers`; reads the answer to the end (`Connection: close`).
+    pub async fn send_raw(
+        &self,
+        method: &str,
+        target: &str,
+        headers: &[(&str, &str)],
+    ) -> TestResponse {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let mut request = format!(
+            "{method} {target} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: 2\r\n",
+            self.addr
+        );
+        for (name, value) in headers {
+            if name.eq_ignore_ascii_case("idempotency-key") {
+                let secret = value.trim_matches('"');
+                if secret.len() >= 4 {
+                    self.secrets.lock().unwrap().push(secret.to_owned());
+                }
+            }
+            request.push_str(&format!("{name}: {value}\r\n"));
+        }
+        request.push_str("\r\n{}");
+        let mut socket = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        socket.write_all(request.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        socket.read_to_end(&mut raw).await.unwrap();
+        let raw = String::from_utf8_lossy(&raw);
+        let (head, body) = raw.split_once("\r\n\r\n").expect("a response");
+        let mut lines = head.lines();
+        let status = lines
+            .next()
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|s| s.parse::<u16>().ok())
+            .unwrap_or_else(|| panic!("a status line in {head:?}"));
+        let mut header_map = http::HeaderMap::new();
+        for line in lines {
+            let (name, value) = line.split_once(':').expect("a header line");
+            header_map.append(
+                http::HeaderName::from_bytes(name.trim().as_bytes()).unwrap(),
+                http::HeaderValue::from_str(value.trim()).unwrap(),
+            );
+        }
+        TestResponse {
+            status: http::StatusCode::from_u16(status).unwrap(),
+            headers: header_map,
+            body: serde_json::from_str(body).unwrap_or(Value::Null),
+            text: body.to_owned(),
+        }
+    }
+
     /// `POST path` with `key` and a JSON body.
     pub async fn post(&self, path: &str, key: &str, body: &str) -> TestResponse {
         self.send(
