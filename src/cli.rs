@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use crate::config::{self, ConfigError, ProxyArgs, ServeArgs, StoreArgs};
+use crate::config::{self, ConfigError, LogFormat, ProxyArgs, ServeArgs, StoreArgs};
 
 /// Server-side HTTP idempotency keys (IETF draft-ietf-httpapi-idempotency-key-header-07).
 ///
@@ -22,6 +22,18 @@ pub struct Cli {
     /// idemgate.example.toml). Flags and IDEMGATE_* variables override it.
     #[arg(long, global = true, env = "IDEMGATE_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
+
+    /// Log lines: `human` (coloured only on a terminal) or `json` (one
+    /// object per line). The level comes from RUST_LOG (default info).
+    #[arg(
+        long,
+        global = true,
+        env = "IDEMGATE_LOG_FORMAT",
+        value_name = "human|json",
+        default_value = "human",
+        value_parser = config::parse_log_format
+    )]
+    pub log_format: LogFormat,
 
     /// What to run.
     #[command(subcommand)]

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use idemgate::cli::{Cli, CliError, Command};
-use idemgate::config::StoreArgs;
-use idemgate::{api, config, proxy, prune, server, telemetry};
+use idemgate::config::{LogFormat, StoreArgs};
+use idemgate::{api, proxy, prune, server, telemetry};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -21,11 +21,7 @@ async fn main() -> ExitCode {
         Err(CliError::Clap(e)) => e.exit(),
         Err(CliError::Config(e)) => return fail(e.into()),
     };
-    let json = match config::log_format_is_json() {
-        Ok(json) => json,
-        Err(e) => return fail(e.into()),
-    };
-    telemetry::init_tracing(json);
+    telemetry::init_tracing(cli.log_format == LogFormat::Json);
     let result = match cli.command {
         Command::Serve(args) => server::serve(*args).await,
         Command::Proxy(args) => proxy::run(*args, cli.config).await,

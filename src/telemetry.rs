@@ -1,6 +1,7 @@
 //! Logs (tracing, human or JSON) and the Prometheus metrics of SPEC §10. No
 //! key, token or body ever goes into a log line or a label.
 
+use std::io::IsTerminal as _;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -9,12 +10,17 @@ use tracing_subscriber::EnvFilter;
 
 use crate::store::PoolStats;
 
-/// Installs the global tracing subscriber: human by default, JSON when asked,
-/// level from `RUST_LOG` (default `info`).
+/// Installs the global tracing subscriber, writing to standard error: human
+/// by default, JSON when asked, level from `RUST_LOG` (default `info`). Human
+/// lines are coloured only when standard error is a terminal (and `NO_COLOR`
+/// is unset), so a file or a pipe gets no escape sequences.
 pub fn init_tracing(json: bool) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let ansi = !json && !no_color && std::io::stderr().is_terminal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     // A second init (tests, embedding) keeps the first subscriber.
     let _ = if json {

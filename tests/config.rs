@@ -7,6 +7,7 @@ use clap::CommandFactory;
 use common::bin::{Served, idemgate};
 use common::pg::TestDb;
 use idemgate::cli::{Cli, CliError, Command};
+use idemgate::config::LogFormat;
 
 const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/idemgate.example.toml");
 const README: &str = include_str!("../README.md");
@@ -35,62 +36,69 @@ fn the_example_file_and_readme_document_every_setting() {
     let example = std::fs::read_to_string(EXAMPLE).unwrap();
     let table: toml::Table = example.parse().unwrap();
     let cmd = Cli::command();
-    for sub in ["serve", "proxy"] {
+    // The global flags (every command's), then each command's own.
+    let globals = cmd.get_arguments().filter(|a| a.is_global_set());
+    let globals = globals.map(|arg| ("", arg));
+    let own = ["serve", "proxy"].into_iter().flat_map(|sub| {
         let sub_cmd = cmd.find_subcommand(sub).unwrap();
-        for arg in sub_cmd.get_arguments() {
-            let id = arg.get_id().as_str();
-            if ["config", "help", "version"].contains(&id) || arg.get_long().is_none() {
-                continue;
-            }
-            let value = table
-                .get(id)
-                .or_else(|| table.get(sub).and_then(|t| t.get(id)));
-            let defaults: Vec<String> = arg
-                .get_default_values()
-                .iter()
-                .map(|v| v.to_string_lossy().into_owned())
-                .collect();
-            match value {
-                Some(v) => {
-                    let text = match v {
-                        toml::Value::String(s) => s.clone(),
-                        toml::Value::Array(items) => items
-                            .iter()
-                            .map(|i| i.as_str().map_or_else(|| i.to_string(), str::to_owned))
-                            .collect::<Vec<_>>()
-                            .join(","),
-                        other => other.to_string(),
-                    };
-                    let want = if defaults.is_empty() {
-                        if matches!(arg.get_action(), clap::ArgAction::SetTrue) {
-                            "false".to_owned()
-                        } else {
-                            String::new()
-                        }
-                    } else {
-                        defaults.join(",")
-                    };
-                    assert_eq!(text, want, "{id}: the example's value is not the default");
-                }
-                None => assert!(
-                    example.contains(&format!("# {id} = ")),
-                    "{id} is not documented in idemgate.example.toml"
-                ),
-            }
-            let env = arg
-                .get_env()
-                .map(|e| e.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            assert!(
-                !env.is_empty() && example.contains(&env),
-                "{id}: its variable {env:?} is not named in the example"
-            );
-            assert!(
-                README.contains(&format!("`{env}`")),
-                "{env} is missing from the README's configuration table"
-            );
+        sub_cmd.get_arguments().map(move |arg| (sub, arg))
+    });
+    let mut checked = Vec::new();
+    for (sub, arg) in globals.chain(own) {
+        let id = arg.get_id().as_str();
+        if ["config", "help", "version"].contains(&id) || arg.get_long().is_none() {
+            continue;
         }
+        checked.push(id.to_owned());
+        let value = table
+            .get(id)
+            .or_else(|| table.get(sub).and_then(|t| t.get(id)));
+        let defaults: Vec<String> = arg
+            .get_default_values()
+            .iter()
+            .map(|v| v.to_string_lossy().into_owned())
+            .collect();
+        match value {
+            Some(v) => {
+                let text = match v {
+                    toml::Value::String(s) => s.clone(),
+                    toml::Value::Array(items) => items
+                        .iter()
+                        .map(|i| i.as_str().map_or_else(|| i.to_string(), str::to_owned))
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    other => other.to_string(),
+                };
+                let want = if defaults.is_empty() {
+                    if matches!(arg.get_action(), clap::ArgAction::SetTrue) {
+                        "false".to_owned()
+                    } else {
+                        String::new()
+                    }
+                } else {
+                    defaults.join(",")
+                };
+                assert_eq!(text, want, "{id}: the example's value is not the default");
+            }
+            None => assert!(
+                example.contains(&format!("# {id} = ")),
+                "{id} is not documented in idemgate.example.toml"
+            ),
+        }
+        let env = arg
+            .get_env()
+            .map(|e| e.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        assert!(
+            !env.is_empty() && example.contains(&env),
+            "{id}: its variable {env:?} is not named in the example"
+        );
+        assert!(
+            README.contains(&format!("`{env}`")),
+            "{env} is missing from the README's configuration table"
+        );
     }
+    assert!(checked.iter().any(|id| id == "log_format"), "{checked:?}");
 }
 
 #[test]
@@ -102,6 +110,8 @@ fn file_errors_name_the_key() {
         ("[serve]\nprune_intervall = 3", "serve.prune_intervall"),
         ("key_max_len = ", "not valid TOML"),
         ("methods = []", "methods"),
+        ("log_format = \"xml\"", "log_format"),
+        ("[serve]\nlog_format = 1", "log_format"),
     ] {
         let path = dir.path().join("bad.toml");
         std::fs::write(&path, text).unwrap();
@@ -158,4 +168,286 @@ async fn flags_beat_environment_beats_file() {
         policy["fingerprint"]["ignored_pointers"],
         serde_json::json!(["/a", "/b/c"])
     );
+}
+
+/// `argv`'s log format, as parsed with its config file merged.
+fn log_format(argv: &[&str]) -> LogFormat {
+    let argv = argv.iter().map(Into::into).collect();
+    match Cli::try_parse_merged(argv) {
+        Ok(cli) => cli.log_format,
+        Err(e) => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn log_format_is_a_flag_of_every_command_and_a_file_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("json.toml");
+    std::fs::write(&json, "log_format = \"json\"\n").unwrap();
+    let json = json.to_str().unwrap();
+    let serve_only = dir.path().join("serve.toml");
+    std::fs::write(&serve_only, "[serve]\nlog_format = \"json\"\n").unwrap();
+    let serve_only = serve_only.to_str().unwrap();
+    for (argv, want) in [
+        (&["idemgate", "serve"][..], LogFormat::Human),
+        (
+            &["idemgate", "serve", "--log-format", "json"],
+            LogFormat::Json,
+        ),
+        (
+            &["idemgate", "--log-format", "json", "serve"],
+            LogFormat::Json,
+        ),
+        (&["idemgate", "proxy", "--log-format=json"], LogFormat::Json),
+        (
+            &["idemgate", "migrate", "--log-format", "json"],
+            LogFormat::Json,
+        ),
+        (
+            &["idemgate", "prune", "--log-format", "json"],
+            LogFormat::Json,
+        ),
+        (
+            &["idemgate", "openapi", "--log-format", "json"],
+            LogFormat::Json,
+        ),
+        // The values IDEMGATE_LOG_FORMAT has always taken.
+        (
+            &["idemgate", "serve", "--log-format", "text"],
+            LogFormat::Human,
+        ),
+        (
+            &["idemgate", "serve", "--log-format", "pretty"],
+            LogFormat::Human,
+        ),
+        (&["idemgate", "serve", "--log-format", ""], LogFormat::Human),
+        // The file, at the top level or in the command's table.
+        (&["idemgate", "serve", "--config", json], LogFormat::Json),
+        (&["idemgate", "migrate", "--config", json], LogFormat::Json),
+        (
+            &["idemgate", "serve", "--config", serve_only],
+            LogFormat::Json,
+        ),
+        (
+            &["idemgate", "proxy", "--config", serve_only],
+            LogFormat::Human,
+        ),
+        // A flag beats the file, before the command or after it.
+        (
+            &[
+                "idemgate",
+                "serve",
+                "--config",
+                json,
+                "--log-format",
+                "human",
+            ],
+            LogFormat::Human,
+        ),
+        (
+            &[
+                "idemgate",
+                "--log-format",
+                "human",
+                "serve",
+                "--config",
+                json,
+            ],
+            LogFormat::Human,
+        ),
+    ] {
+        assert_eq!(log_format(argv), want, "{argv:?}");
+    }
+}
+
+/// What `idemgate serve` logs until it is ready, run with `env` and `flags`
+/// and its standard error a pipe.
+async fn start_logs(db: &TestDb, env: &[(&str, &str)], flags: &[&str]) -> String {
+    let mut cmd = idemgate(db);
+    cmd.env_remove("IDEMGATE_LOG_FORMAT")
+        .env_remove("IDEMGATE_CONFIG")
+        .env_remove("NO_COLOR");
+    for (var, value) in env {
+        cmd.env(var, value);
+    }
+    let mut served = Served::spawn(cmd, flags).await;
+    served.child.kill().unwrap();
+    served.child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(served.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains("idemgate serve is listening"), "{stderr}");
+    stderr
+}
+
+/// Whether every log line is a JSON object (`true`) or none is (`false`).
+#[track_caller]
+fn all_json(logs: &str) -> bool {
+    let json: Vec<bool> = logs
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .is_ok_and(|v| v["level"].is_string() && v["timestamp"].is_string())
+        })
+        .collect();
+    assert!(!json.is_empty(), "no logs");
+    assert!(
+        json.iter().all(|j| *j) || json.iter().all(|j| !*j),
+        "JSON and human lines mixed:\n{logs}"
+    );
+    json[0]
+}
+
+#[tokio::test]
+async fn log_format_flag_beats_environment_beats_file() {
+    let db = TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = |format: &str| {
+        let path = dir.path().join(format!("{format}.toml"));
+        std::fs::write(&path, format!("log_format = \"{format}\"\n")).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let (human_file, json_file) = (file("human"), file("json"));
+    let env = |v| [("IDEMGATE_LOG_FORMAT", v)];
+    for (env, flags, json, why) in [
+        (&[][..], &["--log-format", "json"][..], true, "the flag"),
+        (&[], &["--config", &json_file], true, "the file"),
+        (&[], &["--config", &human_file], false, "the file"),
+        (&env("json")[..], &[], true, "the environment"),
+        (
+            &env("human"),
+            &["--config", &json_file],
+            false,
+            "environment over file",
+        ),
+        (
+            &env("json"),
+            &["--config", &human_file],
+            true,
+            "environment over file",
+        ),
+        (
+            &env("human"),
+            &["--config", &json_file, "--log-format", "json"],
+            true,
+            "flag over environment",
+        ),
+        (
+            &env("json"),
+            &["--config", &json_file, "--log-format", "human"],
+            false,
+            "flag over environment and file",
+        ),
+    ] {
+        let logs = start_logs(&db, env, flags).await;
+        assert_eq!(all_json(&logs), json, "{why}: {env:?} {flags:?}:\n{logs}");
+    }
+}
+
+#[tokio::test]
+async fn human_logs_to_a_pipe_have_no_colour_codes() {
+    let db = TestDb::new().await;
+    for env in [&[][..], &[("IDEMGATE_LOG_FORMAT", "human")]] {
+        let logs = start_logs(&db, env, &[]).await;
+        assert!(!all_json(&logs), "{logs}");
+        assert!(logs.contains(" INFO "), "{logs}");
+        assert!(
+            !logs.contains("\x1b["),
+            "ANSI escapes in piped logs:\n{logs:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_bad_log_format_is_refused_naming_the_setting() {
+    let db = TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, "log_format = \"xml\"\n").unwrap();
+    let path = path.to_str().unwrap();
+    for (env, args, named) in [
+        (None, &["serve", "--log-format", "xml"][..], "--log-format"),
+        (None, &["--log-format", "xml", "migrate"], "--log-format"),
+        (Some("xml"), &["serve"], "--log-format"),
+        (None, &["serve", "--config", path], "log_format"),
+    ] {
+        let mut cmd = idemgate(&db);
+        cmd.env_remove("IDEMGATE_LOG_FORMAT");
+        if let Some(value) = env {
+            cmd.env("IDEMGATE_LOG_FORMAT", value);
+        }
+        let out = cmd.args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{env:?} {args:?} was accepted");
+        assert!(stderr.contains(named), "{env:?} {args:?}: {stderr}");
+        assert!(stderr.contains("`human` or `json`"), "{stderr}");
+    }
+}
+
+#[tokio::test]
+async fn a_token_given_to_two_tenants_is_refused_without_showing_it() {
+    let db = TestDb::new().await;
+    let secret = "shared-secret-7c1f0e";
+    let tokens = format!("acme:{secret},globex:{secret}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokens.toml");
+    std::fs::write(&path, format!("tokens = \"{tokens}\"\n")).unwrap();
+    let path = path.to_str().unwrap();
+    for (env, args) in [
+        (Some(tokens.as_str()), &["serve"][..]),
+        (None, &["serve", "--tokens", &tokens]),
+        (None, &["serve", "--config", path]),
+    ] {
+        let mut cmd = idemgate(&db);
+        if let Some(value) = env {
+            cmd.env("IDEMGATE_TOKENS", value);
+        }
+        let out = cmd.args(args).output().unwrap();
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(all.contains("IDEMGATE_TOKENS"), "{args:?}: {all}");
+        assert!(all.contains("given to two tenants"), "{args:?}: {all}");
+        assert!(!all.contains(secret), "{args:?} showed the token: {all}");
+    }
+    // Nor does any other refusal of the value show a token in it.
+    let out = idemgate(&db)
+        .env("IDEMGATE_TOKENS", format!("acme:{secret},globex"))
+        .arg("serve")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("IDEMGATE_TOKENS"), "{stderr}");
+    assert!(!stderr.contains(secret), "{stderr}");
+}
+
+#[tokio::test]
+async fn two_tokens_of_one_tenant_and_a_repeated_pair_are_accepted() {
+    let db = TestDb::new().await;
+    let tokens = "acme:acme-old-tok,acme:acme-new-tok,globex:globex-tok,globex:globex-tok";
+    let mut cmd = idemgate(&db);
+    cmd.env("IDEMGATE_TOKENS", tokens);
+    let served = Served::spawn(cmd, &[]).await;
+    let http = reqwest::Client::new();
+    let key = format!("\"{}\"", uuid::Uuid::new_v4());
+    // Both of acme's tokens reach acme (the second finds the first's key in
+    // flight); globex's key is its own.
+    for (token, want) in [
+        ("acme-old-tok", 201),
+        ("acme-new-tok", 409),
+        ("globex-tok", 201),
+        ("unknown-tok", 401),
+    ] {
+        let res = http
+            .post(format!("{}/v1/reservations", served.base()))
+            .header("idempotency-key", &key)
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), want, "{token}");
+    }
 }

@@ -3,7 +3,8 @@
 //!
 //! Each scalar key is a setting named as its flag with `_` for `-`
 //! (`key_max_len = 64` is `--key-max-len 64`); a `[serve]` or `[proxy]` table
-//! holds settings for that command only. The file's values are handed to clap
+//! holds settings for that command only. Global flags (`log_format`) are keys
+//! too, read by every command. The file's values are handed to clap
 //! as the flags they stand for, but only for settings that neither a flag nor
 //! the environment gave — clap reports where each value came from — so one
 //! parser validates all three sources, and a bad value in the file fails with
@@ -43,8 +44,10 @@ pub fn merge(cmd: clap::Command, argv: Vec<OsString>) -> Result<Vec<OsString>, C
         .map(|c| c.get_name().to_owned())
         .collect();
     let known = |key: &str| {
-        cmd.get_subcommands()
-            .any(|c| c.get_arguments().any(|a| a.get_id() == key))
+        global_arg(&cmd, key).is_some()
+            || cmd
+                .get_subcommands()
+                .any(|c| c.get_arguments().any(|a| a.get_id() == key))
     };
 
     // Top-level settings, then the command's own table over them.
@@ -73,7 +76,9 @@ pub fn merge(cmd: clap::Command, argv: Vec<OsString>) -> Result<Vec<OsString>, C
                 if STRUCTURED_KEYS.contains(&key.as_str()) {
                     continue;
                 }
-                if !sub_cmd.get_arguments().any(|a| a.get_id() == key.as_str()) {
+                if !sub_cmd.get_arguments().any(|a| a.get_id() == key.as_str())
+                    && global_arg(&cmd, key).is_none()
+                {
                     return Err(unknown(path, &format!("{section}.{key}")));
                 }
                 settings.retain(|(k, _)| k != key);
@@ -84,7 +89,11 @@ pub fn merge(cmd: clap::Command, argv: Vec<OsString>) -> Result<Vec<OsString>, C
 
     let mut argv = argv;
     for (key, value) in settings {
-        let Some(arg) = sub_cmd.get_arguments().find(|a| a.get_id() == key.as_str()) else {
+        let Some(arg) = sub_cmd
+            .get_arguments()
+            .find(|a| a.get_id() == key.as_str())
+            .or_else(|| global_arg(&cmd, &key))
+        else {
             continue; // a setting of another command
         };
         let given = matches!(
@@ -122,6 +131,16 @@ pub fn merge(cmd: clap::Command, argv: Vec<OsString>) -> Result<Vec<OsString>, C
         }
     }
     Ok(argv)
+}
+
+/// The setting `key` of every command (a global flag such as `--log-format`);
+/// `config` names the file itself and is no key of it.
+fn global_arg<'a>(cmd: &'a clap::Command, key: &str) -> Option<&'a clap::Arg> {
+    if key == "config" {
+        return None;
+    }
+    cmd.get_arguments()
+        .find(|a| a.is_global_set() && a.get_id() == key)
 }
 
 /// The file as a TOML table.

@@ -237,7 +237,7 @@ pub struct ServeArgs {
 
     /// Bearer tokens and their tenants: tenant:token,tenant:token. Without
     /// tokens the server is open, single-tenant, and loopback-only.
-    #[arg(long, env = "IDEMGATE_TOKENS", hide_env_values = true, value_parser = parse_tokens)]
+    #[arg(long, env = "IDEMGATE_TOKENS", hide_env_values = true, value_parser = TokensParser)]
     pub tokens: Option<Tokens>,
 
     #[command(flatten)]
@@ -297,8 +297,47 @@ impl std::fmt::Debug for Tokens {
     }
 }
 
+/// `--tokens`' parser. Its errors never repeat the value: it holds secrets
+/// (clap's own message for a refused value quotes the value whole).
+#[derive(Debug, Clone, Copy)]
+struct TokensParser;
+
+impl clap::builder::TypedValueParser for TokensParser {
+    type Value = Tokens;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<Tokens, clap::Error> {
+        use clap::error::{ContextKind, ContextValue, ErrorKind};
+        let problem = match value.to_str() {
+            Some(text) => match parse_tokens(text) {
+                Ok(tokens) => return Ok(tokens),
+                Err(problem) => problem,
+            },
+            None => "it is not valid UTF-8".to_owned(),
+        };
+        let name = arg.map_or_else(|| "--tokens".to_owned(), ToString::to_string);
+        let mut err = clap::Error::raw(
+            ErrorKind::ValueValidation,
+            format!(
+                "invalid value for '{name}' (IDEMGATE_TOKENS; the value is not shown, it holds \
+                 secrets): {problem}\n"
+            ),
+        );
+        // Lets a refused `tokens` key of the config file be named as such.
+        err.insert(ContextKind::InvalidArg, ContextValue::String(name));
+        Err(err.with_cmd(cmd))
+    }
+}
+
+/// `tenant:token,…`. A tenant may hold several tokens (rotation), but a token
+/// belongs to one tenant only; a pair listed twice counts once. No message
+/// holds a token.
 fn parse_tokens(s: &str) -> Result<Tokens, String> {
-    let mut pairs = Vec::new();
+    let mut pairs: Vec<(String, String)> = Vec::new();
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let Some((tenant, token)) = item.split_once(':') else {
             return Err("each entry must be tenant:token (e.g. acme:s3cret)".into());
@@ -315,7 +354,16 @@ fn parse_tokens(s: &str) -> Result<Tokens, String> {
                 "tenant {tenant:?} may hold only letters, digits, '-', '_' and '.'"
             ));
         }
-        pairs.push((tenant.to_owned(), token.to_owned()));
+        match pairs.iter().find(|(_, t)| t == token) {
+            Some((owner, _)) if owner == tenant => continue,
+            Some((owner, _)) => {
+                return Err(format!(
+                    "a token is given to two tenants, {owner:?} and {tenant:?}: requests bearing \
+                     it could only ever reach one of them; give each tenant its own tokens"
+                ));
+            }
+            None => pairs.push((tenant.to_owned(), token.to_owned())),
+        }
     }
     Ok(Tokens::new(pairs))
 }
@@ -446,14 +494,82 @@ impl ServeArgs {
     }
 }
 
-/// Log output format.
-pub fn log_format_is_json() -> Result<bool, ConfigError> {
-    match std::env::var("IDEMGATE_LOG_FORMAT").ok().as_deref() {
-        None | Some("") | Some("human") | Some("text") | Some("pretty") => Ok(false),
-        Some("json") => Ok(true),
-        Some(_) => Err(ConfigError {
-            setting: "IDEMGATE_LOG_FORMAT",
-            problem: "expected `human` or `json`".into(),
-        }),
+/// How log lines are written (`--log-format`, `IDEMGATE_LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Text for people; coloured only when it goes to a terminal.
+    #[default]
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `human` (also `text`, `pretty`, or empty) or `json`.
+pub fn parse_log_format(s: &str) -> Result<LogFormat, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "" | "human" | "text" | "pretty" => Ok(LogFormat::Human),
+        "json" => Ok(LogFormat::Json),
+        _ => Err("expected `human` or `json`".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_belongs_to_one_tenant() {
+        let err = parse_tokens("acme:t0p-s3cret,globex:t0p-s3cret").unwrap_err();
+        assert!(err.contains("two tenants"), "{err}");
+        assert!(err.contains("acme") && err.contains("globex"), "{err}");
+        assert!(!err.contains("t0p-s3cret"), "{err}");
+    }
+
+    #[test]
+    fn a_tenant_may_hold_several_tokens_and_a_pair_may_repeat() {
+        let tokens = parse_tokens("acme:old,acme:new, globex:g ,globex:g").unwrap();
+        assert_eq!(tokens.tenant_for("old"), Some("acme"));
+        assert_eq!(tokens.tenant_for("new"), Some("acme"));
+        assert_eq!(tokens.tenant_for("g"), Some("globex"));
+        assert_eq!(tokens.tenant_for("other"), None);
+        assert_eq!(
+            format!("{tokens:?}"),
+            r#"["acme:[redacted]", "acme:[redacted]", "globex:[redacted]"]"#
+        );
+    }
+
+    #[test]
+    fn refused_tokens_are_never_echoed() {
+        let cmd = ServeArgs::augment_args(clap::Command::new("idemgate"));
+        for value in [
+            "acme:hush-1,globex",
+            "acme:hush-1,globex:hush-1",
+            "acme:hush-1,bad tenant:x",
+        ] {
+            let err = cmd
+                .clone()
+                .try_get_matches_from(["idemgate", "--tokens", value])
+                .unwrap_err();
+            assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+            let text = err.render().to_string();
+            assert!(!text.contains("hush-1"), "{text}");
+            assert!(text.contains("IDEMGATE_TOKENS"), "{text}");
+            assert!(text.contains("--tokens"), "{text}");
+        }
+    }
+
+    #[test]
+    fn log_formats() {
+        for (text, want) in [
+            ("", LogFormat::Human),
+            ("human", LogFormat::Human),
+            ("text", LogFormat::Human),
+            ("pretty", LogFormat::Human),
+            ("JSON", LogFormat::Json),
+            ("json", LogFormat::Json),
+        ] {
+            assert_eq!(parse_log_format(text), Ok(want), "{text:?}");
+        }
+        assert!(parse_log_format("xml").is_err());
     }
 }
