@@ -163,6 +163,22 @@ pub enum Refusal {
     AlreadyCompleted,
 }
 
+/// What a reservation id shows ([`Engine::get`]).
+#[derive(Debug, Clone)]
+pub enum Lookup {
+    /// The key's record, and whether the id holds it live.
+    Record {
+        /// The record.
+        record: Box<Record>,
+        /// True while the id holds a live reservation of the key.
+        live: bool,
+    },
+    /// The id's key expired or was released (it is forgotten, even before
+    /// pruning deletes its row), or was reserved afresh by another request:
+    /// nothing of the id is left to show.
+    Gone,
+}
+
 impl Refusal {
     /// A sentence for the client.
     pub fn detail(self) -> &'static str {
@@ -724,15 +740,10 @@ impl Engine {
         }
     }
 
-    /// The record that reservation `id` belongs to, with whether `id` is still
-    /// its live holder; `None` for an unknown id, and for one whose key has
-    /// since expired, been released, or been reserved afresh by another
-    /// request. After a takeover the old id still shows the key's record.
-    pub async fn get(
-        &self,
-        tenant: &str,
-        id: Uuid,
-    ) -> Result<Option<(Record, Option<Refusal>)>, EngineError> {
+    /// What reservation `id` shows: its key's record, with whether `id` is
+    /// still its live holder (after a takeover the old id shows the key's
+    /// record, not live), or [`Lookup::Gone`]; `None` for an unknown id.
+    pub async fn get(&self, tenant: &str, id: Uuid) -> Result<Option<Lookup>, EngineError> {
         let Some(mut found) = self.store.find_by_reservation(tenant, id).await? else {
             return Ok(None);
         };
@@ -742,12 +753,14 @@ impl Engine {
         // an old id must not be shown.
         let other_request = found.record.reservation_id != id && found.record.attempt == 1;
         if found.now >= found.record.expires_at || other_request {
-            return Ok(None);
+            return Ok(Some(Lookup::Gone));
         }
         self.open(&mut found.record)?;
         let live = found.record.reservation_id == id && found.record.state == KeyState::InFlight;
-        let refusal = (!live).then(|| refusal_for(&found.record, id, found.now));
-        Ok(Some((found.record, refusal)))
+        Ok(Some(Lookup::Record {
+            record: Box::new(found.record),
+            live,
+        }))
     }
 
     /// Why a write by `id` did not apply.

@@ -353,20 +353,21 @@ async fn release_makes_the_key_new_again(b: Backend) {
     let id3 = app.reserve(&key, &other).await.reservation_id();
     let cp = r#"{"recovery_point":"p","data":{"of":"the third request"}}"#;
     assert_eq!(app.act(&id3, "checkpoint", cp).await.status, 200);
-    // A released id shows nothing: its key was forgotten, and the record the
-    // key has now belongs to another request. The live id still shows it.
+    // A released id shows nothing (410): its key was forgotten, and the
+    // record the key has now belongs to another request. The live id still
+    // shows it.
     let path = |id: &str| format!("/v1/reservations/{id}");
     for dead in [&id, &id2] {
         app.send("GET", &path(dead), &[], None)
             .await
-            .assert_problem(404, "not-found");
+            .assert_problem(410, "reservation-gone");
     }
     let live = app.send("GET", &path(&id3), &[], None).await;
     assert_eq!(live.body["recovery"]["data"]["of"], "the third request");
     assert_eq!(app.act(&id3, "release", "").await.status, 204);
     app.send("GET", &path(&id3), &[], None)
         .await
-        .assert_problem(404, "not-found");
+        .assert_problem(410, "reservation-gone");
 }
 
 async fn extend_moves_the_lease_end(b: Backend) {

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use common::backend::Backend;
 use idemgate::engine::{
-    CommitOutcome, Engine, Refusal, Reservation, ReserveOutcome, ReserveRequest,
+    CommitOutcome, Engine, Lookup, Refusal, Reservation, ReserveOutcome, ReserveRequest,
 };
 use idemgate::prune;
-use idemgate::store::{KeyState, Recovery, StoredResponse};
+use idemgate::store::{KeyState, Record, Recovery, StoredResponse};
 use sha2::{Digest, Sha256};
 use tokio::sync::Barrier;
 use uuid::Uuid;
@@ -106,6 +106,14 @@ fn mismatch(outcome: ReserveOutcome) {
 
 async fn commit(engine: &Engine, id: Uuid, res: &StoredResponse) -> CommitOutcome {
     engine.commit(TENANT, id, res).await.expect("commit")
+}
+
+/// The record `id` shows, and whether `id` holds it live.
+async fn shown(engine: &Engine, id: Uuid) -> (Record, bool) {
+    match engine.get(TENANT, id).await.expect("get") {
+        Some(Lookup::Record { record, live }) => (*record, live),
+        other => panic!("{id} shows no record: {other:?}"),
+    }
 }
 
 /// Asserts that every write by `id` is refused with `why`.
@@ -217,12 +225,8 @@ async fn commit_is_idempotent_for_the_same_response_only(backend: Backend) {
         engine.release(TENANT, r.reservation_id).await.unwrap(),
         Err(Refusal::AlreadyCompleted)
     );
-    let (record, refusal) = engine
-        .get(TENANT, r.reservation_id)
-        .await
-        .unwrap()
-        .expect("found");
-    assert_eq!(refusal, Some(Refusal::AlreadyCompleted));
+    let (record, live) = shown(&engine, r.reservation_id).await;
+    assert!(!live);
     assert_eq!(record.response.as_ref(), Some(&res));
 }
 
@@ -237,12 +241,10 @@ async fn release_makes_the_key_new_and_kills_the_id(backend: Backend) {
 
     // Released: the id is dead as "expired" until someone reserves again.
     assert_dead(&engine, old.reservation_id, Refusal::Expired).await;
-    let (_, refusal) = engine
-        .get(TENANT, old.reservation_id)
-        .await
-        .unwrap()
-        .expect("found");
-    assert_eq!(refusal, Some(Refusal::Expired));
+    assert!(matches!(
+        engine.get(TENANT, old.reservation_id).await.unwrap(),
+        Some(Lookup::Gone)
+    ));
 
     // New again, even with another payload: attempt 1, nothing carried over.
     let new = reserved(reserve(&engine, &request(key, Some("fp-b"))).await);
@@ -291,18 +293,13 @@ async fn takeover_after_the_lease_hands_on_recovery_and_fences_the_old_id(backen
     assert!((28..=30).contains(&lease), "new lease {lease} s");
 
     assert_dead(&engine, old.reservation_id, Refusal::TakenOver).await;
-    let (_, refusal) = engine
-        .get(TENANT, old.reservation_id)
-        .await
-        .unwrap()
-        .expect("found");
-    assert_eq!(refusal, Some(Refusal::TakenOver));
-    let (_, refusal) = engine
-        .get(TENANT, new.reservation_id)
-        .await
-        .unwrap()
-        .expect("found");
-    assert_eq!(refusal, None, "the new holder is live");
+    let (old_view, live) = shown(&engine, old.reservation_id).await;
+    assert!(!live, "a taken-over id shows its key's record, not live");
+    assert_eq!(old_view.attempt, 2);
+    assert!(
+        shown(&engine, new.reservation_id).await.1,
+        "the new holder is live"
+    );
 
     let res = response("winner");
     assert!(matches!(
@@ -383,8 +380,8 @@ async fn expired_keys_are_new_again_and_pruning_deletes_them(backend: Backend) {
             .get(TENANT, live.reservation_id)
             .await
             .unwrap()
-            .map(|(_, r)| r),
-        Some(None),
+            .map(|l| matches!(l, Lookup::Record { live: true, .. })),
+        Some(true),
         "a live record is untouched"
     );
     assert_eq!(prune::prune_once(engine.store().as_ref()).await.unwrap(), 0);

@@ -51,6 +51,10 @@ pub enum ApiError {
     /// `Allow` header lists the ones that do).
     #[error("{0}")]
     MethodNotAllowed(String),
+    /// 410 reservation-gone: the reservation's key expired, was released, or
+    /// was reserved afresh by another request.
+    #[error("{0}")]
+    Gone(&'static str),
     /// 409 request-in-flight.
     #[error("a request with this key is still being processed")]
     InFlight {
@@ -107,6 +111,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Gone(_) => StatusCode::GONE,
             ApiError::InFlight { .. } | ApiError::LeaseLost(_) => StatusCode::CONFLICT,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -127,6 +132,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => "unauthorized",
             ApiError::NotFound(_) => "not-found",
             ApiError::MethodNotAllowed(_) => "method-not-allowed",
+            ApiError::Gone(_) => "reservation-gone",
             ApiError::InFlight { .. } => "request-in-flight",
             ApiError::LeaseLost(_) => "lease-lost",
             ApiError::KeyReused => "key-reused",
@@ -147,6 +153,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => "Unauthorized",
             ApiError::NotFound(_) => "Not found",
             ApiError::MethodNotAllowed(_) => "Method not allowed",
+            ApiError::Gone(_) => "Reservation gone",
             ApiError::InFlight { .. } => "Request in flight",
             ApiError::LeaseLost(_) => "Lease lost",
             ApiError::KeyReused => "Idempotency-Key reused",

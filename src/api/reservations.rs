@@ -17,7 +17,7 @@ use super::views::{
     CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, RequestDescription,
     ReserveBody, ReservedView, completed_response, record_view,
 };
-use crate::engine::{CommitOutcome, Refusal, ReserveOutcome, ReserveRequest};
+use crate::engine::{CommitOutcome, Lookup, Refusal, ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
 use crate::headers::{mark_replayed, prefer_wait, set_expires};
 use crate::key::{self, KeyError};
@@ -324,8 +324,10 @@ pub async fn checkpoint_reservation(
 /// The public view of the record a reservation belongs to.
 ///
 /// An id taken over still shows its key's record (`live` false). An id whose
-/// key expired or was released is `404`, as it is once pruning has deleted the
-/// row, and so is one whose key another request has reserved since.
+/// key expired or was released, or has since been reserved by another
+/// request, is `410 reservation-gone`: the key is forgotten, and its record,
+/// if any, is another request's. Once pruning deletes the key, the id is
+/// unknown: `404`.
 #[utoipa::path(
     get,
     path = "/v1/reservations/{id}",
@@ -335,6 +337,7 @@ pub async fn checkpoint_reservation(
         (status = 200, description = "The record.", body = RecordView),
         (status = 401, description = "unauthorized", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "not-found", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "reservation-gone", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
     ),
     security((), ("bearer" = []))
@@ -345,12 +348,13 @@ pub async fn get_reservation(
     Path(id): Path<String>,
 ) -> Result<axum::Json<RecordView>> {
     let id = reservation_id(&id)?;
-    let (record, refusal) = state
-        .engine
-        .get(&tenant, id)
-        .await?
-        .ok_or_else(|| refused(Refusal::NotFound))?;
-    Ok(axum::Json(record_view(id, &record, refusal.is_none())))
+    match state.engine.get(&tenant, id).await? {
+        None => Err(refused(Refusal::NotFound)),
+        Some(Lookup::Gone) => Err(ApiError::Gone(
+            "this reservation's key expired or was released, or another request holds it now",
+        )),
+        Some(Lookup::Record { record, live }) => Ok(axum::Json(record_view(id, &record, live))),
+    }
 }
 
 // === helpers ===
