@@ -13,7 +13,6 @@ use common::proxy::{ProxyProcess, TestProxy, replayed, setup};
 use common::upstream::Upstream;
 use idemgate::proxy::routes;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Barrier;
 
 // === SPEC §6, bullet by bullet ===
@@ -472,15 +471,9 @@ async fn forwarded_headers_are_added_and_hop_by_hop_headers_stripped_upstream() 
         \r\n\
         {}";
     proxy.secrets.lock().unwrap().push("forwarded-key-1".into());
-    let mut socket = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    socket.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    socket.read_to_end(&mut raw).await.unwrap();
-    let raw = String::from_utf8_lossy(&raw);
-    let (head, body) = raw.split_once("\r\n\r\n").expect("a response");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    let echo: Value = serde_json::from_str(body).expect("the echo");
-    let headers = &echo["headers"];
+    let res = proxy.send_raw_request(request).await;
+    assert_eq!(res.status, 200, "{res:#?}");
+    let headers = &res.body["headers"];
     for gone in [
         "connection",
         "x-drop-me",
@@ -502,7 +495,7 @@ async fn forwarded_headers_are_added_and_hop_by_hop_headers_stripped_upstream() 
         headers["idempotency-key"][0], "\"forwarded-key-1\"",
         "intact"
     );
-    assert_eq!(echo["uri"], "/echo/path?b=2&a=1");
+    assert_eq!(res.body["uri"], "/echo/path?b=2&a=1");
     assert_eq!(upstream.started("\"forwarded-key-1\""), 1);
 }
 

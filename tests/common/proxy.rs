@@ -137,8 +137,6 @@ impl TestProxy {
         target: &str,
         headers: &[(&str, &str)],
     ) -> TestResponse {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
         let mut request = format!(
             "{method} {target} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\
              Content-Type: application/json\r\nContent-Length: 2\r\n",
@@ -154,6 +152,14 @@ impl TestProxy {
             request.push_str(&format!("{name}: {value}\r\n"));
         }
         request.push_str("\r\n{}");
+        self.send_raw_request(&request).await
+    }
+
+    /// Writes `request` (a whole HTTP/1.1 request, which should ask for
+    /// `Connection: close`) to the proxy as is, and reads the answer to the end.
+    pub async fn send_raw_request(&self, request: &str) -> TestResponse {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
         let mut socket = tokio::net::TcpStream::connect(self.addr).await.unwrap();
         socket.write_all(request.as_bytes()).await.unwrap();
         let mut raw = Vec::new();
