@@ -117,6 +117,109 @@ async fn every_connection_busy_gives_a_503_after_the_acquire_timeout() {
     assert_eq!(app.reserve(&fresh_key(), "{}").await.status, 201);
 }
 
+/// A TCP relay to the database that can go silent, as a network that drops
+/// packets or a frozen host would: while `silent` is set it passes nothing on
+/// in either direction, and what it read waits until it speaks again.
+struct Relay {
+    url: String,
+    silent: Arc<AtomicBool>,
+}
+
+impl Relay {
+    async fn to(db_url: &str) -> Relay {
+        let mut url = reqwest::Url::parse(db_url).expect("a database URL");
+        let target = format!(
+            "{}:{}",
+            url.host_str().unwrap_or("127.0.0.1"),
+            url.port().unwrap_or(5432)
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        url.set_host(Some("127.0.0.1")).unwrap();
+        url.set_port(Some(port)).unwrap();
+        let silent = Arc::new(AtomicBool::new(false));
+        let flag = silent.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (client_rx, client_tx) = client.into_split();
+                let (server_rx, server_tx) = server.into_split();
+                tokio::spawn(Relay::pass(client_rx, server_tx, flag.clone()));
+                tokio::spawn(Relay::pass(server_rx, client_tx, flag.clone()));
+            }
+        });
+        Relay {
+            url: url.to_string(),
+            silent,
+        }
+    }
+
+    async fn pass(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        silent: Arc<AtomicBool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0; 64 * 1024];
+        loop {
+            let Ok(n @ 1..) = from.read(&mut buf).await else {
+                return;
+            };
+            while silent.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// A database that stops answering without closing anything (the statement
+/// timeout cannot help: it is the database's own): the store's own deadline
+/// per statement gives a 503 within the statement timeout plus its margin,
+/// and the server works again as soon as the database answers.
+#[tokio::test]
+async fn a_silent_database_gives_a_prompt_503_not_a_hung_client() {
+    let db = TestDb::new().await;
+    let relay = Relay::to(&db.url).await;
+    let settings = PgSettings {
+        statement_timeout: Duration::from_secs(1),
+        acquire_timeout: Duration::from_secs(1),
+        ..PgSettings::default()
+    };
+    let app = TestApp::with_settings(&relay.url, &[], settings).await;
+    let key = fresh_key();
+    assert_eq!(app.reserve(&key, "{}").await.status, 201);
+
+    relay.silent.store(true, Ordering::Relaxed);
+    for _ in 0..3 {
+        let started = Instant::now();
+        let res = bounded(app.reserve(&fresh_key(), "{}")).await;
+        let waited = started.elapsed();
+        res.assert_problem(503, "store-unavailable");
+        eprintln!("silent database: 503 after {waited:?}");
+        assert!(
+            waited < Duration::from_secs(5),
+            "bounded by the statement timeout and its margin: waited {waited:?}"
+        );
+    }
+
+    relay.silent.store(false, Ordering::Relaxed);
+    let started = Instant::now();
+    loop {
+        let res = bounded(app.reserve(&key, "{}")).await;
+        if res.status == 409 {
+            break;
+        }
+        res.assert_problem(503, "store-unavailable");
+        assert!(started.elapsed() < Duration::from_secs(5), "no recovery");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// What a worker saw while the database misbehaved.
 #[derive(Default)]
 struct Tally {

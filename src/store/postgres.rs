@@ -69,6 +69,11 @@ struct Conns {
     idle: Mutex<Vec<PgConnection>>,
     permits: Semaphore,
     acquire_timeout: Duration,
+    /// How long one statement may take from this side: the statement timeout
+    /// plus a margin, so that the database's own timeout (which leaves the
+    /// connection usable) fires first, and this one only when the database
+    /// is silent (a network that drops packets, a host that froze).
+    answer_timeout: Duration,
     /// Connections open: idle and in use.
     open: AtomicU32,
 }
@@ -120,6 +125,36 @@ impl Conns {
     }
 }
 
+/// What the database gets beyond the statement timeout to answer before the
+/// store gives up on it.
+const ANSWER_MARGIN: Duration = Duration::from_secs(2);
+
+impl Conns {
+    /// Closes every idle connection.
+    fn drop_idle(&self) {
+        let idle = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|e| e.into_inner()));
+        let closed = u32::try_from(idle.len()).unwrap_or(u32::MAX);
+        self.open.fetch_sub(closed, Ordering::Relaxed);
+    }
+
+    /// `statement`'s result, or `Unavailable` when the database has not
+    /// answered within [`Conns::answer_timeout`]: its connection is then
+    /// dropped mid-statement and closed, and the idle ones are let go too,
+    /// since they most likely lead to the same silent database.
+    async fn answered<T>(&self, statement: impl Future<Output = T>) -> Result<T> {
+        match tokio::time::timeout(self.answer_timeout, statement).await {
+            Ok(result) => Ok(result),
+            Err(_) => {
+                self.drop_idle();
+                Err(StoreError::Unavailable(format!(
+                    "the database did not answer within {} s",
+                    self.answer_timeout.as_secs()
+                )))
+            }
+        }
+    }
+}
+
 // === impl Conn ===
 
 impl Conn<'_> {
@@ -132,11 +167,7 @@ impl Conn<'_> {
         };
         if !self.reuse {
             // Its siblings most likely died with it.
-            self.conns
-                .idle
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clear();
+            self.conns.drop_idle();
         }
     }
 }
@@ -215,6 +246,7 @@ impl PgStore {
             idle: Mutex::new(Vec::with_capacity(max as usize)),
             permits: Semaphore::new(max as usize),
             acquire_timeout: settings.acquire_timeout,
+            answer_timeout: settings.statement_timeout + ANSWER_MARGIN,
             open: AtomicU32::new(0),
         });
         Ok(PgStore { pool, conns })
@@ -235,7 +267,10 @@ impl PgStore {
         O: Send + Unpin + for<'r> FromRow<'r, sqlx::postgres::PgRow>,
     {
         let mut conn = self.conns.acquire().await?;
-        let result = query.fetch_optional(&mut *conn).await;
+        let result = self
+            .conns
+            .answered(query.fetch_optional(&mut *conn))
+            .await?;
         conn.done(&result);
         result.map_err(classify)
     }
@@ -251,7 +286,10 @@ impl PgStore {
         (O,): for<'r> FromRow<'r, sqlx::postgres::PgRow>,
     {
         let mut conn = self.conns.acquire().await?;
-        let result = query.fetch_optional(&mut *conn).await;
+        let result = self
+            .conns
+            .answered(query.fetch_optional(&mut *conn))
+            .await?;
         conn.done(&result);
         result.map_err(classify)
     }
