@@ -39,9 +39,18 @@ pub fn prefer_wait(headers: &HeaderMap) -> Option<Duration> {
             let (name, value) = pref.split_once('=')?;
             name.trim()
                 .eq_ignore_ascii_case("wait")
-                .then(|| value.trim().trim_matches('"').parse::<u64>().ok())?
+                .then(|| delta_seconds(value.trim().trim_matches('"')))?
         })
         .map(Duration::from_secs)
+}
+
+/// RFC 9111 §1.2.2 delta-seconds: digits only; a value too large to hold is
+/// taken as 2^31, which every cap is below.
+fn delta_seconds(text: &str) -> Option<u64> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(text.parse::<u64>().unwrap_or(1 << 31))
 }
 
 #[cfg(test)]
@@ -57,6 +66,10 @@ mod tests {
             ("WAIT = 2", Some(2)),
             ("return=minimal", None),
             ("wait=soon", None),
+            ("wait=-1", None),
+            ("wait=+5", None),
+            ("wait=", None),
+            ("wait=99999999999999999999999", Some(1 << 31)),
         ];
         for (value, want) in cases {
             let mut headers = HeaderMap::new();
