@@ -85,6 +85,41 @@ async fn a_slow_client_is_cut_off_and_everyone_else_is_served() {
     still_serving(port, "/healthz").await;
 }
 
+/// A body that stops arriving: `408 request-timeout` once no piece of it
+/// has come for the header read timeout, from serve and from the proxy;
+/// nothing is reserved or forwarded.
+#[tokio::test]
+async fn a_body_that_stops_arriving_gets_408_and_nothing_is_forwarded() {
+    let db = TestDb::new().await;
+    let upstream = Upstream::start().await;
+    let slow = ["--header-read-timeout", "1"];
+    let served = Served::start(&db, &slow).await;
+    let proxy = ProxyProcess::start_with(&db, &upstream.url(), &slow).await;
+    for (port, path) in [(served.port, "/v1/reservations"), (proxy.port, "/charges")] {
+        let mut request = post(path, &["Idempotency-Key: k-slow-body"], &[b' '; 100]);
+        request.truncate(request.len() - 90);
+        let began = Instant::now();
+        let answer = raw(port, &request, Duration::from_secs(10)).await;
+        let waited = began.elapsed();
+        assert_eq!(status(&answer), 408, "{path}: {answer}");
+        assert!(answer.contains("request-timeout"), "{path}: {answer}");
+        assert!(
+            waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+            "{path}: answered after {waited:?}"
+        );
+    }
+    assert_eq!(upstream.total(), 0, "the upstream never saw it");
+    // The key was never reserved: the complete request is new.
+    let answer = raw(
+        served.port,
+        &post("/v1/reservations", &["Idempotency-Key: k-slow-body"], b"{}"),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_eq!(status(&answer), 201, "{answer}");
+    still_serving(proxy.port, "/anything").await;
+}
+
 #[tokio::test]
 async fn oversized_heads_get_431_and_the_servers_go_on() {
     let db = TestDb::new().await;

@@ -20,11 +20,15 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state)
+        let (parts, body) = req.into_parts();
+        let body = super::BodyIdleTimeout::apply(&parts.extensions, body);
+        let bytes = Bytes::from_request(Request::from_parts(parts, body), state)
             .await
             .map_err(|e: BytesRejection| {
                 if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                     ApiError::PayloadTooLarge("the request body is over the limit".into())
+                } else if super::problem::body_timed_out(&e) {
+                    super::problem::body_timeout()
                 } else {
                     ApiError::InvalidRequest(format!("could not read the request body: {e}"))
                 }

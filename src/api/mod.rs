@@ -15,6 +15,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use tokio::net::TcpListener;
+use tower_http::timeout::TimeoutBody;
 use tower_http::trace::TraceLayer;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::{Modify, OpenApi};
@@ -203,9 +204,29 @@ pub fn admin_router(state: AppState) -> Router {
 pub struct Serving {
     /// How long in-flight requests get to finish after the shutdown signal.
     pub grace: Duration,
-    /// How long a client has to send a request's headers; a slower one's
-    /// connection is closed, so slow clients cannot hold connections open.
+    /// How long a client has to send a request's headers (a slower one's
+    /// connection is closed), and at most between two pieces of its body (a
+    /// slower one gets `408 request-timeout`): slow clients cannot hold
+    /// connections open.
     pub header_read_timeout: Duration,
+}
+
+/// Request extension: the longest a body read whole may go without a piece
+/// arriving. It is not put on every body, because a wrapped body no longer
+/// says that it is empty or how long it is, and a request passed through to
+/// the upstream would then go out chunked.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyIdleTimeout(pub Duration);
+
+impl BodyIdleTimeout {
+    /// `body`, failing with a timeout once no piece of it has come for the
+    /// duration in `extensions` (unchanged where there is none).
+    pub fn apply(extensions: &http::Extensions, body: axum::body::Body) -> axum::body::Body {
+        match extensions.get::<BodyIdleTimeout>() {
+            Some(BodyIdleTimeout(idle)) => axum::body::Body::new(TimeoutBody::new(*idle, body)),
+            None => body,
+        }
+    }
 }
 
 /// Largest request head (request line and headers) a client may send; a
@@ -247,12 +268,15 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         // The peer address goes into every request (ConnectInfo): the proxy
-        // forwards it as X-Forwarded-For.
+        // forwards it as X-Forwarded-For. Whoever reads a body whole reads it
+        // under the idle timeout (`BodyIdleTimeout`).
+        let idle = BodyIdleTimeout(serving.header_read_timeout);
         let service = tower::ServiceExt::map_request(
             app.clone(),
             move |mut req: http::Request<hyper::body::Incoming>| {
                 req.extensions_mut()
                     .insert(axum::extract::ConnectInfo(peer));
+                req.extensions_mut().insert(idle);
                 req.map(axum::body::Body::new)
             },
         );

@@ -55,6 +55,9 @@ pub enum ApiError {
     /// was reserved afresh by another request.
     #[error("{0}")]
     Gone(&'static str),
+    /// 408 request-timeout: the request body stopped arriving.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// 409 request-in-flight.
     #[error("a request with this key is still being processed")]
     InFlight {
@@ -93,6 +96,27 @@ pub enum ApiError {
     Internal(String),
 }
 
+/// True when `error`, or what caused it, is a request body that stopped
+/// arriving (the idle timeout every listener puts on request bodies).
+pub(crate) fn body_timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if e.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
+/// The answer to a request body that stopped arriving.
+pub(crate) fn body_timeout() -> ApiError {
+    ApiError::RequestTimeout(
+        "the request body stopped arriving (IDEMGATE_HEADER_READ_TIMEOUT between two pieces)"
+            .into(),
+    )
+}
+
 /// Result of a handler.
 pub type Result<T, E = ApiError> = std::result::Result<T, E>;
 
@@ -112,6 +136,7 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Gone(_) => StatusCode::GONE,
+            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::InFlight { .. } | ApiError::LeaseLost(_) => StatusCode::CONFLICT,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -133,6 +158,7 @@ impl ApiError {
             ApiError::NotFound(_) => "not-found",
             ApiError::MethodNotAllowed(_) => "method-not-allowed",
             ApiError::Gone(_) => "reservation-gone",
+            ApiError::RequestTimeout(_) => "request-timeout",
             ApiError::InFlight { .. } => "request-in-flight",
             ApiError::LeaseLost(_) => "lease-lost",
             ApiError::KeyReused => "key-reused",
@@ -154,6 +180,7 @@ impl ApiError {
             ApiError::NotFound(_) => "Not found",
             ApiError::MethodNotAllowed(_) => "Method not allowed",
             ApiError::Gone(_) => "Reservation gone",
+            ApiError::RequestTimeout(_) => "Request timeout",
             ApiError::InFlight { .. } => "Request in flight",
             ApiError::LeaseLost(_) => "Lease lost",
             ApiError::KeyReused => "Idempotency-Key reused",

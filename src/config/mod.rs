@@ -63,7 +63,8 @@ pub struct RunArgs {
     pub shutdown_grace: u64,
 
     /// Seconds a client has to send a request's headers before its
-    /// connection is closed (slow clients cannot hold connections open).
+    /// connection is closed, and at most between two pieces of its body
+    /// before it gets 408 (slow clients cannot hold connections open).
     #[arg(long, env = "IDEMGATE_HEADER_READ_TIMEOUT", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub header_read_timeout: u64,

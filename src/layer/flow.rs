@@ -63,6 +63,7 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
     };
     let tenant = tenant_of(req.headers(), policy);
     let (parts, body) = req.into_parts();
+    let body = crate::api::BodyIdleTimeout::apply(&parts.extensions, body);
     let body = match read_body(&parts.headers, body, policy.max_body_bytes).await {
         Ok(body) => body,
         Err(e) => return e.into_response(),
@@ -204,6 +205,9 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Byte
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) if crate::api::problem::body_timed_out(e.as_ref()) => {
+            Err(crate::api::problem::body_timeout())
+        }
         Err(e) => {
             tracing::debug!(error = %e, "the request body could not be read");
             Err(ApiError::InvalidRequest(
