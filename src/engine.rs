@@ -191,7 +191,7 @@ impl Refusal {
                 "this reservation was released or its key expired; the key is new again"
             }
             Refusal::AlreadyCompleted => {
-                "this reservation is already completed (with a different response, for a commit)"
+                "this reservation is already completed; a commit may only repeat the response it stored"
             }
         }
     }
