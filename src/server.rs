@@ -15,7 +15,9 @@ use crate::store::{PgStore, SqliteStore, Store};
 /// Opens the store `DATABASE_URL` names, applying migrations unless told not to.
 pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<dyn Store>> {
     let url = args.database_url.trim();
-    let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or_default();
+    // `sqlite:rel.db` and `sqlite::memory:` are SQLite URLs too (sqlx reads
+    // them), so the scheme ends at the first colon.
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
     match scheme {
         "postgres" | "postgresql" => {
             let settings = PgSettings {
@@ -47,7 +49,8 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
             Ok(Arc::new(store))
         }
         _ => anyhow::bail!(
-            "DATABASE_URL: expected a postgres://… or sqlite://… URL, got scheme {scheme:?}"
+            "DATABASE_URL: expected a postgres://… URL, or a SQLite one (sqlite://PATH, \
+             sqlite:PATH, sqlite::memory:), got scheme {scheme:?}"
         ),
     }
 }

@@ -156,3 +156,36 @@ fn the_container_files_run_what_exists() {
     assert!(compose.contains("entrypoint: [\"idemgate-demo-origin\"]"));
     assert!(compose.contains("DATABASE_URL: postgres://"));
 }
+
+/// The SQLite URL forms sqlx reads are all taken (`sqlite:rel.db`,
+/// `sqlite::memory:`, not only `sqlite://…`); another scheme is refused with
+/// the forms that work.
+#[test]
+fn every_sqlite_url_form_opens_and_other_schemes_say_what_works() {
+    let dir = tempfile::tempdir().unwrap();
+    for url in ["sqlite:rel.db", "sqlite::memory:", "sqlite://abs.db"] {
+        let out = bare(dir.path())
+            .env("DATABASE_URL", url)
+            .arg("migrate")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{url}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(dir.path().join("rel.db").exists());
+    assert!(dir.path().join("abs.db").exists());
+    let out = bare(dir.path())
+        .env("DATABASE_URL", "mysql://db/x")
+        .arg("migrate")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        said.contains("DATABASE_URL") && said.contains("sqlite:") && said.contains("\"mysql\""),
+        "{said}"
+    );
+}
