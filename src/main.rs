@@ -10,6 +10,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
+
 use idemgate::cli::{Cli, CliError, Command};
 use idemgate::config::{LogFormat, StoreArgs};
 use idemgate::{api, proxy, prune, server, telemetry};
@@ -57,7 +59,8 @@ fn openapi(output: Option<PathBuf>) -> anyhow::Result<()> {
     let text = api::openapi_json();
     match output {
         Some(path) => {
-            std::fs::write(&path, text)?;
+            std::fs::write(&path, text)
+                .with_context(|| format!("cannot write {}", path.display()))?;
             eprintln!("idemgate: wrote {}", path.display());
         }
         None => print!("{text}"),

@@ -164,6 +164,23 @@ async fn help_migrate_prune_and_openapi_subcommands() {
     assert!(String::from_utf8_lossy(&prune.stderr).contains("pruned 0 expired"));
     let spec = idemgate(&db).arg("openapi").output().unwrap();
     assert_eq!(String::from_utf8_lossy(&spec.stdout), api::openapi_json());
+
+    // Failures say what failed: the path that cannot be written, and why the
+    // database cannot be reached (not only that a pool timed out).
+    let out = idemgate(&db)
+        .args(["openapi", "-o", "/nonexistent-dir/openapi.json"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent-dir/openapi.json"));
+    let down = idemgate(&db)
+        .args(["migrate", "--db-acquire-timeout", "1"])
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nothing")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&down.stderr);
+    assert!(!down.status.success());
+    assert!(said.contains("cannot connect to the database: "), "{said}");
 }
 
 #[tokio::test]

@@ -296,10 +296,31 @@ impl PgStore {
 
     /// Applies the pending migrations.
     pub async fn migrate(&self) -> Result<()> {
-        MIGRATOR.run(&self.pool).await.map_err(|e| match e {
-            sqlx::migrate::MigrateError::Execute(e) => classify(e),
-            other => StoreError::Other(other.to_string()),
-        })
+        match MIGRATOR.run(&self.pool).await {
+            Ok(()) => Ok(()),
+            // The pool says only that it timed out; one direct attempt says
+            // why it could not connect (refused, unknown host, bad password).
+            Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::PoolTimedOut)) => {
+                let why = match tokio::time::timeout(
+                    self.conns.acquire_timeout,
+                    self.conns.options.connect(),
+                )
+                .await
+                {
+                    Ok(Err(e)) => e.to_string(),
+                    Ok(Ok(_)) => "it did not answer in time".to_owned(),
+                    Err(_) => format!(
+                        "no connection within {} s",
+                        self.conns.acquire_timeout.as_secs()
+                    ),
+                };
+                Err(StoreError::Unavailable(format!(
+                    "cannot connect to the database: {why}"
+                )))
+            }
+            Err(sqlx::migrate::MigrateError::Execute(e)) => Err(classify(e)),
+            Err(other) => Err(StoreError::Other(other.to_string())),
+        }
     }
 }
 
