@@ -23,45 +23,61 @@ async fn main() -> ExitCode {
         Err(CliError::Clap(e)) => e.exit(),
         Err(CliError::Config(e)) => return fail(e.into()),
     };
-    telemetry::init_tracing(cli.log_format == LogFormat::Json);
+    let json = cli.log_format == LogFormat::Json;
+    telemetry::init_tracing(json);
     let result = match cli.command {
         Command::Serve(args) => server::serve(*args).await,
         Command::Proxy(args) => proxy::run(*args, cli.config).await,
-        Command::Migrate(args) => migrate(args).await,
-        Command::Prune(args) => prune_once(args).await,
-        Command::Openapi { output } => openapi(output),
+        Command::Migrate(args) => migrate(args, json).await,
+        Command::Prune(args) => prune_once(args, json).await,
+        Command::Openapi { output } => openapi(output, json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if json => {
+            tracing::error!(error = format!("{e:#}"), "idemgate stopped");
+            ExitCode::FAILURE
+        }
         Err(e) => fail(e),
     }
 }
 
+/// A refusal before logging is set up, or with human logs.
 fn fail(e: anyhow::Error) -> ExitCode {
     eprintln!("idemgate: error: {e:#}");
     ExitCode::FAILURE
 }
 
-async fn migrate(args: StoreArgs) -> anyhow::Result<()> {
+/// What a one-shot command did: a log line with JSON logs, so that every
+/// line on stderr parses; a plain one otherwise.
+fn report(json: bool, what: &str) {
+    if json {
+        tracing::info!("{what}");
+    } else {
+        eprintln!("idemgate: {what}");
+    }
+}
+
+async fn migrate(args: StoreArgs, json: bool) -> anyhow::Result<()> {
     server::open_store(&args, true).await?;
-    eprintln!("idemgate: migrations applied");
+    report(json, "migrations applied");
     Ok(())
 }
 
-async fn prune_once(args: StoreArgs) -> anyhow::Result<()> {
+async fn prune_once(args: StoreArgs, json: bool) -> anyhow::Result<()> {
     let store = server::open_store(&args, !args.no_migrate).await?;
     let n = prune::prune_once(store.as_ref()).await?;
-    eprintln!("idemgate: pruned {n} expired key(s)");
+    report(json, &format!("pruned {n} expired key(s)"));
     Ok(())
 }
 
-fn openapi(output: Option<PathBuf>) -> anyhow::Result<()> {
+fn openapi(output: Option<PathBuf>, json: bool) -> anyhow::Result<()> {
     let text = api::openapi_json();
     match output {
         Some(path) => {
             std::fs::write(&path, text)
                 .with_context(|| format!("cannot write {}", path.display()))?;
-            eprintln!("idemgate: wrote {}", path.display());
+            report(json, &format!("wrote {}", path.display()));
         }
         None => print!("{text}"),
     }

@@ -189,3 +189,41 @@ fn every_sqlite_url_form_opens_and_other_schemes_say_what_works() {
         "{said}"
     );
 }
+
+/// With JSON logs, every line on stderr parses, a refusal to start included:
+/// it is an ERROR line whose `error` names the setting.
+#[test]
+fn with_json_logs_a_refusal_to_start_is_json_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = bare(dir.path())
+        .env("IDEMGATE_LOG_FORMAT", "json")
+        .env("IDEMGATE_LISTEN", "0.0.0.0:0")
+        .arg("serve")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let refusal = lines.last().expect("a line");
+    assert_eq!(refusal["level"], "ERROR", "{stderr}");
+    assert!(
+        refusal["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("IDEMGATE_TOKENS")),
+        "{stderr}"
+    );
+    // And a one-shot command's report.
+    let out = bare(dir.path())
+        .env("IDEMGATE_LOG_FORMAT", "json")
+        .arg("prune")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    for line in String::from_utf8_lossy(&out.stderr).lines() {
+        let line: serde_json::Value = serde_json::from_str(line).expect("JSON");
+        assert!(line["level"].is_string(), "{line}");
+    }
+}
