@@ -35,6 +35,18 @@ async fn database_stopped_then_back() {
         .await
         .assert_problem(503, "store-unavailable");
     assert_eq!(app.send("GET", "/healthz", &[], None).await.status, 200);
+    // Each 503 is one WARN line of the request trace (the cause has its own
+    // WARN), not an ERROR: an outage must not bury real errors.
+    let logs = common::logs::captured();
+    let failures: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("response failed"))
+        .collect();
+    assert!(failures.len() >= 3, "{logs}");
+    assert!(
+        failures.iter().all(|l| l.contains(" WARN ")),
+        "{failures:#?}"
+    );
 
     cluster.restart().await.unwrap();
     let back = Instant::now();

@@ -15,8 +15,9 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use tokio::net::TcpListener;
+use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
 use tower_http::timeout::TimeoutBody;
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
@@ -142,7 +143,7 @@ pub fn router(state: AppState) -> Router {
                 refuse_declared_oversize(req, next, envelope_limit)
             },
         ))
-        .layer(TraceLayer::new_for_http())
+        .layer(trace_layer())
         .with_state(state)
 }
 
@@ -195,7 +196,7 @@ pub fn admin_router(state: AppState) -> Router {
             )
         })
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(TraceLayer::new_for_http())
+        .layer(trace_layer())
         .with_state(state)
 }
 
@@ -209,6 +210,14 @@ pub struct Serving {
     /// slower one gets `408 request-timeout`): slow clients cannot hold
     /// connections open.
     pub header_read_timeout: Duration,
+}
+
+/// Request tracing for every listener. A 5xx is logged at WARN, not
+/// tower-http's ERROR: the error itself is logged where it happens (a 500 at
+/// ERROR with its cause, a lost upstream or store at WARN), and during an
+/// outage every request, and every `/readyz` probe, is a 503.
+pub fn trace_layer() -> TraceLayer<SharedClassifier<ServerErrorsAsFailures>> {
+    TraceLayer::new_for_http().on_failure(DefaultOnFailure::new().level(tracing::Level::WARN))
 }
 
 /// Request extension: the longest a body read whole may go without a piece

@@ -23,7 +23,6 @@ use axum::Router;
 use http::{HeaderName, Method};
 use tokio::net::TcpListener;
 use tower::Layer;
-use tower_http::trace::TraceLayer;
 
 pub use client::ProxyClient;
 
@@ -76,7 +75,7 @@ impl Proxy {
         let guarded = IdempotencyLayer::new(engine.clone(), policy).layer(client);
         let app = Router::new()
             .fallback_service(guarded)
-            .layer(TraceLayer::new_for_http());
+            .layer(api::trace_layer());
         Ok(Proxy { app, admin, engine })
     }
 }
