@@ -522,6 +522,45 @@ async fn check_after_restart(cmd: Command, acknowledged: &[Ack], tally: &mut Tal
     replayed
 }
 
+/// Once a fault is gone: the server answers again within 5 s by itself, the
+/// load ends with 200s and 503s only (some 503s), the server stops, every
+/// acknowledged commit is in the file, and a sample replays after a restart.
+/// Returns the recovery time, the commits found and the sample replayed.
+async fn recovers_and_kept_everything(
+    mut server: Server,
+    http: &Http,
+    load: Load,
+    tally: &mut Tally,
+    (dir, url): (&Path, &str),
+    fault_gone: &str,
+) -> (Duration, usize, usize) {
+    let recovered = recovery(http, tally).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let load = load.finish().await;
+    server.assert_running();
+    tally.absorb(load);
+    tally.assert_clean();
+    assert!(tally.unavailable > 0);
+    let Some(recovered) = recovered else {
+        panic!(
+            "not recovered within 5 s of {fault_gone}; the server's log ends:\n{}",
+            tail(&server.log(), 40)
+        );
+    };
+    server.stop().await;
+
+    let found = check_file(url, &tally.acknowledged).await;
+    let mut after = Tally::default();
+    let replayed = check_after_restart(
+        idemgate(dir, url),
+        &sample(&tally.acknowledged, 100),
+        &mut after,
+    )
+    .await;
+    after.assert_clean();
+    (recovered, found, replayed)
+}
+
 /// The last `n` lines of `log`.
 fn tail(log: &str, n: usize) -> String {
     let lines: Vec<&str> = log.lines().collect();
@@ -662,31 +701,16 @@ async fn a_database_made_read_only_under_load_answers_503_and_recovers_by_itself
     let unavailable_during = load.unavailable();
 
     fault.clear();
-    let recovered = recovery(&http, &mut tally).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let load = load.finish().await;
-    server.assert_running();
-    tally.absorb(load);
     tally.absorb(before);
-    tally.assert_clean();
-    assert!(tally.unavailable > 0);
-    let Some(recovered) = recovered else {
-        panic!(
-            "not recovered within 5 s of the file turning writable; the server's log ends:\n{}",
-            tail(&server.log(), 40)
-        );
-    };
-    server.stop().await;
-
-    let found = check_file(&url, &tally.acknowledged).await;
-    let mut after = Tally::default();
-    let replayed = check_after_restart(
-        idemgate(dir.path(), &url),
-        &sample(&tally.acknowledged, 100),
-        &mut after,
+    let (recovered, found, replayed) = recovers_and_kept_everything(
+        server,
+        &http,
+        load,
+        &mut tally,
+        (dir.path(), &url),
+        "the file turning writable",
     )
     .await;
-    after.assert_clean();
     println!(
         "read-only (chattr +i) under 4 clients: {} requests, {} commits acknowledged, {} \
          answers 503 ({} while read-only, the first {felt_after:?} after the fault), 0 other; \
@@ -987,30 +1011,15 @@ async fn a_full_disk_under_load_answers_503_and_loses_no_acknowledged_commit() {
     let acknowledged_during = load.acknowledged() - acknowledged_at_fault;
 
     file_size_limit(server.pid(), "unlimited");
-    let recovered = recovery(&http, &mut tally).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let load = load.finish().await;
-    server.assert_running();
-    tally.absorb(load);
-    tally.assert_clean();
-    assert!(tally.unavailable > 0);
-    let Some(recovered) = recovered else {
-        panic!(
-            "not recovered within 5 s of the disk having room again; the server's log ends:\n{}",
-            tail(&server.log(), 40)
-        );
-    };
-    server.stop().await;
-
-    let found = check_file(&url, &tally.acknowledged).await;
-    let mut after = Tally::default();
-    let replayed = check_after_restart(
-        idemgate(dir.path(), &url),
-        &sample(&tally.acknowledged, 100),
-        &mut after,
+    let (recovered, found, replayed) = recovers_and_kept_everything(
+        server,
+        &http,
+        load,
+        &mut tally,
+        (dir.path(), &url),
+        "the disk having room again",
     )
     .await;
-    after.assert_clean();
     println!(
         "full disk (RLIMIT_FSIZE = largest file + 1 MiB, 4 KiB bodies) under 4 clients: {} \
          requests, {} commits acknowledged ({acknowledged_during} of them after the limit was \
