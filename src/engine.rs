@@ -747,16 +747,17 @@ impl Engine {
         let Some(mut found) = self.store.find_by_reservation(tenant, id).await? else {
             return Ok(None);
         };
-        // An expired or released key is forgotten, whether or not pruning
-        // has deleted its row yet; and once it is reserved afresh (attempt
-        // 1 under another id), its record belongs to another request, which
-        // an old id must not be shown.
-        let other_request = found.record.reservation_id != id && found.record.attempt == 1;
-        if found.now >= found.record.expires_at || other_request {
+        let live = found.record.reservation_id == id
+            && found.now < found.record.expires_at
+            && found.record.state == KeyState::InFlight;
+        // What a write by this id would be refused as `Expired`: its key
+        // expired or was released (forgotten, whether or not pruning has
+        // deleted the row yet), or was reserved afresh, and that record is
+        // another request's, which an old id must not be shown.
+        if !live && refusal_for(&found.record, id, found.now) == Refusal::Expired {
             return Ok(Some(Lookup::Gone));
         }
         self.open(&mut found.record)?;
-        let live = found.record.reservation_id == id && found.record.state == KeyState::InFlight;
         Ok(Some(Lookup::Record {
             record: Box::new(found.record),
             live,
