@@ -12,6 +12,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use uuid::Uuid;
 
+use crate::durations::Durations;
 pub use crate::replay_cache::{DEFAULT_REPLAY_CACHE_BYTES, ReplayCache};
 use crate::seal::{self, Sealer};
 use crate::store::{
@@ -88,8 +89,13 @@ pub enum ReserveOutcome {
     Completed(Record),
     /// Another holder's lease is alive.
     InFlight {
-        /// Whole seconds until that lease ends (at least 1).
+        /// Whole seconds until the holder will likely have finished, from
+        /// how long this process's holders recently took (at least 1, never
+        /// past the lease's end).
         retry_after: u64,
+        /// When the holder's lease ends: the latest it can hold the key
+        /// without news.
+        lease_expires_at: DateTime<Utc>,
     },
     /// The key was used with another fingerprint.
     Mismatch,
@@ -232,6 +238,8 @@ pub struct Engine {
     stored_usage: moka::sync::Cache<String, Arc<tokio::sync::Mutex<Option<StoredFigure>>>>,
     /// Commits retrying in the background, which a shutdown waits for.
     deferred: Arc<Deferred>,
+    /// Recent reserve→commit durations, for `Retry-After`.
+    durations: Durations,
 }
 
 /// The count of background commits still retrying, and a wake-up when it
@@ -272,7 +280,6 @@ impl Engine {
     pub fn new(store: Arc<dyn Store>, limits: Limits) -> Engine {
         Engine {
             store,
-            limits,
             waiters: Waiters::default(),
             replay_cache: ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES),
             sealer: None,
@@ -283,6 +290,8 @@ impl Engine {
                 .time_to_idle(Duration::from_secs(600))
                 .build(),
             deferred: Arc::default(),
+            durations: Durations::new(limits.max_lease),
+            limits,
         }
     }
 
@@ -505,7 +514,52 @@ impl Engine {
                 return self.over_limit(&req.tenant, stored_full).await;
             }
         }
-        Ok(decide(claim, req.fingerprint.as_deref()))
+        let holder_ran = self.holder_ran(&claim);
+        Ok(match decide(claim, req.fingerprint.as_deref()) {
+            ReserveOutcome::Reserved(r) => {
+                self.durations.started(&req.tenant, r.reservation_id);
+                ReserveOutcome::Reserved(r)
+            }
+            ReserveOutcome::InFlight {
+                retry_after: until_lease_end,
+                lease_expires_at,
+            } => ReserveOutcome::InFlight {
+                retry_after: self.retry_after(&req.tenant, holder_ran, until_lease_end),
+                lease_expires_at,
+            },
+            other => other,
+        })
+    }
+
+    /// How long the holder of a record that was not claimed has run, where
+    /// that is known: this process handed it out, or it is the key's first
+    /// attempt (which began at `created_at`, by the database's clock).
+    fn holder_ran(&self, claim: &Claim) -> Option<Duration> {
+        if claim.claimed || claim.record.state != KeyState::InFlight {
+            return None;
+        }
+        let record = &claim.record;
+        self.durations
+            .running_for(record.reservation_id)
+            .or_else(|| {
+                (record.attempt == 1)
+                    .then(|| (claim.now - record.created_at).to_std().ok())
+                    .flatten()
+            })
+    }
+
+    /// `Retry-After` for a duplicate of an in-flight key: when its holder
+    /// will likely have finished, from the recent durations of this
+    /// process's holders, at least 1 s and never past the lease's end
+    /// (`until_lease_end`, whole seconds). With nothing measured yet, 1 s:
+    /// a client that honours it asks again soon rather than waiting out a
+    /// lease for a request that may take a moment.
+    fn retry_after(&self, tenant: &str, holder_ran: Option<Duration>, until_lease_end: u64) -> u64 {
+        let estimate = self
+            .durations
+            .remaining(tenant, holder_ran)
+            .map_or(1, whole_seconds_up);
+        estimate.min(until_lease_end).max(1)
     }
 
     /// The answer to a claim a tenant limit held back.
@@ -610,7 +664,7 @@ impl Engine {
                 None => self.claim(req).await?,
             };
             let now = Instant::now();
-            let ReserveOutcome::InFlight { retry_after } = outcome else {
+            let ReserveOutcome::InFlight { retry_after, .. } = outcome else {
                 return Ok(outcome);
             };
             if now >= deadline {
@@ -658,6 +712,7 @@ impl Engine {
                 self.remember(&record, started, completed_at);
             }
             self.waiters.wake(&record.tenant, &record.key_hash);
+            self.durations.finished(id);
             return Ok(CommitOutcome::Committed(record));
         }
         let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
@@ -683,6 +738,7 @@ impl Engine {
         id: Uuid,
     ) -> Result<Result<(), Refusal>, EngineError> {
         if let Some(key_hash) = self.store.release(tenant, id).await? {
+            self.durations.forget(id);
             self.waiters.wake(tenant, &key_hash);
             return Ok(Ok(()));
         }
@@ -810,13 +866,14 @@ fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome {
     match record.state {
         KeyState::Completed => ReserveOutcome::Completed(record),
         KeyState::InFlight => {
-            let left = record
-                .lease_expires_at
-                .map(|until| (until - claim.now).num_milliseconds())
-                .unwrap_or(0);
+            let lease_expires_at = record.lease_expires_at.unwrap_or(claim.now);
+            let left = (lease_expires_at - claim.now).num_milliseconds();
             // Whole seconds, rounded up, never 0: "retry now" would only spin.
             let retry_after = u64::try_from((left + 999) / 1000).unwrap_or(0).max(1);
-            ReserveOutcome::InFlight { retry_after }
+            ReserveOutcome::InFlight {
+                retry_after,
+                lease_expires_at,
+            }
         }
     }
 }
@@ -942,7 +999,7 @@ mod tests {
         let in_flight = record(KeyState::InFlight, 1, Some("a"));
         assert!(matches!(
             decide(claim(in_flight.clone(), false), Some("a")),
-            ReserveOutcome::InFlight { retry_after: 3 }
+            ReserveOutcome::InFlight { retry_after: 3, .. }
         ));
         // Unknown on either side: no mismatch can be detected.
         assert!(matches!(
@@ -972,7 +1029,7 @@ mod tests {
         r.lease_expires_at = Some(r.created_at);
         assert!(matches!(
             decide(claim(r, false), None),
-            ReserveOutcome::InFlight { retry_after: 1 }
+            ReserveOutcome::InFlight { retry_after: 1, .. }
         ));
     }
 

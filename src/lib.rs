@@ -5,6 +5,7 @@
 pub mod api;
 pub mod cli;
 pub mod config;
+mod durations;
 pub mod engine;
 pub mod fingerprint;
 pub mod headers;

@@ -663,6 +663,34 @@ async fn a_handler_slower_than_its_lease_keeps_its_key(b: Backend) {
     assert_eq!(gate.counts.started(&key), 1, "executed once");
 }
 
+/// The layer's `Retry-After` estimates the holder's finish from how long
+/// its recent requests took, not the end of the (default, 30 s) lease.
+async fn retry_after_estimates_the_finish(b: Backend) {
+    let gate = Arc::new(Gate::new(&b, LayerPolicy::default()).await);
+    let mut warm = Vec::new();
+    for _ in 0..5 {
+        let gate = gate.clone();
+        warm.push(tokio::spawn(async move {
+            gate.post("/slow/1000", &fresh_key(), "{}").await
+        }));
+    }
+    for w in warm {
+        assert_eq!(w.await.unwrap().status, 201);
+    }
+    let key = fresh_key();
+    let first = {
+        let (gate, key) = (gate.clone(), key.clone());
+        tokio::spawn(async move { gate.post("/slow/1000", &key, "{}").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let dup = gate.post("/slow/1000", &key, "{}").await;
+    dup.assert_problem(409, "request-in-flight");
+    let told: u64 = dup.header("retry-after").parse().unwrap();
+    assert_eq!(told, 1, "about 0.8 s left, rounded up: {dup:#?}");
+    assert!(dup.body["lease_expires_at"].is_string(), "{dup:#?}");
+    assert_eq!(first.await.unwrap().status, 201);
+}
+
 both_stores! {
     serial: [
         executes_once_then_replays,
@@ -682,5 +710,6 @@ both_stores! {
         a_client_that_hangs_up_does_not_cancel_the_call,
         two_instances_on_one_database_execute_once,
         a_handler_slower_than_its_lease_keeps_its_key,
+        retry_after_estimates_the_finish,
     ],
 }

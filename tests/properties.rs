@@ -642,8 +642,9 @@ enum Expect {
     Completed {
         tag: u8,
     },
+    /// A holder is in flight; its lease ends in this many seconds.
     InFlight {
-        retry_after: u64,
+        lease_left: i64,
     },
     Mismatch,
     Committed,
@@ -748,7 +749,7 @@ impl Model {
                             }
                         } else {
                             Expect::InFlight {
-                                retry_after: u64::try_from(r.lease_end - now).expect("alive"),
+                                lease_left: r.lease_end - now,
                             }
                         }
                     }
@@ -968,7 +969,22 @@ impl Subject {
                         assert_eq!(stored, response(tag), "the stored response round-trips");
                         Expect::Completed { tag }
                     }
-                    ReserveOutcome::InFlight { retry_after } => Expect::InFlight { retry_after },
+                    ReserveOutcome::InFlight {
+                        retry_after,
+                        lease_expires_at,
+                    } => {
+                        // The lease's end is exact on the database's clock,
+                        // which moves with the model's; this call took
+                        // milliseconds, so the nearest second is the model's.
+                        let ms = (lease_expires_at - chrono::Utc::now()).num_milliseconds();
+                        let lease_left = (ms + 500).div_euclid(1000);
+                        assert!(
+                            retry_after >= 1
+                                && i64::try_from(retry_after).unwrap() <= lease_left.max(1),
+                            "Retry-After {retry_after} s, the lease ends in {lease_left} s"
+                        );
+                        Expect::InFlight { lease_left }
+                    }
                     ReserveOutcome::Mismatch => Expect::Mismatch,
                     ReserveOutcome::OverLimit {
                         limit: TenantLimit::InFlightKeys,

@@ -81,10 +81,23 @@ fn reserved(outcome: ReserveOutcome) -> Reservation {
     }
 }
 
+/// The whole seconds (rounded up) until the holder's lease ends; and
+/// `Retry-After`, an estimate of the holder's finish, is within 1 and that.
 #[track_caller]
 fn in_flight(outcome: ReserveOutcome) -> u64 {
     match outcome {
-        ReserveOutcome::InFlight { retry_after } => retry_after,
+        ReserveOutcome::InFlight {
+            retry_after,
+            lease_expires_at,
+        } => {
+            let ms = (lease_expires_at - Utc::now()).num_milliseconds().max(0);
+            let lease_left = u64::try_from(ms).unwrap().div_ceil(1000).max(1);
+            assert!(
+                (1..=lease_left).contains(&retry_after),
+                "Retry-After {retry_after} s, lease ends in {lease_left} s"
+            );
+            lease_left
+        }
         other => panic!("expected InFlight, got {other:?}"),
     }
 }

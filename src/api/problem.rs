@@ -3,6 +3,7 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::engine::TenantLimit;
@@ -24,9 +25,15 @@ pub struct Problem {
     pub status: u16,
     /// What went wrong in this occurrence, and what to do.
     pub detail: String,
-    /// Seconds to wait before retrying (request-in-flight, store-unavailable).
+    /// Seconds to wait before retrying (request-in-flight, tenant-limit,
+    /// store-unavailable). For request-in-flight it estimates when the first
+    /// request will have finished, from how long recent ones took.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_seconds: Option<u64>,
+    /// request-in-flight: when the first request's lease ends, the latest it
+    /// can hold the key without news (a bound, not an estimate).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_expires_at: Option<DateTime<Utc>>,
 }
 
 /// Every error an HTTP door answers with.
@@ -61,8 +68,10 @@ pub enum ApiError {
     /// 409 request-in-flight.
     #[error("a request with this key is still being processed")]
     InFlight {
-        /// Seconds until the holder's lease ends.
+        /// Seconds until the holder will likely have finished.
         retry_after: u64,
+        /// When the holder's lease ends.
+        lease_expires_at: DateTime<Utc>,
     },
     /// 409 lease-lost.
     #[error("{0}")]
@@ -195,7 +204,7 @@ impl ApiError {
 
     fn retry_after(&self) -> Option<u64> {
         match self {
-            ApiError::InFlight { retry_after } | ApiError::TenantLimit { retry_after, .. } => {
+            ApiError::InFlight { retry_after, .. } | ApiError::TenantLimit { retry_after, .. } => {
                 Some(*retry_after)
             }
             ApiError::StoreUnavailable => Some(STORE_RETRY_AFTER),
@@ -211,6 +220,12 @@ impl ApiError {
             status: self.status().as_u16(),
             detail: self.to_string(),
             retry_after_seconds: self.retry_after(),
+            lease_expires_at: match self {
+                ApiError::InFlight {
+                    lease_expires_at, ..
+                } => Some(*lease_expires_at),
+                _ => None,
+            },
         }
     }
 }

@@ -149,9 +149,16 @@ pub async fn create_reservation(
             mark_replayed(res.headers_mut());
             (Outcome::Replayed, Ok(res))
         }
-        ReserveOutcome::InFlight { retry_after } => {
-            (Outcome::Conflict, Err(ApiError::InFlight { retry_after }))
-        }
+        ReserveOutcome::InFlight {
+            retry_after,
+            lease_expires_at,
+        } => (
+            Outcome::Conflict,
+            Err(ApiError::InFlight {
+                retry_after,
+                lease_expires_at,
+            }),
+        ),
         ReserveOutcome::Mismatch => (Outcome::Mismatch, Err(ApiError::KeyReused)),
         ReserveOutcome::OverLimit { limit, retry_after } => (
             Outcome::Limited,

@@ -126,10 +126,17 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
             }
         }
         Ok(ReserveOutcome::Completed(record)) => (Outcome::Replayed, None, replay(&record)),
-        Ok(ReserveOutcome::InFlight { retry_after }) => (
+        Ok(ReserveOutcome::InFlight {
+            retry_after,
+            lease_expires_at,
+        }) => (
             Outcome::Conflict,
             None,
-            ApiError::InFlight { retry_after }.into_response(),
+            ApiError::InFlight {
+                retry_after,
+                lease_expires_at,
+            }
+            .into_response(),
         ),
         Ok(ReserveOutcome::Mismatch) => {
             (Outcome::Mismatch, None, ApiError::KeyReused.into_response())
