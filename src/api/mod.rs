@@ -121,6 +121,7 @@ pub fn openapi_json() -> String {
 pub fn router(state: AppState) -> Router {
     // Counters recorded before the recorder exists would be lost.
     crate::telemetry::metrics_handle();
+    reservations::register_metrics();
     let (routes, api) = openapi_router().split_for_parts();
     // The JSON envelope of a stored body may be larger than the body itself
     // (base64, escapes); the exact limit is checked on the decoded bytes.

@@ -28,6 +28,16 @@ use crate::telemetry::{self, Outcome};
 const MAX_FINGERPRINT_LEN: usize = 512;
 const MODE: &str = "api";
 
+/// Exports the series of this door's outcomes at 0 (every outcome but
+/// `passthrough`, which only the proxy and the layer have).
+pub(super) fn register_metrics() {
+    let outcomes: Vec<Outcome> = Outcome::ALL
+        .into_iter()
+        .filter(|o| *o != Outcome::Passthrough)
+        .collect();
+    telemetry::register_door(MODE, &outcomes);
+}
+
 // === handlers ===
 
 /// Reserve an idempotency key before performing the side effect.

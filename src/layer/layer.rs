@@ -30,6 +30,9 @@ impl IdempotencyLayer {
     /// cache serves the layer's replays: build it with
     /// [`Engine::with_replay_cache`] to change its bound or turn it off.
     pub fn new(engine: Arc<Engine>, policy: LayerPolicy) -> IdempotencyLayer {
+        // Every series of this door, at 0 from the start (with whatever
+        // metrics recorder the application installed).
+        crate::telemetry::register_door(policy.mode.as_str(), &crate::telemetry::Outcome::ALL);
         IdempotencyLayer {
             shared: Arc::new(Shared { engine, policy }),
         }

@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use axum::response::IntoResponse;
 use http::{Request, Response};
-use tower::{BoxError, Service};
+use tower::{BoxError, Layer, Service};
 
 use super::flow::{self, Inner};
 use super::future::ResponseFuture;
@@ -34,7 +34,7 @@ pub struct Idempotency<S> {
 impl<S> Idempotency<S> {
     /// Wraps `inner`, deciding through `engine` under `policy`.
     pub fn new(inner: S, engine: Arc<Engine>, policy: LayerPolicy) -> Idempotency<S> {
-        Idempotency::from_shared(inner, Arc::new(Shared { engine, policy }))
+        IdempotencyLayer::new(engine, policy).layer(inner)
     }
 
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Idempotency<S> {

@@ -245,6 +245,8 @@ pub async fn setup(flags: &[&str]) -> (TestDb, Upstream, TestProxy) {
 pub struct ProxyProcess {
     pub child: std::process::Child,
     pub port: u16,
+    /// The admin listener's port.
+    pub admin: u16,
 }
 
 impl ProxyProcess {
@@ -267,7 +269,7 @@ impl ProxyProcess {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let mut process = ProxyProcess { child, port };
+        let mut process = ProxyProcess { child, port, admin };
         let ready = format!("http://127.0.0.1:{admin}/readyz");
         let started = std::time::Instant::now();
         loop {
