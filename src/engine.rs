@@ -236,21 +236,22 @@ pub struct Engine {
     /// Each tenant's last stored-bytes figure, behind a lock that lets one
     /// caller at a time read it again.
     stored_usage: moka::sync::Cache<String, Arc<tokio::sync::Mutex<Option<StoredFigure>>>>,
-    /// Commits retrying in the background, which a shutdown waits for.
+    /// Deferred work, which a shutdown waits for.
     deferred: Arc<Deferred>,
     /// Recent reserve→commit durations, for `Retry-After`.
     durations: Durations,
 }
 
-/// The count of background commits still retrying, and a wake-up when it
-/// falls.
+/// The count of deferred work — holders whose call runs on after (or
+/// without) their client's answer, and commits retrying in the background —
+/// and a wake-up when it falls.
 #[derive(Default)]
 struct Deferred {
     pending: std::sync::atomic::AtomicUsize,
     fell: Notify,
 }
 
-/// Held by a background commit for as long as it retries (see
+/// Held by deferred work for as long as it runs (see
 /// [`Engine::hold_deferred`]).
 pub(crate) struct DeferredGuard(Arc<Deferred>);
 
@@ -295,7 +296,7 @@ impl Engine {
         }
     }
 
-    /// Counts one background commit until the guard drops.
+    /// Counts one piece of deferred work until the guard drops.
     pub(crate) fn hold_deferred(&self) -> DeferredGuard {
         self.deferred
             .pending
@@ -303,30 +304,33 @@ impl Engine {
         DeferredGuard(self.deferred.clone())
     }
 
-    /// Commits retrying in the background right now: responses the origin
-    /// gave while the store was away (SPEC §6), not yet stored.
-    pub fn deferred_commits(&self) -> usize {
+    /// Deferred work right now: the layer's calls still running (their
+    /// client may have hung up or had its timeout), and commits of responses
+    /// given while the store was away, retrying in the background.
+    pub fn deferred_work(&self) -> usize {
         self.deferred
             .pending
             .load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Waits until every background commit has landed or given up, or
-    /// until `within` has passed; returns how many are still retrying. A
-    /// shutdown calls it after the listeners have drained, so that a
-    /// response already returned to its client is not left unstored.
+    /// Waits until all deferred work has ended (every call answered and
+    /// settled, every background commit landed or given up), or until
+    /// `within` has passed; returns how much is still running. A shutdown
+    /// calls it after the listeners have drained, so that a call whose
+    /// client already had its answer (or its `504`) is not cut off, nor its
+    /// response left unstored.
     pub async fn finish_deferred(&self, within: Duration) -> usize {
         let deadline = Instant::now() + within;
         loop {
             // Created before the count is read: a guard dropped in between
             // still wakes it.
             let fell = self.deferred.fell.notified();
-            let pending = self.deferred_commits();
+            let pending = self.deferred_work();
             if pending == 0 {
                 return 0;
             }
             if tokio::time::timeout_at(deadline, fell).await.is_err() {
-                return self.deferred_commits();
+                return self.deferred_work();
             }
         }
     }

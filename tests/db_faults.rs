@@ -603,7 +603,7 @@ async fn a_shutdown_waits_for_commits_deferred_by_an_outage() {
     assert_eq!(upstream.started(&key), 1);
     let logs = log.lock().unwrap().clone();
     assert!(
-        logs.contains("waiting for commits deferred"),
+        logs.contains("commits deferred while the store was away"),
         "the wait is logged:\n{logs}"
     );
     assert!(!logs.contains(&key), "a raw key in the log");

@@ -663,6 +663,33 @@ async fn a_handler_slower_than_its_lease_keeps_its_key(b: Backend) {
     assert_eq!(gate.counts.started(&key), 1, "executed once");
 }
 
+/// A response body that streams for longer than the lease: the lease is
+/// kept alive while the body is read, so a retry meanwhile is a 409 (not a
+/// takeover) and the whole body is stored and replayed.
+async fn a_response_body_slower_than_its_lease_keeps_its_key(b: Backend) {
+    let policy = LayerPolicy {
+        lease: Duration::from_secs(1),
+        ..LayerPolicy::default()
+    };
+    let gate = Arc::new(Gate::new(&b, policy).await);
+    let key = fresh_key();
+    let first = {
+        let (gate, key) = (gate.clone(), key.clone());
+        tokio::spawn(async move { gate.post("/trickle/3000", &key, "{}").await })
+    };
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    gate.post("/trickle/3000", &key, "{}")
+        .await
+        .assert_problem(409, "request-in-flight");
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{first:#?}");
+    assert_eq!(first.text, "piece 0;piece 1;piece 2;piece 3;");
+    let replay = gate.post("/trickle/3000", &key, "{}").await;
+    assert!(replayed(&replay), "{replay:#?}");
+    assert_eq!(replay.text, first.text);
+    assert_eq!(gate.counts.started(&key), 1, "executed once");
+}
+
 /// The layer's `Retry-After` estimates the holder's finish from how long
 /// its recent requests took, not the end of the (default, 30 s) lease.
 async fn retry_after_estimates_the_finish(b: Backend) {
@@ -710,6 +737,7 @@ both_stores! {
         a_client_that_hangs_up_does_not_cancel_the_call,
         two_instances_on_one_database_execute_once,
         a_handler_slower_than_its_lease_keeps_its_key,
+        a_response_body_slower_than_its_lease_keeps_its_key,
         retry_after_estimates_the_finish,
     ],
 }

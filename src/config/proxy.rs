@@ -23,10 +23,23 @@ pub struct ProxyArgs {
     #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
     pub admin_listen: SocketAddr,
 
-    /// Seconds to wait for the upstream's response once the request is sent
-    /// (504 upstream-timeout after that). The key's lease is this plus 5.
+    /// Seconds a client waits for the upstream's answer once its request is
+    /// sent (then 504 upstream-timeout). A guarded call is not abandoned at
+    /// the timeout: it runs on, its key's lease kept alive, and its late
+    /// answer is stored for the retry. The key's lease is this plus 5,
+    /// extended every third of that while the call runs.
     #[arg(long, env = "IDEMGATE_UPSTREAM_TIMEOUT", default_value_t = 30)]
     pub upstream_timeout: u64,
+
+    /// Seconds after which a guarded upstream call that has still not
+    /// answered is abandoned: its outcome is unknown, and its key stays in
+    /// flight until its lease ends, then may be taken over. Until then the
+    /// lease is kept alive, so a slow origin never runs a key twice. The
+    /// default outlasts the request timeouts origins commonly have
+    /// themselves (30 to 120 s), at the cost of a connection and a task per
+    /// call still running.
+    #[arg(long, env = "IDEMGATE_UPSTREAM_ABANDON_AFTER", default_value_t = 300)]
+    pub upstream_abandon_after: u64,
 
     /// Seconds to wait for a connection to the upstream (502
     /// upstream-unavailable after that; the key is released).
@@ -88,6 +101,16 @@ impl ProxyArgs {
             return Err(ConfigError {
                 setting: "IDEMGATE_UPSTREAM_TIMEOUT",
                 problem: "must be at least 1 second".into(),
+            });
+        }
+        if self.upstream_abandon_after < self.upstream_timeout {
+            return Err(ConfigError {
+                setting: "IDEMGATE_UPSTREAM_ABANDON_AFTER",
+                problem: format!(
+                    "{} s is shorter than IDEMGATE_UPSTREAM_TIMEOUT ({} s): a call must be \
+                     allowed to run at least as long as its client waits for it",
+                    self.upstream_abandon_after, self.upstream_timeout
+                ),
             });
         }
         if self.upstream_connect_timeout == 0 {

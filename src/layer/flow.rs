@@ -13,11 +13,12 @@ use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tower::BoxError;
 use tracing::Instrument;
 
-use super::holder::{Holder, Settled};
+use super::holder::{Holder, Settled, timed_out};
 use super::layer::Shared;
 use super::policy::LayerPolicy;
 use crate::api::problem::ApiError;
@@ -44,12 +45,12 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
     // === request_filter ===
     let guard = policy.guard(req.method(), req.uri().path());
     if !guard.guarded {
-        return passthrough(inner, req, mode, started).await;
+        return passthrough(policy, inner, req, started).await;
     }
     let key = match key::from_headers(req.headers(), &policy.key_header, &policy.key_policy) {
         Ok(key) => key,
         Err(KeyError::Missing) if !guard.require_key => {
-            return passthrough(inner, req, mode, started).await;
+            return passthrough(policy, inner, req, started).await;
         }
         Err(e) => {
             let outcome = match e {
@@ -113,14 +114,19 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
                 lease_ends: reserved_at + policy.lease,
             };
             let req = Request::from_parts(parts, Body::from(body));
-            // A task of its own: a client that hangs up drops this future,
-            // not the call or the commit.
-            let task = holder.run(inner, req).instrument(tracing::Span::current());
-            match tokio::spawn(task).await {
+            // A task of its own: a client that hangs up (or gets its 504 at
+            // the answer timeout) drops this future, not the call or the
+            // commit.
+            let (reply, answer) = oneshot::channel();
+            let task = holder
+                .run(inner, req, reply)
+                .instrument(tracing::Span::current());
+            tokio::spawn(task);
+            match answer.await {
                 Ok((Settled::Released, res)) => (Outcome::Released, Some(Settled::Released), res),
                 Ok((settled, res)) => (outcome, Some(settled), res),
-                Err(e) => {
-                    let e = ApiError::Internal(format!("the request task failed: {e}"));
+                Err(_) => {
+                    let e = ApiError::Internal("the request task ended without an answer".into());
                     (outcome, None, e.into_response())
                 }
             }
@@ -162,15 +168,28 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
     res
 }
 
-/// Not guarded: straight through.
+/// Not guarded: straight through, within the answer timeout (there is no
+/// key to keep, so nothing runs on past it).
 async fn passthrough(
+    policy: &LayerPolicy,
     inner: Inner,
     req: Request<Body>,
-    mode: &'static str,
     started: Instant,
 ) -> Response {
-    telemetry::record(mode, Outcome::Passthrough, started.elapsed());
-    match inner(req).await {
+    telemetry::record(
+        policy.mode.as_str(),
+        Outcome::Passthrough,
+        started.elapsed(),
+    );
+    let call = inner(req);
+    let answer = match policy.answer_timeout {
+        Some(within) => match tokio::time::timeout(within, call).await {
+            Ok(answer) => answer,
+            Err(_) => return timed_out(policy, false),
+        },
+        None => call.await,
+    };
+    match answer {
         Ok(res) => res,
         Err(e) => ApiError::Internal(format!("the inner service failed: {e}")).into_response(),
     }

@@ -1,6 +1,7 @@
-//! The holder of a reserved key: calls the inner service, then
-//! `response_filter` decides what becomes of the key — released, stored,
-//! stored as a tombstone, or left in flight — and commits.
+//! The holder of a reserved key: calls the inner service while keeping the
+//! key's lease alive, answers its client (at the answer timeout with a `504`
+//! if the call is slower, which then runs on), and settles the key: released,
+//! stored, stored as a tombstone, or left in flight.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,13 +11,14 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::flow::Inner;
 use super::headers::{IDEMPOTENCY_BODY_OMITTED, storable};
 use super::layer::Shared;
-use super::policy::Mode;
+use super::policy::{LayerPolicy, Mode};
 use super::{NotExecuted, OutcomeUnknown};
 use crate::api::problem::ApiError;
 use crate::engine::{CommitOutcome, Engine};
@@ -38,6 +40,9 @@ pub(crate) enum Settled {
     InFlight,
     /// The store was away: the commit is retried in the background.
     Deferred,
+    /// The client got its `504` at the answer timeout; the call runs on,
+    /// and its answer will be stored.
+    RunningOn,
     /// The commit was refused (the lease ended and another caller took over)
     /// or failed: nothing is stored.
     NotStored,
@@ -52,6 +57,7 @@ impl Settled {
             Settled::Released => "released",
             Settled::InFlight => "in_flight",
             Settled::Deferred => "deferred",
+            Settled::RunningOn => "running_on",
             Settled::NotStored => "not_stored",
         }
     }
@@ -69,67 +75,113 @@ pub(crate) struct Holder {
     pub lease_ends: Instant,
 }
 
+/// What the holder answers its client with, and what became of the key.
+pub(crate) type Reply = oneshot::Sender<(Settled, Response)>;
+
+/// What the inner service produced, read as far as the key needs it.
+enum Produced {
+    /// The service failed: whether the effect happened is unknown.
+    Failed(String),
+    /// The origin did not act ([`NotExecuted`], or a release status).
+    NotExecuted(Response),
+    /// Marked [`OutcomeUnknown`].
+    Unknown(Response),
+    /// The response with its whole body.
+    Whole(http::response::Parts, Bytes),
+    /// The body is over the limit: what was read, then the rest.
+    Over(http::response::Parts, Body),
+    /// The body broke off.
+    BodyFailed(String),
+}
+
 /// The response body, read up to the limit.
 enum Buffered {
     /// All of it.
     Whole(Bytes),
     /// Over the limit: what was read, then the rest, for the client.
     Over(Body),
-    /// It broke off or did not finish within the lease.
+    /// It broke off.
     Failed(String),
 }
 
 // === impl Holder ===
 
 impl Holder {
-    /// Calls the inner service and settles the key.
-    pub async fn run(mut self, inner: Inner, req: http::Request<Body>) -> (Settled, Response) {
-        let call = inner(req);
-        let answer = match self.shared.policy.mode {
-            // A handler has no timeout of its own: the lease follows it.
-            Mode::Layer => self.keeping_the_lease(call).await,
-            // The upstream timeout bounds the call, and the lease outlasts it.
-            Mode::Proxy => call.await,
-        };
-        let res = match answer {
-            Ok(res) => res,
-            // Whether the effect happened is unknown: keep the key in flight.
-            Err(e) => {
-                let e = ApiError::Internal(format!("the inner service failed: {e}"));
-                return (Settled::InFlight, e.into_response());
+    /// Calls the inner service, answers the client through `reply`, and
+    /// settles the key — after the client's answer, when the call outlives
+    /// [`LayerPolicy::answer_timeout`](super::LayerPolicy::answer_timeout).
+    /// Counted as background work until it ends, so a shutdown waits for
+    /// it ([`Engine::finish_deferred`]).
+    pub async fn run(mut self, inner: Inner, req: http::Request<Body>, reply: Reply) {
+        let _held = self.shared.engine.hold_deferred();
+        let mut reply = Some(reply);
+        let call = produce(self.shared.clone(), inner, req);
+        let Some(produced) = self.keeping_the_lease(call, &mut reply).await else {
+            tracing::warn!(
+                key.hash = %self.key_hash,
+                "the call ran past its bound and was abandoned; whether it acted is unknown, so \
+                 its key stays in flight until its lease ends"
+            );
+            if let Some(reply) = reply {
+                let _ = reply.send((Settled::InFlight, self.timed_out(false)));
             }
+            return;
         };
-        self.response_filter(res).await
+        let (settled, res) = self.settle(produced).await;
+        match reply {
+            Some(reply) => {
+                // The client may have hung up: the key is settled all the same.
+                let _ = reply.send((settled, res));
+            }
+            None => tracing::info!(
+                key.hash = %self.key_hash,
+                settled = settled.as_str(),
+                status = res.status().as_u16(),
+                "the call answered after its client's timeout"
+            ),
+        }
     }
 
-    /// Awaits `call`, extending the lease every third of its length while
-    /// the call runs, so that a handler slower than the lease keeps its key:
-    /// a retry meanwhile is a 409, not a takeover and a second execution. A
+    /// Drives `call` while extending the lease every third of its length,
+    /// so that a handler or origin slower than the lease keeps its key: a
+    /// retry meanwhile is a 409, not a takeover and a second execution. A
     /// process that dies or stalls stops extending, and its key can be taken
     /// over once the last lease ends. A refused extension (the key was
     /// already taken over) stops the heartbeat; a store that is away is tried
     /// again at the next beat.
-    async fn keeping_the_lease<F: std::future::Future>(&mut self, call: F) -> F::Output {
-        let lease = self.shared.policy.lease;
+    ///
+    /// At the answer timeout the client gets its `504` through `reply` and
+    /// the call goes on; at the abandon bound the call is dropped (`None`).
+    async fn keeping_the_lease<F: Future>(
+        &mut self,
+        call: F,
+        reply: &mut Option<Reply>,
+    ) -> Option<F::Output> {
+        let policy = &self.shared.policy;
+        let started = Instant::now();
+        let answer_by = policy.answer_timeout.map(|t| started + t);
+        let give_up = policy.abandon_after.map(|t| started + t);
+        let lease = policy.lease;
         let seconds = u32::try_from(lease.as_secs()).unwrap_or(u32::MAX).max(1);
         let beat = (lease / 3).max(Duration::from_millis(500));
+        let mut next_beat = started + beat;
         let mut call = std::pin::pin!(call);
         let mut beating = true;
         loop {
-            let next = Instant::now() + beat;
             tokio::select! {
-                out = &mut call => return out,
-                () = tokio::time::sleep_until(next), if beating => {
+                out = &mut call => return Some(out),
+                () = tokio::time::sleep_until(next_beat), if beating => {
                     // Read before the call: the store's lease ends no
                     // earlier than this + lease.
                     let asked = Instant::now();
+                    next_beat = asked + beat;
                     match self.shared.engine.extend(&self.tenant, self.reservation_id, seconds).await {
                         Ok(Ok(_)) => self.lease_ends = asked + lease,
                         Ok(Err(refusal)) => {
                             tracing::warn!(
                                 key.hash = %self.key_hash,
                                 reason = refusal.detail(),
-                                "the lease could not be extended; the handler runs on, but its response may not be stored"
+                                "the lease could not be extended; the call runs on, but its response may not be stored"
                             );
                             beating = false;
                         }
@@ -140,38 +192,56 @@ impl Holder {
                         ),
                     }
                 }
+                () = until(answer_by), if reply.is_some() => {
+                    tracing::warn!(
+                        key.hash = %self.key_hash,
+                        timeout_seconds = policy.answer_timeout.unwrap_or_default().as_secs(),
+                        "no answer within the timeout: the client gets 504, the call runs on and \
+                         its answer will be stored"
+                    );
+                    if let Some(reply) = reply.take() {
+                        let _ = reply.send((Settled::RunningOn, self.timed_out(true)));
+                    }
+                }
+                () = until(give_up) => return None,
             }
         }
     }
 
-    async fn response_filter(self, res: Response) -> (Settled, Response) {
+    /// The `504` of a call that has not answered in time; `runs_on` says
+    /// whether it goes on.
+    fn timed_out(&self, runs_on: bool) -> Response {
+        timed_out(&self.shared.policy, runs_on)
+    }
+
+    /// Releases, stores or leaves the key as `produced` says.
+    async fn settle(&self, produced: Produced) -> (Settled, Response) {
         let policy = &self.shared.policy;
-        let status = res.status().as_u16();
-        if res.extensions().get::<NotExecuted>().is_some()
-            || policy.release_statuses.contains(&status)
-        {
-            self.release().await;
-            return (Settled::Released, res);
-        }
-        if res.extensions().get::<OutcomeUnknown>().is_some() {
-            return (Settled::InFlight, res);
-        }
-        let (mut parts, body) = res.into_parts();
-        let mut headers = storable(&parts.headers, &policy.store_headers_deny);
-        match buffer(body, policy.max_body_bytes, self.lease_ends).await {
-            Buffered::Whole(bytes) => {
+        match produced {
+            Produced::Failed(e) => {
+                // Whether the effect happened is unknown: keep the key in flight.
+                let e = ApiError::Internal(format!("the inner service failed: {e}"));
+                (Settled::InFlight, e.into_response())
+            }
+            Produced::NotExecuted(res) => {
+                self.release().await;
+                (Settled::Released, res)
+            }
+            Produced::Unknown(res) => (Settled::InFlight, res),
+            Produced::Whole(mut parts, bytes) => {
                 let stored = StoredResponse {
-                    status,
-                    headers,
+                    status: parts.status.as_u16(),
+                    headers: storable(&parts.headers, &policy.store_headers_deny),
                     body: bytes.to_vec(),
                 };
                 let settled = self.commit(stored, &mut parts.headers).await;
                 (settled, Response::from_parts(parts, Body::from(bytes)))
             }
-            Buffered::Over(body) => {
+            Produced::Over(mut parts, body) => {
+                let mut headers = storable(&parts.headers, &policy.store_headers_deny);
                 headers.push((IDEMPOTENCY_BODY_OMITTED.as_str().to_owned(), "true".into()));
                 let stored = StoredResponse {
-                    status,
+                    status: parts.status.as_u16(),
                     headers,
                     body: Vec::new(),
                 };
@@ -181,7 +251,7 @@ impl Holder {
                 };
                 (settled, Response::from_parts(parts, body))
             }
-            Buffered::Failed(why) => {
+            Produced::BodyFailed(why) => {
                 let e = match policy.mode {
                     Mode::Proxy => {
                         tracing::warn!(key.hash = %self.key_hash, error = %why, "upstream response failed; the key stays in flight until its lease ends");
@@ -302,16 +372,68 @@ async fn retry_commit(
     }
 }
 
-/// Reads `body` up to `limit` bytes, before `deadline`.
-async fn buffer(mut body: Body, limit: usize, deadline: Instant) -> Buffered {
+/// Calls the inner service and reads its response as far as the key needs:
+/// the whole body, up to the limit, when it is to be stored.
+async fn produce(shared: Arc<Shared>, inner: Inner, req: http::Request<Body>) -> Produced {
+    let res = match inner(req).await {
+        Ok(res) => res,
+        Err(e) => return Produced::Failed(e.to_string()),
+    };
+    let policy = &shared.policy;
+    if res.extensions().get::<NotExecuted>().is_some()
+        || policy.release_statuses.contains(&res.status().as_u16())
+    {
+        return Produced::NotExecuted(res);
+    }
+    if res.extensions().get::<OutcomeUnknown>().is_some() {
+        return Produced::Unknown(res);
+    }
+    let (parts, body) = res.into_parts();
+    match buffer(body, policy.max_body_bytes).await {
+        Buffered::Whole(bytes) => Produced::Whole(parts, bytes),
+        Buffered::Over(body) => Produced::Over(parts, body),
+        Buffered::Failed(why) => Produced::BodyFailed(why),
+    }
+}
+
+/// The `504 upstream-timeout` of a call that has not answered within the
+/// answer timeout; `runs_on` says whether the call goes on (a guarded one)
+/// or was given up (a request that holds no key).
+pub(crate) fn timed_out(policy: &LayerPolicy, runs_on: bool) -> Response {
+    let secs = policy.answer_timeout.unwrap_or_default().as_secs();
+    let setting = match policy.mode {
+        Mode::Proxy => " (IDEMGATE_UPSTREAM_TIMEOUT)",
+        Mode::Layer => "",
+    };
+    let detail = if runs_on {
+        format!(
+            "the upstream did not answer within {secs} s{setting}; it may still be working: its \
+             call runs on, and its answer, when it comes, is stored and replayed to a retry with \
+             this key (until then a retry gets 409)"
+        )
+    } else {
+        format!("the upstream did not answer within {secs} s{setting}; whether it acted is unknown")
+    };
+    ApiError::UpstreamTimeout(detail).into_response()
+}
+
+/// Resolves at `at`, or never.
+async fn until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Reads `body` up to `limit` bytes.
+async fn buffer(mut body: Body, limit: usize) -> Buffered {
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut total = 0usize;
     loop {
-        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
-            Err(_) => return Buffered::Failed("it did not finish before the lease ended".into()),
-            Ok(None) => break,
-            Ok(Some(Err(e))) => return Buffered::Failed(e.to_string()),
-            Ok(Some(Ok(frame))) => frame,
+        let frame = match body.frame().await {
+            None => break,
+            Some(Err(e)) => return Buffered::Failed(e.to_string()),
+            Some(Ok(frame)) => frame,
         };
         // Trailers are neither stored nor replayed.
         let Ok(data) = frame.into_data() else {

@@ -76,12 +76,27 @@ pub struct LayerPolicy {
     /// Largest request body accepted and response body stored
     /// (`IDEMGATE_MAX_BODY_BYTES`).
     pub max_body_bytes: usize,
-    /// How long a request holds its key without news from its holder. In
-    /// layer mode the holder extends it every third of its length while the
-    /// inner service works, so a slow handler keeps its key; a retry after a
-    /// lease that was not extended (the process died or stalled) takes the
-    /// key over. In proxy mode it outlasts the upstream timeout instead.
+    /// How long a request holds its key without news from its holder. The
+    /// holder extends it every third of its length while the inner service
+    /// works and its response body is read, so a slow handler or origin
+    /// keeps its key (a retry meanwhile is a `409`); a retry after a lease
+    /// that was not extended (the process died or stalled) takes the key
+    /// over.
     pub lease: Duration,
+    /// How long the client waits for the inner service's whole answer
+    /// (`None`, the default: as long as it takes). Past it the client gets
+    /// `504 upstream-timeout`, but the call is not abandoned: it runs on, its
+    /// key in flight and its lease kept alive, and an answer that comes late
+    /// is stored, so the retry gets the replay. Not-guarded requests get the
+    /// `504` and nothing runs on for them. The proxy sets it to its upstream
+    /// timeout.
+    pub answer_timeout: Option<Duration>,
+    /// The longest a call may run while its lease is kept alive (`None`, the
+    /// default: no bound, a handler is never abandoned). Past it the call is
+    /// dropped, its outcome unknown: the key stays in flight until its lease
+    /// ends, and a retry after that takes it over. The proxy sets it to its
+    /// upstream abandon bound.
+    pub abandon_after: Option<Duration>,
     /// How long a key is remembered, from its first request.
     pub ttl: Duration,
     /// Per-route rules, first match wins.
@@ -103,6 +118,8 @@ impl Default for LayerPolicy {
             store_headers_deny: vec![http::header::SET_COOKIE, http::header::WWW_AUTHENTICATE],
             max_body_bytes: 1024 * 1024,
             lease: limits.default_lease,
+            answer_timeout: None,
+            abandon_after: None,
             ttl: limits.default_ttl,
             routes: Vec::new(),
         }

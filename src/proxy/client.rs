@@ -1,7 +1,9 @@
 //! [`ProxyClient`]: the service under the layer — a pooled keep-alive hyper
 //! client to the upstream. It never fails: a connect failure is its own
-//! `502` (marked [`NotExecuted`]), a timeout its own `504` (marked
-//! [`OutcomeUnknown`]).
+//! `502` (marked [`NotExecuted`]), a connection that breaks after the
+//! request was sent its own `502` (marked [`OutcomeUnknown`]). It waits for
+//! the upstream as long as its caller polls it: the layer answers the
+//! client at the upstream timeout and decides how long a call runs on.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -32,7 +34,6 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 pub struct ProxyClient {
     client: Client<HttpConnector, Body>,
     upstream: Arc<Upstream>,
-    timeout: Duration,
 }
 
 /// Where requests go.
@@ -53,11 +54,7 @@ impl ProxyClient {
     ///
     /// # Errors
     /// When `upstream` has no scheme or authority.
-    pub fn new(
-        upstream: &Uri,
-        connect_timeout: Duration,
-        timeout: Duration,
-    ) -> Result<ProxyClient, String> {
+    pub fn new(upstream: &Uri, connect_timeout: Duration) -> Result<ProxyClient, String> {
         let scheme = upstream
             .scheme()
             .cloned()
@@ -79,7 +76,6 @@ impl ProxyClient {
                 authority,
                 base_path: upstream.path().trim_end_matches('/').to_owned(),
             }),
-            timeout,
         })
     }
 
@@ -90,9 +86,9 @@ impl ProxyClient {
             Ok(req) => req,
             Err(res) => return res,
         };
-        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
-            Ok(Ok(res)) => response_filter(res.map(Body::new)),
-            Ok(Err(e)) if e.is_connect() => {
+        match self.client.request(req).await {
+            Ok(res) => response_filter(res.map(Body::new)),
+            Err(e) if e.is_connect() => {
                 tracing::warn!(upstream = %self.upstream.authority, error = %chain(&e), "upstream unreachable");
                 let mut res = ApiError::UpstreamUnavailable(
                     "the upstream could not be reached; the request was not sent".into(),
@@ -101,27 +97,12 @@ impl ProxyClient {
                 res.extensions_mut().insert(NotExecuted);
                 res
             }
-            Ok(Err(e)) => {
+            Err(e) => {
                 tracing::warn!(upstream = %self.upstream.authority, error = %chain(&e), "upstream request failed after it was sent");
                 let mut res = ApiError::UpstreamUnavailable(
                     "the upstream connection failed after the request was sent; whether it acted is unknown"
                         .into(),
                 )
-                .into_response();
-                res.extensions_mut().insert(OutcomeUnknown);
-                res
-            }
-            Err(_) => {
-                tracing::warn!(
-                    upstream = %self.upstream.authority,
-                    timeout_seconds = self.timeout.as_secs(),
-                    "upstream timeout"
-                );
-                let mut res = ApiError::UpstreamTimeout(format!(
-                    "the upstream did not answer within {} s (IDEMGATE_UPSTREAM_TIMEOUT); whether \
-                     it acted is unknown, so its key stays in flight until its lease ends",
-                    self.timeout.as_secs()
-                ))
                 .into_response();
                 res.extensions_mut().insert(OutcomeUnknown);
                 res
@@ -213,7 +194,6 @@ impl std::fmt::Debug for ProxyClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProxyClient")
             .field("upstream", &self.upstream)
-            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
@@ -224,7 +204,7 @@ mod tests {
 
     fn client(upstream: &str) -> ProxyClient {
         let uri: Uri = upstream.parse().unwrap();
-        ProxyClient::new(&uri, Duration::from_secs(1), Duration::from_secs(1)).unwrap()
+        ProxyClient::new(&uri, Duration::from_secs(1)).unwrap()
     }
 
     #[test]

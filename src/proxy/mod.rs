@@ -32,8 +32,8 @@ use crate::layer::{IdempotencyLayer, LayerPolicy, Mode, Route};
 use crate::store::Store;
 use crate::{api, server, telemetry};
 
-/// The proxy's lease exceeds its upstream timeout by this much, so a key is
-/// never taken over while its first request may still be answered.
+/// The proxy's lease exceeds its upstream timeout by this much; it is
+/// extended every third of its length while the upstream call runs.
 pub const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
 /// A built proxy: the forwarding router and the admin router.
@@ -63,7 +63,6 @@ impl Proxy {
         let client = ProxyClient::new(
             &upstream,
             Duration::from_secs(args.upstream_connect_timeout),
-            Duration::from_secs(args.upstream_timeout),
         )
         .map_err(|problem| ConfigError {
             setting: "--upstream / IDEMGATE_UPSTREAM",
@@ -105,6 +104,8 @@ pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
             .collect(),
         max_body_bytes: args.policy.max_body_bytes,
         lease: Duration::from_secs(args.upstream_timeout) + LEASE_MARGIN,
+        answer_timeout: Some(Duration::from_secs(args.upstream_timeout)),
+        abandon_after: Some(Duration::from_secs(args.upstream_abandon_after)),
         ttl: Duration::from_secs(u64::from(args.policy.default_ttl)),
         routes,
     }
@@ -161,23 +162,23 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         p.abort();
     }
     served?;
-    // Responses already returned whose commits wait for the store: the rest
-    // of the grace is theirs.
-    let pending = proxy.engine.deferred_commits();
+    // Calls whose client already had its answer (or its 504), and commits
+    // waiting for the store: the rest of the grace is theirs.
+    let pending = proxy.engine.deferred_work();
     if pending > 0 {
         let spent = signalled.get().map_or(Duration::ZERO, |at| at.elapsed());
         let left = args.run.grace().saturating_sub(spent);
         tracing::info!(
             pending,
             within_seconds = left.as_secs(),
-            "waiting for commits deferred while the store was away"
+            "waiting for upstream calls still running and commits deferred while the store was away"
         );
         let lost = proxy.engine.finish_deferred(left).await;
         if lost > 0 {
             tracing::warn!(
                 lost,
-                "the grace ended before the store came back: these responses were not stored, \
-                 and their keys stay in flight until their leases end"
+                "the grace ended first: these calls or commits were cut off, and their keys stay \
+                 in flight until their leases end"
             );
         }
     }

@@ -8,6 +8,8 @@
 //! * `/slow/{ms}` — sleeps, then 201;
 //! * `/status/{code}` — answers that status;
 //! * `/big/{n}` — a 200 body of `n` bytes;
+//! * `/trickle/{ms}` — a 201 head at once, then its body in four pieces
+//!   spread over `ms`;
 //! * `/echo/...` — the request as JSON: method, URI, headers, body;
 //! * `/charges` — 201 `{"charge":"ch_N","amount":…}`, as `examples/origin.rs`;
 //! * anything else — 200 `upstream <path>`.
@@ -69,6 +71,7 @@ pub fn router(counts: Arc<Counts>) -> Router {
         .route("/slow/{ms}", any(slow))
         .route("/status/{code}", any(status))
         .route("/big/{n}", any(big))
+        .route("/trickle/{ms}", any(trickle))
         .route("/echo", any(echo))
         .route("/echo/{*rest}", any(echo))
         .route("/charges", any(charge))
@@ -147,6 +150,20 @@ async fn big(Path(n): Path<usize>) -> Response {
         vec![b'x'; n],
     )
         .into_response()
+}
+
+async fn trickle(Path(ms): Path<u64>) -> Response {
+    let pieces = futures::stream::unfold(0u64, move |i| async move {
+        if i == 4 {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(ms / 4)).await;
+        Some((
+            Ok::<_, std::convert::Infallible>(Bytes::from(format!("piece {i};"))),
+            i + 1,
+        ))
+    });
+    (StatusCode::CREATED, Body::from_stream(pieces)).into_response()
 }
 
 async fn echo(method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
