@@ -314,6 +314,56 @@ async fn an_upstream_timeout_is_504_and_the_key_stays_in_flight() {
     assert_eq!(upstream.started(&key), 1, "no second execution");
 }
 
+/// A response stored gzip-encoded (the first request accepted gzip) is
+/// decoded for a retry that does not accept it, and replayed as stored to
+/// one that does; a response stored plain is plain to every retry.
+#[tokio::test]
+async fn a_replay_is_decoded_for_a_retry_that_does_not_accept_its_encoding() {
+    let (_db, upstream, proxy) = setup(&[]).await;
+    let send = |key: String, accept: Option<&'static str>| {
+        let proxy = &proxy;
+        async move {
+            let mut headers = vec![("idempotency-key", key.as_str())];
+            if let Some(accept) = accept {
+                headers.push(("accept-encoding", accept));
+            }
+            proxy.send("POST", "/gzip", &headers, Some("{}")).await
+        }
+    };
+    let plain = common::upstream::gzip_doc_text();
+
+    let key = fresh_key();
+    let first = send(key.clone(), Some("gzip")).await;
+    assert_eq!(first.status, 201, "{first:#?}");
+    assert_eq!(first.header("content-encoding"), "gzip");
+    assert_ne!(first.text, plain, "the origin sent it encoded");
+    for accept in [Some("identity"), None, Some("gzip;q=0, br")] {
+        let retry = send(key.clone(), accept).await;
+        assert!(replayed(&retry), "{accept:?}: {retry:#?}");
+        assert!(
+            retry.headers.get("content-encoding").is_none(),
+            "{accept:?}: {retry:#?}"
+        );
+        assert_eq!(retry.text, plain, "{accept:?}: decoded for this retry");
+        assert_eq!(retry.header("etag"), "W/\"v1\"", "another representation");
+    }
+    let as_stored = send(key.clone(), Some("br, gzip")).await;
+    assert!(replayed(&as_stored));
+    assert_eq!(as_stored.header("content-encoding"), "gzip");
+    assert_eq!(as_stored.text, first.text, "replayed as stored");
+    assert_eq!(as_stored.header("etag"), "\"v1\"");
+
+    // The other direction: stored plain, plain to a retry that takes gzip.
+    let key = fresh_key();
+    let first = send(key.clone(), Some("identity")).await;
+    assert!(first.headers.get("content-encoding").is_none());
+    let retry = send(key.clone(), Some("gzip")).await;
+    assert!(replayed(&retry));
+    assert!(retry.headers.get("content-encoding").is_none());
+    assert_eq!(retry.text, plain);
+    assert_eq!(upstream.total(), 2, "each key ran once");
+}
+
 #[tokio::test]
 async fn a_post_without_a_key_passes_through_unless_the_key_is_required() {
     let (_db, upstream, proxy) = setup(&[]).await;

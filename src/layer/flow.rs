@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use tower::BoxError;
 use tracing::Instrument;
 
+use super::encoding;
 use super::holder::{Holder, Settled, timed_out};
 use super::layer::Shared;
 use super::policy::LayerPolicy;
@@ -131,7 +132,10 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
                 }
             }
         }
-        Ok(ReserveOutcome::Completed(record)) => (Outcome::Replayed, None, replay(&record)),
+        Ok(ReserveOutcome::Completed(record)) => {
+            let res = encoding::for_retry(&parts.headers, replay(&record)).await;
+            (Outcome::Replayed, None, res)
+        }
         Ok(ReserveOutcome::InFlight {
             retry_after,
             lease_expires_at,

@@ -15,7 +15,9 @@
 //! Hop-by-hop headers and the deny list (`Set-Cookie`, `WWW-Authenticate`)
 //! are never stored. A response body over the limit is passed through and
 //! stored as its status and headers only, replayed with
-//! `Idempotency-Body-Omitted: true`. Once the key is reserved, the call runs
+//! `Idempotency-Body-Omitted: true`. A response stored with a
+//! `Content-Encoding` the retry does not accept (gzip, deflate, br) is
+//! decoded for that retry. Once the key is reserved, the call runs
 //! in a task of its own, so a client that hangs up does not cancel it.
 //!
 //! Retries of a completed key are answered from the engine's in-process
@@ -72,6 +74,7 @@
 //! # }
 //! ```
 
+mod encoding;
 mod flow;
 mod future;
 pub mod headers;

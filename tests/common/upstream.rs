@@ -11,6 +11,8 @@
 //! * `/trickle/{ms}` — a 201 head at once, then its body in four pieces
 //!   spread over `ms`;
 //! * `/echo/...` — the request as JSON: method, URI, headers, body;
+//! * `/gzip` — 201 JSON of a few hundred bytes, gzip-encoded when the
+//!   request's `Accept-Encoding` takes gzip (tower-http's compression);
 //! * `/charges` — 201 `{"charge":"ch_N","amount":…}`, as `examples/origin.rs`;
 //! * anything else — 200 `upstream <path>`.
 //!
@@ -72,6 +74,10 @@ pub fn router(counts: Arc<Counts>) -> Router {
         .route("/status/{code}", any(status))
         .route("/big/{n}", any(big))
         .route("/trickle/{ms}", any(trickle))
+        .route(
+            "/gzip",
+            any(gzip_doc).layer(tower_http::compression::CompressionLayer::new()),
+        )
         .route("/echo", any(echo))
         .route("/echo/{*rest}", any(echo))
         .route("/charges", any(charge))
@@ -148,6 +154,21 @@ async fn big(Path(n): Path<usize>) -> Response {
     (
         [("content-type", "text/plain"), ("x-origin", "yes")],
         vec![b'x'; n],
+    )
+        .into_response()
+}
+
+/// The body `/gzip` answers with, before any encoding.
+pub fn gzip_doc_text() -> String {
+    let doc = json!({ "charge": "ch_gzip", "note": "x".repeat(300) });
+    doc.to_string()
+}
+
+async fn gzip_doc() -> Response {
+    (
+        StatusCode::CREATED,
+        [("content-type", "application/json"), ("etag", "\"v1\"")],
+        gzip_doc_text(),
     )
         .into_response()
 }
