@@ -540,13 +540,29 @@ async fn forwarded_headers_are_added_and_hop_by_hop_headers_stripped_upstream() 
     assert_eq!(headers["x-forwarded-for"][0], "203.0.113.7, 127.0.0.1");
     assert_eq!(headers["x-forwarded-proto"][0], "http");
     assert_eq!(headers["x-forwarded-host"][0], "shop.example");
-    assert_eq!(headers["host"][0], upstream.addr.to_string());
+    assert_eq!(
+        headers["host"][0], "shop.example",
+        "the client's Host, by default"
+    );
     assert_eq!(
         headers["idempotency-key"][0], "\"forwarded-key-1\"",
         "intact"
     );
     assert_eq!(res.body["uri"], "/echo/path?b=2&a=1");
     assert_eq!(upstream.started("\"forwarded-key-1\""), 1);
+}
+
+/// `--preserve-host false`: the upstream gets its own authority as `Host`
+/// (and the client's in `X-Forwarded-Host`).
+#[tokio::test]
+async fn the_upstream_host_is_sent_when_the_clients_is_not_preserved() {
+    let (_db, upstream, proxy) = setup(&["--preserve-host", "false"]).await;
+    let res = proxy
+        .send_raw_request("GET /echo/h HTTP/1.1\r\nHost: shop.example\r\nConnection: close\r\n\r\n")
+        .await;
+    assert_eq!(res.status, 200, "{res:#?}");
+    assert_eq!(res.body["headers"]["host"][0], upstream.addr.to_string());
+    assert_eq!(res.body["headers"]["x-forwarded-host"][0], "shop.example");
 }
 
 #[tokio::test]

@@ -46,6 +46,14 @@ pub struct ProxyArgs {
     #[arg(long, env = "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT", default_value_t = 5)]
     pub upstream_connect_timeout: u64,
 
+    /// Send the client's Host header to the upstream (true), so that the
+    /// origin builds its absolute URLs (Location, links) with the name its
+    /// clients use; false sends the upstream URL's host:port instead, for an
+    /// origin that routes by its own name. X-Forwarded-Host carries the
+    /// client's either way.
+    #[arg(long, env = "IDEMGATE_PRESERVE_HOST", default_value_t = true, action = clap::ArgAction::Set)]
+    pub preserve_host: bool,
+
     /// Answer 400 key-missing to a guarded request without a key, instead of
     /// passing it through unguarded.
     #[arg(long, env = "IDEMGATE_REQUIRE_KEY", default_value_t = false, action = clap::ArgAction::Set)]

@@ -34,6 +34,8 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 pub struct ProxyClient {
     client: Client<HttpConnector, Body>,
     upstream: Arc<Upstream>,
+    /// Send the client's `Host` upstream instead of the upstream's own.
+    preserve_host: bool,
 }
 
 /// Where requests go.
@@ -54,7 +56,13 @@ impl ProxyClient {
     ///
     /// # Errors
     /// When `upstream` has no scheme or authority.
-    pub fn new(upstream: &Uri, connect_timeout: Duration) -> Result<ProxyClient, String> {
+    /// With `preserve_host`, the upstream gets the `Host` the client sent;
+    /// without, the upstream's own authority.
+    pub fn new(
+        upstream: &Uri,
+        connect_timeout: Duration,
+        preserve_host: bool,
+    ) -> Result<ProxyClient, String> {
         let scheme = upstream
             .scheme()
             .cloned()
@@ -76,6 +84,7 @@ impl ProxyClient {
                 authority,
                 base_path: upstream.path().trim_end_matches('/').to_owned(),
             }),
+            preserve_host,
         })
     }
 
@@ -111,7 +120,8 @@ impl ProxyClient {
     }
 
     /// The request as the upstream gets it: hop-by-hop headers stripped,
-    /// `X-Forwarded-*` added, the target rewritten to the upstream.
+    /// `X-Forwarded-*` added, the target rewritten to the upstream, and
+    /// `Host` the client's or the upstream's.
     #[expect(clippy::result_large_err, reason = "the error is the response itself")]
     fn upstream_request_filter(&self, req: Request<Body>) -> Result<Request<Body>, Response> {
         let (mut parts, body) = req.into_parts();
@@ -123,7 +133,13 @@ impl ProxyClient {
             let authority = parts.uri.authority()?;
             http::HeaderValue::from_str(authority.as_str()).ok()
         });
-        to_upstream(&mut parts.headers, client, host);
+        to_upstream(&mut parts.headers, client, host.clone());
+        if self.preserve_host
+            && let Some(host) = host
+        {
+            // hyper adds the upstream's authority only when Host is absent.
+            parts.headers.insert(header::HOST, host);
+        }
         parts.uri = match self.target(&parts.uri) {
             Ok(uri) => uri,
             Err(why) => {
@@ -204,7 +220,7 @@ mod tests {
 
     fn client(upstream: &str) -> ProxyClient {
         let uri: Uri = upstream.parse().unwrap();
-        ProxyClient::new(&uri, Duration::from_secs(1)).unwrap()
+        ProxyClient::new(&uri, Duration::from_secs(1), false).unwrap()
     }
 
     #[test]

@@ -10,8 +10,8 @@ use crate::layer::strip_connection_headers;
 
 /// A request's headers as the upstream gets them: hop-by-hop headers (and
 /// those its `Connection` lines name) stripped, `Host` dropped (the client
-/// sets it from the upstream URI), `X-Forwarded-*` added for `client` and the
-/// original `host`.
+/// sets it from the upstream URI, unless the proxy puts the client's back),
+/// `X-Forwarded-*` added for `client` and the original `host`.
 pub fn to_upstream(headers: &mut HeaderMap, client: Option<IpAddr>, host: Option<HeaderValue>) {
     strip_connection_headers(headers);
     headers.remove(header::HOST);

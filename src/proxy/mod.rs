@@ -63,6 +63,7 @@ impl Proxy {
         let client = ProxyClient::new(
             &upstream,
             Duration::from_secs(args.upstream_connect_timeout),
+            args.preserve_host,
         )
         .map_err(|problem| ConfigError {
             setting: "--upstream / IDEMGATE_UPSTREAM",
