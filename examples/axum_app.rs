@@ -4,17 +4,20 @@
 //! cargo run --example axum_app
 //! # in another shell:
 //! J='content-type: application/json'
-//! curl -si localhost:3000/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":500}'  # 201, ch_1
-//! curl -si localhost:3000/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":500}'  # replayed
-//! curl -si localhost:3000/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":900}'  # 422
-//! curl -si localhost:3000/charges -H "$J" -d '{"amount":500}'                                  # 400 key-missing
-//! curl -s localhost:3000/charges                                                               # still 1 charge
+//! curl -si localhost:3001/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":500}'  # 201, ch_1
+//! curl -si localhost:3001/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":500}'  # replayed
+//! curl -si localhost:3001/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":900}'  # 422
+//! curl -si localhost:3001/charges -H "$J" -d '{"amount":500}'                                  # 400 key-missing
+//! curl -s localhost:3001/charges                                                               # still 1 charge
 //! ```
 //!
 //! The keys live in `idemgate-example.db` in the temp directory; `LISTEN`
-//! overrides the address (default 127.0.0.1:3000).
+//! overrides the address (default 127.0.0.1:3001, beside the proxy quick
+//! start's origin on 3000).
 
 use std::sync::Arc;
+
+use anyhow::Context as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::extract::State;
@@ -62,8 +65,10 @@ async fn main() -> anyhow::Result<()> {
         .layer(IdempotencyLayer::new(engine, policy))
         .with_state(Arc::new(AtomicU64::new(0)));
 
-    let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let listener = tokio::net::TcpListener::bind(&listen).await?;
+    let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:3001".into());
+    let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| {
+        format!("cannot listen on {listen} (is something else on it? LISTEN=HOST:PORT picks another)")
+    })?;
     tracing::info!(%listen, store = %url, "example app listening: POST /charges with an Idempotency-Key");
     axum::serve(listener, app)
         .with_graceful_shutdown(idemgate::api::shutdown_signal())

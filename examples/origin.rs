@@ -3,13 +3,15 @@
 //! the README's "Reverse proxy" section):
 //!
 //! ```sh
-//! cargo run --example origin                                     # 127.0.0.1:3000
-//! cargo run -- proxy --upstream http://127.0.0.1:3000            # 127.0.0.1:8081
+//! cargo run --release --example origin                           # 127.0.0.1:3000
+//! DATABASE_URL=sqlite://proxy.db cargo run --release -- proxy --upstream http://127.0.0.1:3000
 //! ```
 //!
 //! `LISTEN` overrides the address.
 
 use std::sync::Arc;
+
+use anyhow::Context as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::body::Bytes;
@@ -44,7 +46,9 @@ async fn main() -> anyhow::Result<()> {
         .route("/charges", post(create_charge).get(count_charges))
         .with_state(Arc::new(AtomicU64::new(0)));
     let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let listener = tokio::net::TcpListener::bind(&listen).await?;
+    let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| {
+        format!("cannot listen on {listen} (is something else on it? LISTEN=HOST:PORT picks another)")
+    })?;
     eprintln!("origin listening on {listen}: POST /charges charges, GET /charges counts");
     axum::serve(listener, app)
         .with_graceful_shutdown(idemgate::api::shutdown_signal())

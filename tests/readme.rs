@@ -48,6 +48,8 @@ async fn run_walkthrough(served: &Served) {
         "HTTP/1.1 422 Unprocessable Entity",
         "/key-reused",
     ];
+    // Twice: the walkthrough takes a fresh key per run, so it can be rerun.
+    common::bin::run_script_expecting(&script, &expected);
     common::bin::run_script_expecting(&script, &expected);
 }
 

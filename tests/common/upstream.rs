@@ -13,7 +13,8 @@
 //! * `/echo/...` — the request as JSON: method, URI, headers, body;
 //! * `/gzip` — 201 JSON of a few hundred bytes, gzip-encoded when the
 //!   request's `Accept-Encoding` takes gzip (tower-http's compression);
-//! * `/charges` — 201 `{"charge":"ch_N","amount":…}`, as `examples/origin.rs`;
+//! * `/charges` — POST: 201 `{"charge":"ch_N","amount":…}`; GET: `{"charges":N}`,
+//!   as `examples/origin.rs`;
 //! * anything else — 200 `upstream <path>`.
 //!
 //! [`Counts::started`] counts a request when its handler starts,
@@ -80,7 +81,7 @@ pub fn router(counts: Arc<Counts>) -> Router {
         )
         .route("/echo", any(echo))
         .route("/echo/{*rest}", any(echo))
-        .route("/charges", any(charge))
+        .route("/charges", axum::routing::post(charge).get(count_charges))
         .fallback(|uri: Uri| async move { format!("upstream {}", uri.path()) })
         .layer(axum::middleware::from_fn_with_state(counts.clone(), count))
         .with_state(counts)
@@ -138,6 +139,11 @@ async fn charge(State(counts): State<Arc<Counts>>, body: Bytes) -> Response {
         .unwrap_or_default();
     let doc = json!({ "charge": format!("ch_{n}"), "amount": amount });
     (StatusCode::CREATED, axum::Json(doc)).into_response()
+}
+
+async fn count_charges(State(counts): State<Arc<Counts>>) -> Response {
+    let n = counts.charges.load(Ordering::SeqCst);
+    axum::Json(json!({ "charges": n })).into_response()
 }
 
 async fn slow(Path(ms): Path<u64>) -> Response {
