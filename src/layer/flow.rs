@@ -189,7 +189,7 @@ async fn passthrough(
     let answer = match policy.answer_timeout {
         Some(within) => match tokio::time::timeout(within, call).await {
             Ok(answer) => answer,
-            Err(_) => return timed_out(policy, false),
+            Err(_) => return timed_out(policy, within, false),
         },
         None => call.await,
     };

@@ -123,7 +123,9 @@ impl Holder {
                  its key stays in flight until its lease ends"
             );
             if let Some(reply) = reply {
-                let _ = reply.send((Settled::InFlight, self.timed_out(false)));
+                let after = self.shared.policy.abandon_after.unwrap_or_default();
+                let res = timed_out(&self.shared.policy, after, false);
+                let _ = reply.send((Settled::InFlight, res));
             }
             return;
         };
@@ -200,18 +202,14 @@ impl Holder {
                          its answer will be stored"
                     );
                     if let Some(reply) = reply.take() {
-                        let _ = reply.send((Settled::RunningOn, self.timed_out(true)));
+                        let after = policy.answer_timeout.unwrap_or_default();
+                        let res = timed_out(policy, after, true);
+                        let _ = reply.send((Settled::RunningOn, res));
                     }
                 }
                 () = until(give_up) => return None,
             }
         }
-    }
-
-    /// The `504` of a call that has not answered in time; `runs_on` says
-    /// whether it goes on.
-    fn timed_out(&self, runs_on: bool) -> Response {
-        timed_out(&self.shared.policy, runs_on)
     }
 
     /// Releases, stores or leaves the key as `produced` says.
@@ -396,14 +394,15 @@ async fn produce(shared: Arc<Shared>, inner: Inner, req: http::Request<Body>) ->
     }
 }
 
-/// The `504 upstream-timeout` of a call that has not answered within the
-/// answer timeout; `runs_on` says whether the call goes on (a guarded one)
-/// or was given up (a request that holds no key).
-pub(crate) fn timed_out(policy: &LayerPolicy, runs_on: bool) -> Response {
-    let secs = policy.answer_timeout.unwrap_or_default().as_secs();
-    let setting = match policy.mode {
-        Mode::Proxy => " (IDEMGATE_UPSTREAM_TIMEOUT)",
-        Mode::Layer => "",
+/// The `504 upstream-timeout` of a call that has not answered within
+/// `after`; `runs_on` says whether the call goes on (a guarded one at the
+/// answer timeout) or was given up (one that holds no key, or a guarded one
+/// at the abandon bound).
+pub(crate) fn timed_out(policy: &LayerPolicy, after: Duration, runs_on: bool) -> Response {
+    let secs = after.as_secs();
+    let setting = match (policy.mode, runs_on) {
+        (Mode::Proxy, true) => " (IDEMGATE_UPSTREAM_TIMEOUT)",
+        _ => "",
     };
     let detail = if runs_on {
         format!(
