@@ -460,15 +460,48 @@ async fn operations_endpoints(b: Backend) {
     assert_eq!(policy.body["key"]["max_length"], 255);
     assert_eq!(policy.body["ttl_seconds"]["default"], 86_400);
     assert_eq!(policy.body["guarded_methods"], json!(["POST", "PATCH"]));
-    let docs = app.send("GET", "/docs", &[], None).await;
-    assert_eq!(docs.status, 200);
-    assert!(docs.header("content-type").starts_with("text/html"));
-    assert!(docs.text.contains("Reserve an idempotency key"));
+    docs_page_needs_nothing_but_the_server(&app).await;
     let spec = app.send("GET", "/openapi.json", &[], None).await;
     assert_eq!(
         spec.body,
         serde_json::to_value(idemgate::api::openapi()).unwrap()
     );
+}
+
+/// `/docs` answers 200 itself, links to `/openapi.json` in plain HTML, and
+/// every script and stylesheet it names is served by idemgate: none comes
+/// from elsewhere (`.ci/docs-browser` renders it in a browser with no
+/// internet).
+async fn docs_page_needs_nothing_but_the_server(app: &TestApp) {
+    let docs = app.send("GET", "/docs", &[], None).await;
+    assert_eq!(docs.status, 200);
+    assert!(docs.header("content-type").starts_with("text/html"));
+    assert!(
+        docs.text.contains(r#"<a href="/openapi.json">"#),
+        "{}",
+        docs.text
+    );
+    let assets: Vec<&str> = docs
+        .text
+        .split(['"', '\''])
+        .filter(|s| s.ends_with(".js") || s.ends_with(".css"))
+        .collect();
+    assert!(assets.len() >= 3, "{assets:?}");
+    for asset in assets {
+        assert!(
+            asset.starts_with("/docs/"),
+            "{asset} is not served by idemgate"
+        );
+        let res = app.send("GET", asset, &[], None).await;
+        assert_eq!(res.status, 200, "{asset}");
+        assert!(res.text.len() > 100, "{asset}: {}", res.text);
+    }
+    let init = app
+        .send("GET", "/docs/swagger-initializer.js", &[], None)
+        .await;
+    assert!(init.text.contains(r#""/openapi.json""#), "{}", init.text);
+    let missing = app.send("GET", "/docs/nothing-here.js", &[], None).await;
+    missing.assert_problem(404, "not-found");
 }
 
 async fn logs_carry_the_key_hash_prefix_never_the_key(b: Backend) {

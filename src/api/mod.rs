@@ -1,6 +1,7 @@
 //! The reservation/commit HTTP door (SPEC §5): routes, state, the OpenAPI
 //! document, and serving with graceful shutdown.
 
+pub mod docs;
 pub mod extract;
 pub mod ops;
 pub mod problem;
@@ -22,7 +23,6 @@ use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
-use utoipa_scalar::{Scalar, Servable};
 
 use crate::config::Tokens;
 use crate::engine::Engine;
@@ -129,13 +129,12 @@ pub fn router(state: AppState) -> Router {
         .max_body_bytes
         .saturating_mul(4)
         .saturating_add(64 * 1024);
-    let doc = api.clone();
     routes
         .route(
             "/openapi.json",
-            axum::routing::get(move || std::future::ready(axum::Json(doc.clone()))),
+            axum::routing::get(move || std::future::ready(axum::Json(api.clone()))),
         )
-        .merge(Scalar::with_url("/docs", api))
+        .merge(docs::router())
         .fallback(|| async { problem::ApiError::NotFound("no such endpoint; see /docs".into()) })
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(envelope_limit))
