@@ -25,6 +25,7 @@ async fn real_socket_and_graceful_shutdown() {
         api::Serving {
             grace: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(10),
+            keep_alive_timeout: Duration::from_secs(75),
         },
         async move {
             let _ = stop_rx.await;

@@ -1,6 +1,7 @@
 //! The reservation/commit HTTP door (SPEC §5): routes, state, the OpenAPI
 //! document, and serving with graceful shutdown.
 
+mod conn;
 pub mod docs;
 pub mod extract;
 pub mod ops;
@@ -208,8 +209,12 @@ pub struct Serving {
     /// How long a client has to send a request's headers (a slower one's
     /// connection is closed), and at most between two pieces of its body (a
     /// slower one gets `408 request-timeout`): slow clients cannot hold
-    /// connections open.
+    /// connections open. A fresh connection's clock starts at the accept, a
+    /// kept-alive one's at the first byte of its next request.
     pub header_read_timeout: Duration,
+    /// How long a connection may wait idle, its last response sent, for its
+    /// next request before it is closed.
+    pub keep_alive_timeout: Duration,
 }
 
 /// Request tracing for every listener. A 5xx is logged at WARN, not
@@ -247,8 +252,11 @@ const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// returns.
 ///
 /// hyper's connection builder is used directly rather than `axum::serve`,
-/// which sets no timer, so hyper's header read timeout never fired and a
-/// client that trickled its headers held its connection for ever.
+/// which has no timeouts, so that a client that trickles its headers cannot
+/// hold its connection for ever. Those timers are ours (`conn`), not
+/// hyper's: hyper's header read timeout also runs while a kept-alive
+/// connection waits for its next request, and so closed every idle
+/// connection after it.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
@@ -256,9 +264,13 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(serving.header_read_timeout)
+    // Off: `conn` times heads and idle connections apart.
+    http.header_read_timeout(None)
         .max_header_size(MAX_HEAD_BYTES);
+    let timeouts = conn::Timeouts {
+        header_read: serving.header_read_timeout,
+        keep_alive: serving.keep_alive_timeout,
+    };
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -278,19 +290,28 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         // The peer address goes into every request (ConnectInfo): the proxy
         // forwards it as X-Forwarded-For. Whoever reads a body whole reads it
-        // under the idle timeout (`BodyIdleTimeout`).
+        // under the idle timeout (`BodyIdleTimeout`). The connection is busy
+        // from the service call until hyper drops the response body, and
+        // only then does its keep-alive clock start.
         let idle = BodyIdleTimeout(serving.header_read_timeout);
-        let service = tower::ServiceExt::map_request(
-            app.clone(),
-            move |mut req: http::Request<hyper::body::Incoming>| {
-                req.extensions_mut()
-                    .insert(axum::extract::ConnectInfo(peer));
-                req.extensions_mut().insert(idle);
-                req.map(axum::body::Body::new)
-            },
-        );
+        let tracker = conn::Tracker::new();
+        let io = conn::TimedIo::new(stream, tracker.clone(), timeouts);
+        let app = app.clone();
+        let service = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            let busy = tracker.request();
+            req.extensions_mut()
+                .insert(axum::extract::ConnectInfo(peer));
+            req.extensions_mut().insert(idle);
+            let call = tower::ServiceExt::oneshot(app.clone(), req.map(axum::body::Body::new));
+            async move {
+                let res = call.await?;
+                Ok::<_, std::convert::Infallible>(
+                    res.map(|body| conn::TrackedBody::new(body, busy)),
+                )
+            }
+        });
         let conn = http.serve_connection(
-            hyper_util::rt::TokioIo::new(stream),
+            hyper_util::rt::TokioIo::new(io),
             hyper_util::service::TowerToHyperService::new(service),
         );
         let conn = graceful.watch(conn);

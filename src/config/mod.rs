@@ -69,6 +69,15 @@ pub struct RunArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub header_read_timeout: u64,
 
+    /// Seconds an idle keep-alive connection, its last response sent, waits
+    /// for the next request before it is closed. The default is longer than
+    /// any Retry-After sent under the default leases (30 s for serve, 35 s
+    /// for the proxy), so a client that waits as told still finds its pooled
+    /// connection open.
+    #[arg(long, env = "IDEMGATE_KEEP_ALIVE_TIMEOUT", default_value_t = 75,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep_alive_timeout: u64,
+
     /// Bytes of memory for completed responses, replayed from there without
     /// a database round trip until they expire (0 turns the cache off).
     #[arg(long, env = "IDEMGATE_REPLAY_CACHE_BYTES", default_value_t = DEFAULT_REPLAY_CACHE_BYTES)]
@@ -122,6 +131,7 @@ impl RunArgs {
         crate::api::Serving {
             grace: self.grace(),
             header_read_timeout: Duration::from_secs(self.header_read_timeout),
+            keep_alive_timeout: Duration::from_secs(self.keep_alive_timeout),
         }
     }
 

@@ -53,9 +53,11 @@ impl TestProxy {
         let addr = listener.local_addr().unwrap();
         let base = format!("http://{addr}");
         let admin_base = format!("http://{}", admin.local_addr().unwrap());
+        // The timeouts of `flags`; a short grace, since nothing here waits
+        // for a shutdown.
         let serving = api::Serving {
             grace: Duration::from_secs(5),
-            header_read_timeout: Duration::from_secs(10),
+            ..args.run.serving()
         };
         let tasks = vec![
             tokio::spawn(api::serve(

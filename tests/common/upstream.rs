@@ -10,6 +10,8 @@
 //! * `/big/{n}` — a 200 body of `n` bytes;
 //! * `/trickle/{ms}` — a 201 head at once, then its body in four pieces
 //!   spread over `ms`;
+//! * `/drip/{pieces}/{ms}` — a 200 body streamed in `pieces` lines, `ms`
+//!   apart (the first at once);
 //! * `/echo/...` — the request as JSON: method, URI, headers, body;
 //! * `/gzip` — 201 JSON of a few hundred bytes, gzip-encoded when the
 //!   request's `Accept-Encoding` takes gzip (tower-http's compression);
@@ -79,6 +81,7 @@ pub fn router(counts: Arc<Counts>) -> Router {
             "/gzip",
             any(gzip_doc).layer(tower_http::compression::CompressionLayer::new()),
         )
+        .route("/drip/{pieces}/{ms}", any(drip))
         .route("/echo", any(echo))
         .route("/echo/{*rest}", any(echo))
         .route("/charges", axum::routing::post(charge).get(count_charges))
@@ -191,6 +194,18 @@ async fn trickle(Path(ms): Path<u64>) -> Response {
         ))
     });
     (StatusCode::CREATED, Body::from_stream(pieces)).into_response()
+async fn drip(Path((pieces, ms)): Path<(u32, u64)>) -> Response {
+    let lines = futures::stream::unfold(0, move |i| async move {
+        if i == pieces {
+            return None;
+        }
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        let line = Bytes::from(format!("piece {i}\n"));
+        Some((Ok::<_, std::convert::Infallible>(line), i + 1))
+    });
+    ([("content-type", "text/plain")], Body::from_stream(lines)).into_response()
 }
 
 async fn echo(method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
