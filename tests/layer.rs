@@ -675,16 +675,16 @@ async fn a_response_body_slower_than_its_lease_keeps_its_key(b: Backend) {
     let key = fresh_key();
     let first = {
         let (gate, key) = (gate.clone(), key.clone());
-        tokio::spawn(async move { gate.post("/trickle/3000", &key, "{}").await })
+        tokio::spawn(async move { gate.post("/drip/5/750", &key, "{}").await })
     };
     tokio::time::sleep(Duration::from_millis(2_000)).await;
-    gate.post("/trickle/3000", &key, "{}")
+    gate.post("/drip/5/750", &key, "{}")
         .await
         .assert_problem(409, "request-in-flight");
     let first = first.await.unwrap();
-    assert_eq!(first.status, 201, "{first:#?}");
-    assert_eq!(first.text, "piece 0;piece 1;piece 2;piece 3;");
-    let replay = gate.post("/trickle/3000", &key, "{}").await;
+    assert_eq!(first.status, 200, "{first:#?}");
+    assert_eq!(first.text, "piece 0\npiece 1\npiece 2\npiece 3\npiece 4\n");
+    let replay = gate.post("/drip/5/750", &key, "{}").await;
     assert!(replayed(&replay), "{replay:#?}");
     assert_eq!(replay.text, first.text);
     assert_eq!(gate.counts.started(&key), 1, "executed once");

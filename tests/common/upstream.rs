@@ -8,8 +8,6 @@
 //! * `/slow/{ms}` — sleeps, then 201;
 //! * `/status/{code}` — answers that status;
 //! * `/big/{n}` — a 200 body of `n` bytes;
-//! * `/trickle/{ms}` — a 201 head at once, then its body in four pieces
-//!   spread over `ms`;
 //! * `/drip/{pieces}/{ms}` — a 200 body streamed in `pieces` lines, `ms`
 //!   apart (the first at once);
 //! * `/echo/...` — the request as JSON: method, URI, headers, body;
@@ -76,7 +74,6 @@ pub fn router(counts: Arc<Counts>) -> Router {
         .route("/slow/{ms}", any(slow))
         .route("/status/{code}", any(status))
         .route("/big/{n}", any(big))
-        .route("/trickle/{ms}", any(trickle))
         .route(
             "/gzip",
             any(gzip_doc).layer(tower_http::compression::CompressionLayer::new()),
@@ -182,18 +179,6 @@ async fn gzip_doc() -> Response {
         .into_response()
 }
 
-async fn trickle(Path(ms): Path<u64>) -> Response {
-    let pieces = futures::stream::unfold(0u64, move |i| async move {
-        if i == 4 {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(ms / 4)).await;
-        Some((
-            Ok::<_, std::convert::Infallible>(Bytes::from(format!("piece {i};"))),
-            i + 1,
-        ))
-    });
-    (StatusCode::CREATED, Body::from_stream(pieces)).into_response()
 async fn drip(Path((pieces, ms)): Path<(u32, u64)>) -> Response {
     let lines = futures::stream::unfold(0, move |i| async move {
         if i == pieces {
