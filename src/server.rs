@@ -25,25 +25,36 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
                 acquire_timeout: Duration::from_secs(args.db_acquire_timeout.max(1)),
                 statement_timeout: Duration::from_secs(args.db_statement_timeout.max(1)),
             };
-            let store = PgStore::connect_lazy(url, &settings)
-                .context("DATABASE_URL: not a usable PostgreSQL URL")?;
+            let store = PgStore::connect_lazy(url, &settings).map_err(|e| {
+                anyhow::anyhow!("DATABASE_URL: not a usable PostgreSQL URL: {}", e.reason())
+            })?;
             if migrate {
-                store.migrate().await.context(
-                    "could not apply migrations to the PostgreSQL database named by DATABASE_URL \
-                     (is it running and reachable? --no-migrate skips this step)",
-                )?;
+                // The store's message names the cause and what to do about it.
+                store.migrate().await.map_err(|e| {
+                    anyhow::anyhow!(
+                        "could not apply migrations to the PostgreSQL database named by \
+                         DATABASE_URL (--no-migrate skips this step): {}",
+                        e.reason()
+                    )
+                })?;
             }
             Ok(Arc::new(store))
         }
         "sqlite" => {
-            let store = SqliteStore::open(url)
-                .await
-                .with_context(|| format!("DATABASE_URL: cannot open the SQLite database {url}"))?;
+            let store = SqliteStore::open(url).await.map_err(|e| {
+                anyhow::anyhow!(
+                    "DATABASE_URL: cannot open the SQLite database {url}: {}",
+                    e.reason()
+                )
+            })?;
             if migrate {
-                store
-                    .migrate()
-                    .await
-                    .context("could not apply migrations to the SQLite database (--no-migrate skips this step)")?;
+                store.migrate().await.map_err(|e| {
+                    anyhow::anyhow!(
+                        "could not apply migrations to the SQLite database {url} \
+                         (--no-migrate skips this step): {}",
+                        e.reason()
+                    )
+                })?;
             }
             tracing::info!(database = %url, "embedded SQLite store: one idemgate process per file");
             Ok(Arc::new(store))

@@ -207,6 +207,16 @@ pub enum StoreError {
     Other(String),
 }
 
+impl StoreError {
+    /// What went wrong, without the "unavailable" / "store error" prefix:
+    /// for a message that names the cause in its own words.
+    pub fn reason(&self) -> &str {
+        match self {
+            StoreError::Unavailable(why) | StoreError::Other(why) => why,
+        }
+    }
+}
+
 /// Result of a store operation.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
@@ -257,7 +267,8 @@ pub trait Store: Send + Sync + 'static {
     /// What the tenant's completed, unexpired records take; this reads every
     /// one of them, so callers keep the answer a while.
     async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage>;
-    /// Succeeds when the database answers.
+    /// Succeeds when the database answers and holds the tables that every
+    /// request needs: what readiness means.
     async fn ping(&self) -> Result<()>;
     /// Pool figures, where the store has a pool.
     fn pool_stats(&self) -> Option<PoolStats>;

@@ -66,6 +66,8 @@ pub struct PgStore {
 /// (the database restarted).
 struct Conns {
     options: PgConnectOptions,
+    /// Where `options` lead, for messages.
+    target: Target,
     idle: Mutex<Vec<PgConnection>>,
     permits: Semaphore,
     acquire_timeout: Duration,
@@ -102,16 +104,16 @@ impl Conns {
         let deadline = tokio::time::Instant::now() + self.acquire_timeout;
         let permit = tokio::time::timeout_at(deadline, self.permits.acquire())
             .await
-            .map_err(|_| classify(sqlx::Error::PoolTimedOut))?
-            .map_err(|_| classify(sqlx::Error::PoolClosed))?;
+            .map_err(|_| classify(sqlx::Error::PoolTimedOut, &self.target))?
+            .map_err(|_| classify(sqlx::Error::PoolClosed, &self.target))?;
         let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let conn = match idle {
             Some(conn) => conn,
             None => {
                 let conn = tokio::time::timeout_at(deadline, self.options.connect())
                     .await
-                    .map_err(|_| classify(sqlx::Error::PoolTimedOut))?
-                    .map_err(classify)?;
+                    .map_err(|_| self.target.no_answer(self.acquire_timeout))?
+                    .map_err(|e| connect_failed(e, &self.target))?;
                 self.open.fetch_add(1, Ordering::Relaxed);
                 conn
             }
@@ -242,6 +244,7 @@ impl PgStore {
             .connect_lazy_with(options.clone());
         let max = settings.max_connections.max(1);
         let conns = Arc::new(Conns {
+            target: Target::of(&options),
             options,
             idle: Mutex::new(Vec::with_capacity(max as usize)),
             permits: Semaphore::new(max as usize),
@@ -272,7 +275,7 @@ impl PgStore {
             .answered(query.fetch_optional(&mut *conn))
             .await?;
         conn.done(&result);
-        result.map_err(classify)
+        result.map_err(|e| classify(e, &self.conns.target))
     }
 
     /// Runs a query returning one column on one of the store's connections;
@@ -291,34 +294,39 @@ impl PgStore {
             .answered(query.fetch_optional(&mut *conn))
             .await?;
         conn.done(&result);
-        result.map_err(classify)
+        result.map_err(|e| classify(e, &self.conns.target))
     }
 
     /// Applies the pending migrations.
     pub async fn migrate(&self) -> Result<()> {
+        let target = &self.conns.target;
         match MIGRATOR.run(&self.pool).await {
             Ok(()) => Ok(()),
             // The pool says only that it timed out; one direct attempt says
             // why it could not connect (refused, unknown host, bad password).
             Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::PoolTimedOut)) => {
-                let why = match tokio::time::timeout(
-                    self.conns.acquire_timeout,
-                    self.conns.options.connect(),
-                )
-                .await
+                match tokio::time::timeout(self.conns.acquire_timeout, self.conns.options.connect())
+                    .await
                 {
-                    Ok(Err(e)) => e.to_string(),
-                    Ok(Ok(_)) => "it did not answer in time".to_owned(),
-                    Err(_) => format!(
-                        "no connection within {} s",
-                        self.conns.acquire_timeout.as_secs()
-                    ),
-                };
-                Err(StoreError::Unavailable(format!(
-                    "cannot connect to the database: {why}"
-                )))
+                    Ok(Err(e)) => Err(connect_failed(e, target)),
+                    Ok(Ok(_)) => Err(StoreError::Unavailable(format!(
+                        "PostgreSQL at {} did not answer in time",
+                        target.server()
+                    ))),
+                    Err(_) => Err(target.no_answer(self.conns.acquire_timeout)),
+                }
             }
-            Err(sqlx::migrate::MigrateError::Execute(e)) => Err(classify(e)),
+            Err(sqlx::migrate::MigrateError::Execute(e)) => Err(classify(e, target)),
+            Err(sqlx::migrate::MigrateError::ExecuteMigration(e, version)) => {
+                Err(match classify(e, target) {
+                    StoreError::Unavailable(why) => {
+                        StoreError::Unavailable(format!("migration {version}: {why}"))
+                    }
+                    StoreError::Other(why) => {
+                        StoreError::Other(format!("migration {version}: {why}"))
+                    }
+                })
+            }
             Err(other) => Err(StoreError::Other(other.to_string())),
         }
     }
@@ -393,8 +401,79 @@ impl TryFrom<KeyRow> for Record {
     }
 }
 
-/// Sorts sqlx errors into "try again later" and "broken".
-fn classify(e: sqlx::Error) -> StoreError {
+/// Where the store connects, as messages name it: the server, the database
+/// and the role, never the password.
+#[derive(Debug, Clone)]
+struct Target {
+    /// `HOST:PORT`, or the Unix socket's path.
+    server: String,
+    /// The database, as the server will look it up.
+    database: String,
+    /// The role.
+    user: String,
+    /// The server's flags for the PostgreSQL tools (`-h … -p …`).
+    host_flags: String,
+}
+
+impl Target {
+    fn of(options: &PgConnectOptions) -> Target {
+        let user = options.get_username().to_owned();
+        let (server, host) = match options.get_socket() {
+            Some(socket) => (socket.display().to_string(), socket.display().to_string()),
+            None => (
+                format!("{}:{}", options.get_host(), options.get_port()),
+                options.get_host().to_owned(),
+            ),
+        };
+        Target {
+            host_flags: format!("-h {} -p {}", shell_word(&host), options.get_port()),
+            server,
+            // PostgreSQL's default database is the role's name.
+            database: options.get_database().unwrap_or(&user).to_owned(),
+            user,
+        }
+    }
+
+    fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// The server did not let a connection through within `waited`.
+    fn no_answer(&self, waited: Duration) -> StoreError {
+        StoreError::Unavailable(format!(
+            "no connection to the database within {} s: is PostgreSQL running at {}, and \
+             reachable from here?",
+            waited.as_secs(),
+            self.server
+        ))
+    }
+}
+
+/// `word` as one shell word, quoted only when it needs to be.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./:@".contains(c));
+    if plain {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// What to do about a database without idemgate's tables.
+const NO_TABLES: &str = "run `idemgate migrate` (or start idemgate without --no-migrate: it \
+     applies the migrations at start)";
+
+/// Sorts sqlx errors into "try again later" and "broken"; each message names
+/// the cause in the server's words (without sqlx's "at line N", the line of
+/// PostgreSQL's own source that raised it) and, where the cause is a setup
+/// step not taken, what to do. A database that does not exist, a role the
+/// server refuses, tables not created yet: the database cannot serve, but
+/// nothing is broken, and it heals once the step is taken, so those are
+/// `Unavailable` like an outage, never a bug's `Other`.
+fn classify(e: sqlx::Error, at: &Target) -> StoreError {
     match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
@@ -404,15 +483,75 @@ fn classify(e: sqlx::Error) -> StoreError {
         | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
-            // 08: connection exception; 57: operator intervention (shutdown,
-            // statement timeout 57014); 53: insufficient resources.
-            if code.starts_with("08") || code.starts_with("57") || code.starts_with("53") {
-                StoreError::Unavailable(e.to_string())
-            } else {
-                StoreError::Other(e.to_string())
+            let said = format!("{} (SQLSTATE {code})", db.message());
+            // For a refusal at connect: which server refused.
+            let refused = format!("{} on {} (SQLSTATE {code})", db.message(), at.server);
+            match code.as_ref() {
+                // invalid_catalog_name: the database does not exist.
+                "3D000" => StoreError::Unavailable(format!(
+                    "{refused}: create it: createdb {} {} -U {}, then apply the migrations: \
+                     idemgate migrate",
+                    shell_word(&at.database),
+                    at.host_flags,
+                    shell_word(&at.user)
+                )),
+                // invalid_authorization_specification: no such role, or
+                // pg_hba.conf turned the connection away.
+                "28000" if db.message().contains("does not exist") => {
+                    StoreError::Unavailable(format!(
+                        "{refused}: check the user in DATABASE_URL, or create the role (as a \
+                         role that may create roles): createuser {} {}",
+                        shell_word(&at.user),
+                        at.host_flags
+                    ))
+                }
+                "28000" => StoreError::Unavailable(format!(
+                    "{refused}: check the user and password in DATABASE_URL, and the rules \
+                     of the server's pg_hba.conf"
+                )),
+                // invalid_password.
+                "28P01" => StoreError::Unavailable(format!(
+                    "{refused}: check the password in DATABASE_URL"
+                )),
+                // undefined_table: the migrations were not applied.
+                "42P01" => no_tables(&said, at),
+                // 08: connection exception; 57: operator intervention
+                // (shutdown, statement timeout 57014); 53: insufficient
+                // resources.
+                c if c.starts_with("08") || c.starts_with("57") || c.starts_with("53") => {
+                    StoreError::Unavailable(said)
+                }
+                _ => StoreError::Other(said),
             }
         }
         _ => StoreError::Other(e.to_string()),
+    }
+}
+
+/// A database without the tables; `said` is the server's word for it.
+fn no_tables(said: &str, at: &Target) -> StoreError {
+    StoreError::Unavailable(format!(
+        "{said}: the database {} on {} has no idemgate tables: {NO_TABLES}",
+        shell_word(&at.database),
+        at.server
+    ))
+}
+
+/// A connection that could not be made: whatever stopped it, the database
+/// cannot serve this process, which is no bug of the request's.
+fn connect_failed(e: sqlx::Error, at: &Target) -> StoreError {
+    let io = matches!(e, sqlx::Error::Io(_) | sqlx::Error::Tls(_));
+    match classify(e, at) {
+        StoreError::Unavailable(why) if io => StoreError::Unavailable(format!(
+            "cannot connect to the database: {why}: is PostgreSQL running at {}, and \
+             reachable from here?",
+            at.server
+        )),
+        StoreError::Unavailable(why) => StoreError::Unavailable(why),
+        StoreError::Other(why) => StoreError::Unavailable(format!(
+            "cannot connect to the database at {}: {why}",
+            at.server
+        )),
     }
 }
 
@@ -767,9 +906,33 @@ impl Store for PgStore {
     }
 
     async fn ping(&self) -> Result<()> {
-        let one: Option<i32> = self.fetch_scalar(sqlx::query_scalar("SELECT 1")).await?;
-        one.map(|_| ())
-            .ok_or_else(|| StoreError::Other("SELECT 1 returned no row".into()))
+        // What every request needs beyond a connection: the two tables. A
+        // catalog lookup, evaluated at each execution (a cached plan would
+        // keep the answer of its first run), reading neither table.
+        let found: Option<(bool, bool)> = self
+            .fetch_row(sqlx::query_as(
+                "SELECT to_regclass('idempotency_keys') IS NOT NULL,
+                        to_regclass('idempotency_reservations') IS NOT NULL",
+            ))
+            .await?;
+        match found {
+            Some((true, true)) => Ok(()),
+            // In the words a request would get, so that both are one cause.
+            Some((keys, _)) => {
+                let table = if keys {
+                    "idempotency_reservations"
+                } else {
+                    "idempotency_keys"
+                };
+                Err(no_tables(
+                    &format!("relation \"{table}\" does not exist (SQLSTATE 42P01)"),
+                    &self.conns.target,
+                ))
+            }
+            None => Err(StoreError::Other(
+                "the readiness query returned no row".into(),
+            )),
+        }
     }
 
     fn pool_stats(&self) -> Option<PoolStats> {

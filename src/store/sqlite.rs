@@ -503,11 +503,24 @@ const SQLITE_FULL: i32 = 13;
 const SQLITE_CANTOPEN: i32 = 14;
 const SQLITE_PROTOCOL: i32 = 15;
 
+/// What to do about a file without idemgate's tables. `idemgate migrate` is
+/// another process on the file, which one process per file rules out while
+/// a server runs.
+const NO_TABLES: &str = "the file has no idemgate tables: start idemgate without --no-migrate \
+     (it applies the migrations at start), or stop it and run `idemgate migrate` on the file";
+
 /// Sorts sqlx errors into "try again later" and "broken", as the PostgreSQL
 /// store does: a lock still held after the busy timeout, an I/O error, a full
-/// disk, a read-only or unopenable file, all answer 503; anything else
-/// (constraint, schema mismatch, bad SQL) is a bug.
+/// disk, a read-only or unopenable file, all answer 503, and so does a file
+/// without the tables (a setup step not taken yet, not a bug: it heals once
+/// the migrations are applied); anything else (constraint, schema mismatch,
+/// bad SQL) is a bug.
 fn classify(e: sqlx::Error) -> StoreError {
+    if let sqlx::Error::Database(db) = &e
+        && db.message().starts_with("no such table")
+    {
+        return StoreError::Unavailable(format!("{}: {NO_TABLES}", db.message()));
+    }
     match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
@@ -848,12 +861,25 @@ impl Store for SqliteStore {
     }
 
     async fn ping(&self) -> Result<()> {
-        // Reads the database header, so a file that cannot be read fails here.
-        sqlx::query("PRAGMA schema_version")
-            .execute(&self.reader)
-            .await
-            .map(|_| ())
-            .map_err(classify)
+        // Reads the schema from the file, so a file that cannot be read fails
+        // here, and so does one without the tables every request needs.
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT name FROM sqlite_master WHERE type = 'table'
+                AND name IN ('idempotency_keys', 'idempotency_reservations')",
+        )
+        .fetch_all(&self.reader)
+        .await
+        .map_err(classify)?;
+        match ["idempotency_keys", "idempotency_reservations"]
+            .into_iter()
+            .find(|t| !tables.iter().any(|have| have == t))
+        {
+            // In the words a request would get, so that both are one cause.
+            Some(missing) => Err(StoreError::Unavailable(format!(
+                "no such table: {missing}: {NO_TABLES}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn pool_stats(&self) -> Option<PoolStats> {
