@@ -269,7 +269,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Unavailable(why) => {
-                tracing::warn!(error = %why, "store unavailable");
+                crate::store::report_unavailable(&why);
                 ApiError::StoreUnavailable
             }
             StoreError::Other(why) => ApiError::Internal(why),

@@ -4,6 +4,9 @@
 pub mod postgres;
 pub mod sqlite;
 
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -220,6 +223,66 @@ impl StoreError {
 /// Result of a store operation.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
+/// How long the same cause of unavailability stays quiet after it was logged.
+const REPEAT_AFTER: Duration = Duration::from_secs(60);
+
+/// How many causes are remembered at once: enough for the few that can
+/// alternate (a request's and `/readyz`'s view of one fault).
+const CAUSES_KEPT: usize = 8;
+
+/// A cause of unavailability logged at WARN: when, and how many times it
+/// came back since without a line of its own.
+struct Reported {
+    why: String,
+    at: Instant,
+    quiet: u64,
+}
+
+static REPORTED: Mutex<Vec<Reported>> = Mutex::new(Vec::new());
+
+/// Logs why the store is unavailable: at WARN the first time a cause comes
+/// up, then at most once a minute while it lasts, with how many times it
+/// came back meanwhile; DEBUG otherwise. During an outage every request
+/// fails the same way, and one line per request would bury the line that
+/// says what to do.
+pub fn report_unavailable(why: &str) {
+    let warn = {
+        let mut reported = REPORTED.lock().unwrap_or_else(|e| e.into_inner());
+        decide(&mut reported, why, Instant::now())
+    };
+    match warn {
+        Some(0) => tracing::warn!(error = %why, "store unavailable"),
+        Some(repeated) => tracing::warn!(error = %why, repeated, "store unavailable, still"),
+        None => tracing::debug!(error = %why, "store unavailable (logged already)"),
+    }
+}
+
+/// Whether `why`, seen at `now`, gets a WARN line: `Some(times it came back
+/// unlogged since its last line)`, or `None` to stay quiet.
+fn decide(reported: &mut Vec<Reported>, why: &str, now: Instant) -> Option<u64> {
+    if let Some(r) = reported.iter_mut().find(|r| r.why == why) {
+        if now.duration_since(r.at) < REPEAT_AFTER {
+            r.quiet += 1;
+            return None;
+        }
+        let repeated = r.quiet;
+        r.at = now;
+        r.quiet = 0;
+        return Some(repeated);
+    }
+    if reported.len() >= CAUSES_KEPT
+        && let Some(oldest) = (0..reported.len()).min_by_key(|&i| reported[i].at)
+    {
+        reported.swap_remove(oldest);
+    }
+    reported.push(Reported {
+        why: why.to_owned(),
+        at: now,
+        quiet: 0,
+    });
+    Some(0)
+}
+
 /// The operations the engine needs, each one atomic across every process that
 /// shares the database. Writes addressed by reservation id apply only while that
 /// id is the key's current holder and the record has not expired; they return
@@ -272,4 +335,40 @@ pub trait Store: Send + Sync + 'static {
     async fn ping(&self) -> Result<()>;
     /// Pool figures, where the store has a pool.
     fn pool_stats(&self) -> Option<PoolStats>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cause_is_logged_when_new_then_once_a_minute_while_it_lasts() {
+        let mut reported = Vec::new();
+        let t0 = Instant::now();
+        let at = |secs| t0 + Duration::from_secs(secs);
+        assert_eq!(decide(&mut reported, "a", t0), Some(0));
+        for i in 1..=5 {
+            assert_eq!(decide(&mut reported, "a", at(i)), None);
+        }
+        assert_eq!(
+            decide(&mut reported, "b", at(6)),
+            Some(0),
+            "another cause is news"
+        );
+        assert_eq!(
+            decide(&mut reported, "a", at(7)),
+            None,
+            "two causes that alternate are each logged once, not at every turn"
+        );
+        assert_eq!(
+            decide(&mut reported, "a", at(61)),
+            Some(6),
+            "a minute on: one line, with the count of the quiet ones"
+        );
+        assert_eq!(decide(&mut reported, "a", at(62)), None);
+        for (i, cause) in ["c", "d", "e", "f", "g", "h", "i", "j"].iter().enumerate() {
+            assert_eq!(decide(&mut reported, cause, at(70 + i as u64)), Some(0));
+        }
+        assert!(reported.len() <= CAUSES_KEPT, "the memory is bounded");
+    }
 }
