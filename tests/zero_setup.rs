@@ -227,3 +227,91 @@ fn with_json_logs_a_refusal_to_start_is_json_too() {
         assert!(line["level"].is_string(), "{line}");
     }
 }
+
+/// Runs `cmd` (a subcommand that must refuse to start) and gives its stderr;
+/// it must exit non-zero within 20 s.
+async fn refused(mut cmd: Command) -> String {
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = common::bin::wait_exit(&mut child, std::time::Duration::from_secs(20)).await;
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let status =
+        status.unwrap_or_else(|| panic!("it started (still running after 20 s):\n{stderr}"));
+    assert!(!status.success(), "exit {status}:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+/// One idemgate process per SQLite file: a second `serve` on the file refuses
+/// to start, naming the file and the process that holds it, and so do
+/// `migrate` and `prune` (other processes on the file too); the first serves
+/// on, undisturbed. The lock is the kernel's: once the first dies, even by
+/// SIGKILL, the next one starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_on_one_sqlite_file_is_refused_naming_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = format!("one-process-{}", uuid::Uuid::new_v4());
+    // A secret on the holder's command line, which the refusal must not quote.
+    let seal = "bG9jay10ZXN0LXNlYWwta2V5LW9mLTMyLWJ5dGVzISE=";
+    let mut first = Served::spawn(bare(dir.path()), &["--seal-key", seal]).await;
+    let pid = first.child.id().to_string();
+    let file = std::fs::canonicalize(dir.path().join("idemgate.db")).unwrap();
+    let file = file.display().to_string();
+
+    let port = common::bin::free_port().to_string();
+    let mut second = bare(dir.path());
+    second.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
+    let mut migrate = bare(dir.path());
+    migrate.arg("migrate");
+    let mut prune = bare(dir.path());
+    prune.arg("prune");
+    // The same file by another spelling of its path.
+    let mut elsewhere = bare(std::path::Path::new("/"));
+    elsewhere
+        .env("DATABASE_URL", format!("sqlite://{file}"))
+        .arg("prune");
+    for (what, cmd) in [
+        ("serve", second),
+        ("migrate", migrate),
+        ("prune", prune),
+        ("prune by its full path", elsewhere),
+    ] {
+        let said = refused(cmd).await;
+        assert!(
+            said.contains(&file) && said.contains(&pid) && said.contains("serve"),
+            "{what}: the refusal names the file, the holder's pid and its command: {said}"
+        );
+        assert!(
+            said.contains("DATABASE_URL") && said.contains("One idemgate process per SQLite file"),
+            "{what}: the refusal names the setting and the rule: {said}"
+        );
+        assert!(
+            !said.contains(seal),
+            "{what}: a secret of the holder's command line was quoted: {said}"
+        );
+    }
+    let res = reserve(&first.base(), &key).await;
+    assert_eq!(res.status(), 201, "the first one serves on");
+    let stderr_first = {
+        first.child.kill().unwrap();
+        first.child.wait().unwrap();
+        let mut s = String::new();
+        std::io::Read::read_to_string(first.child.stderr.as_mut().unwrap(), &mut s).unwrap();
+        s
+    };
+    assert!(!stderr_first.contains("panicked"), "{stderr_first}");
+
+    // SIGKILL left the lock file behind; the kernel's lock went with the process.
+    assert!(dir.path().join("idemgate.db.lock").exists());
+    let next = Served::spawn(bare(dir.path()), &[]).await;
+    let again = reserve(&next.base(), &key).await;
+    assert_eq!(again.status(), 409, "the record outlived its first server");
+}

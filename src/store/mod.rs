@@ -1,6 +1,7 @@
 //! Where idempotency records live: the [`Store`] trait the engine drives, and its
 //! implementations. SQL lives only below this module.
 
+mod lock;
 pub mod postgres;
 pub mod sqlite;
 

@@ -51,6 +51,7 @@ use sqlx::{ConnectOptions, FromRow, Sqlite};
 use uuid::Uuid;
 use uuid::fmt::Hyphenated;
 
+use super::lock::FileLock;
 use super::{
     Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, Record, Recovery, Result,
     Store, StoreError, StoredResponse, StoredUsage,
@@ -77,6 +78,9 @@ pub struct SqliteStore {
     /// Raised by a write transaction that ended without a commit, for the
     /// pool to clean up after it (see [`WriteTx`]).
     abandoned: Arc<AtomicBool>,
+    /// This process's hold on the file (none for an in-memory database):
+    /// one idemgate process per file.
+    _lock: Option<Arc<FileLock>>,
 }
 
 // === impl SqliteStore ===
@@ -86,6 +90,11 @@ impl SqliteStore {
     /// in WAL mode. The write connection is opened at once, so a file that
     /// cannot be created or opened is reported here rather than on the first
     /// request.
+    ///
+    /// A file is first locked for this process, through `FILE.lock` beside
+    /// it: while another process holds that, the open fails, naming the
+    /// process. Stores of one process share the lock, which lasts until the
+    /// last of them is dropped (or the process ends, however it ends).
     pub async fn open(url: &str) -> Result<SqliteStore> {
         let base = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::Other(format!("invalid SQLite URL: {e}")))?
@@ -94,6 +103,13 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Full)
             .log_statements(tracing::log::LevelFilter::Trace);
         let in_memory = is_in_memory(url, &base);
+        // Before the first connection: a second process must not so much as
+        // switch the journal mode or apply a migration under the first.
+        let lock = if in_memory {
+            None
+        } else {
+            Some(Arc::new(FileLock::acquire(base.get_filename())?))
+        };
         // Switching to WAL needs an exclusive lock that the busy timeout does
         // not wait for, so only the writer asks; the mode is stored in the
         // file, and readers opened afterwards find it there.
@@ -140,6 +156,7 @@ impl SqliteStore {
             reader,
             shared: in_memory,
             abandoned,
+            _lock: lock,
         })
     }
 
