@@ -50,6 +50,9 @@ impl FileLock {
     /// Takes the lock of `database` (the file's path as SQLite opens it), or
     /// says which process holds it.
     pub(crate) fn acquire(database: &Path) -> Result<FileLock, StoreError> {
+        // Beside the file itself, however the path names it (relative, or
+        // through a symbolic link): every process then finds the same lock.
+        let database = &real_path(database);
         let path = lock_path(database);
         // Held across the open and the lock, so that two stores of this
         // process opening the file at once agree on one hold.
@@ -108,6 +111,22 @@ impl Drop for FileLock {
     }
 }
 
+/// `path` with its symbolic links and relative parts resolved, as far as
+/// they exist: the file may not be created yet, its directory must.
+fn real_path(path: &Path) -> PathBuf {
+    if let Ok(real) = std::fs::canonicalize(path) {
+        return real;
+    }
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    match (std::fs::canonicalize(dir), path.file_name()) {
+        (Ok(dir), Some(name)) => dir.join(name),
+        _ => path.to_owned(),
+    }
+}
+
 /// `FILE.lock` beside `FILE`.
 fn lock_path(database: &Path) -> PathBuf {
     let mut name = OsString::from(database.as_os_str());
@@ -154,16 +173,14 @@ fn in_use(database: &Path, lock: &Path, file: &File) -> String {
         },
         None => "another process".to_owned(),
     };
-    // The full path: the holder may have been started from another directory.
-    let full = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
     format!(
         "{} is in use: {holder} holds its lock file {}. One idemgate process per SQLite \
          file: stop that one first (a running serve or proxy applies the migrations at its \
          start and prunes by itself), give this one a file of its own \
          (DATABASE_URL=sqlite://other.db), or use PostgreSQL, which any number of processes \
          can share",
-        full(database).display(),
-        full(lock).display()
+        database.display(),
+        lock.display()
     )
 }
 
@@ -334,9 +351,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("x.db");
         let first = FileLock::acquire(&db).expect("first");
-        // Another spelling of the same file is the same hold.
+        // Another spelling of the same file is the same hold, and so is a
+        // symbolic link to it: the lock lies beside the file itself.
         let second = FileLock::acquire(&dir.path().join(".").join("x.db")).expect("second");
-        let lock = lock_path(&db);
+        std::fs::write(&db, b"").unwrap();
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(&db, dir.path().join("link.db")).unwrap();
+            drop(FileLock::acquire(&dir.path().join("link.db")).expect("through a link"));
+            assert!(!dir.path().join("link.db.lock").exists());
+        }
+        let lock = lock_path(&real_path(&db));
         assert_eq!(
             std::fs::read_to_string(&lock).unwrap().trim(),
             std::process::id().to_string(),
@@ -347,10 +372,10 @@ mod tests {
         assert!(matches!(other.try_lock(), Err(TryLockError::WouldBlock)));
         #[cfg(target_os = "linux")]
         assert_eq!(lock_table_owner(&other), Some(std::process::id()));
+        let refusal = in_use(&db, &lock, &other);
         assert!(
-            in_use(&db, &lock, &other).contains(&format!("process {}", std::process::id())),
-            "{}",
-            in_use(&db, &lock, &other)
+            refusal.contains(&format!("process {}", std::process::id())),
+            "{refusal}"
         );
         drop(first);
         assert!(matches!(other.try_lock(), Err(TryLockError::WouldBlock)));
