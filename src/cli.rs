@@ -4,7 +4,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{Arg, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::config::{self, ConfigError, LogFormat, ProxyArgs, ServeArgs, StoreArgs};
 
@@ -49,8 +49,11 @@ pub enum Command {
     /// admin endpoints on 127.0.0.1:9090).
     Proxy(Box<ProxyArgs>),
     /// Apply pending database migrations and exit.
+    #[command(mut_args = one_shot_help)]
     Migrate(StoreArgs),
-    /// Delete every expired key once and exit (for cron).
+    /// Delete every expired key once and exit (for cron). Pending migrations
+    /// are applied first.
+    #[command(mut_args = one_shot_help)]
     Prune(StoreArgs),
     /// Print the OpenAPI document.
     Openapi {
@@ -58,6 +61,21 @@ pub enum Command {
         #[arg(long, short)]
         output: Option<PathBuf>,
     },
+}
+
+/// The store settings' help for a command that runs once and exits
+/// (`migrate`, `prune`): it answers no request, so a timeout makes the
+/// command fail, where `serve` and `proxy` answer 503.
+fn one_shot_help(arg: Arg) -> Arg {
+    let help = match arg.get_id().as_str() {
+        "db_max_connections" => "Most database connections the command opens",
+        "db_acquire_timeout" => "Seconds to wait for a database connection; then the command fails",
+        "db_statement_timeout" => {
+            "Seconds one statement may run before the database cancels it and the command fails"
+        }
+        _ => return arg,
+    };
+    arg.help(help).long_help(None::<&str>)
 }
 
 /// Why the command line could not be used.

@@ -65,7 +65,7 @@ async fn migrate(args: StoreArgs, json: bool) -> anyhow::Result<()> {
 }
 
 async fn prune_once(args: StoreArgs, json: bool) -> anyhow::Result<()> {
-    let store = server::open_store(&args, !args.no_migrate).await?;
+    let store = server::open_store(&args, true).await?;
     let n = prune::prune_once(store.as_ref()).await?;
     report(json, &format!("pruned {n} expired key(s)"));
     Ok(())

@@ -33,7 +33,7 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
                 store.migrate().await.map_err(|e| {
                     anyhow::anyhow!(
                         "could not apply migrations to the PostgreSQL database named by \
-                         DATABASE_URL (--no-migrate skips this step): {}",
+                         DATABASE_URL (`serve` and `proxy` skip this step with --no-migrate): {}",
                         e.reason()
                     )
                 })?;
@@ -51,7 +51,7 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
                 store.migrate().await.map_err(|e| {
                     anyhow::anyhow!(
                         "could not apply migrations to the SQLite database {url} \
-                         (--no-migrate skips this step): {}",
+                         (`serve` and `proxy` skip this step with --no-migrate): {}",
                         e.reason()
                     )
                 })?;
@@ -89,7 +89,7 @@ pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate()?;
-    let store = open_store(&args.store, !args.store.no_migrate).await?;
+    let store = open_store(&args.store, !args.run.no_migrate).await?;
     let state = app_state(&args, store.clone());
     let listener = TcpListener::bind(args.listen)
         .await

@@ -451,3 +451,56 @@ async fn two_tokens_of_one_tenant_and_a_repeated_pair_are_accepted() {
         assert_eq!(res.status(), want, "{token}");
     }
 }
+
+/// `idemgate` with nothing from the caller's environment but `env`.
+fn bare(env: &[(&str, &str)]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(common::bin::BIN);
+    cmd.env_clear()
+        .env("DATABASE_URL", "sqlite::memory:")
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null());
+    cmd
+}
+
+/// Runs `cmd`, which must be refused, and returns its standard error.
+#[track_caller]
+fn refused(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "{cmd:?} was accepted:\n{stderr}\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(!stderr.contains("panicked"), "{cmd:?}: {stderr}");
+    stderr
+}
+
+#[test]
+fn migrate_and_prune_help_describes_what_they_do() {
+    for sub in ["migrate", "prune"] {
+        let out = bare(&[]).args([sub, "--help"]).output().unwrap();
+        assert!(out.status.success(), "{sub} --help");
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !help.contains("--no-migrate"),
+            "{sub} offers --no-migrate:\n{help}"
+        );
+        assert!(!help.contains("503"), "{sub} help speaks of a 503:\n{help}");
+        assert!(!help.contains("store-unavailable"), "{sub}:\n{help}");
+        assert!(
+            help.contains("the command fails"),
+            "{sub} help does not say what a timeout does:\n{help}"
+        );
+        let said = refused(bare(&[]).args([sub, "--no-migrate"]));
+        assert!(said.contains("--no-migrate"), "{said}");
+    }
+    for sub in ["serve", "proxy"] {
+        let out = bare(&[]).args([sub, "--help"]).output().unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            help.contains("--no-migrate"),
+            "{sub} lost --no-migrate:\n{help}"
+        );
+    }
+}

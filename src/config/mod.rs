@@ -41,19 +41,20 @@ pub struct StoreArgs {
     #[arg(long, env = "IDEMGATE_DB_ACQUIRE_TIMEOUT", default_value_t = 3)]
     pub db_acquire_timeout: u64,
 
-    /// Seconds one statement may run before the database cancels it.
+    /// Seconds one statement may run before the database cancels it (and the
+    /// request answers 503 store-unavailable).
     #[arg(long, env = "IDEMGATE_DB_STATEMENT_TIMEOUT", default_value_t = 5)]
     pub db_statement_timeout: u64,
-
-    /// Do not apply pending migrations at start.
-    #[arg(long, env = "IDEMGATE_NO_MIGRATE")]
-    pub no_migrate: bool,
 }
 
 /// What a long-running command (`serve`, `proxy`) does beside its requests,
 /// and the memory it keeps for them.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
+    /// Do not apply pending migrations at start (`idemgate migrate` does).
+    #[arg(long, env = "IDEMGATE_NO_MIGRATE")]
+    pub no_migrate: bool,
+
     /// Seconds between pruning passes (0 turns the job off).
     #[arg(long, env = "IDEMGATE_PRUNE_INTERVAL", default_value_t = 60)]
     pub prune_interval: u64,

@@ -120,7 +120,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         Some(path) => routes::from_file(path, args.policy.max_ttl)?,
         None => Vec::new(),
     };
-    let store = server::open_store(&args.store, !args.store.no_migrate).await?;
+    let store = server::open_store(&args.store, !args.run.no_migrate).await?;
     let proxy = Proxy::build(&args, routes, store.clone())?;
     let listener = TcpListener::bind(args.listen)
         .await
