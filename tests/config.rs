@@ -504,3 +504,121 @@ fn migrate_and_prune_help_describes_what_they_do() {
         );
     }
 }
+
+/// The arguments that make `sub` start but for the setting under test.
+fn start_args(sub: &str) -> Vec<&'static str> {
+    match sub {
+        "proxy" => vec!["proxy", "--upstream", "http://127.0.0.1:9"],
+        _ => vec!["serve"],
+    }
+}
+
+/// The boolean settings of `sub`, by id.
+fn booleans(sub: &str) -> Vec<(String, String, String)> {
+    // Built, so that the global flags are there too.
+    let mut cmd = Cli::command();
+    cmd.build();
+    cmd.find_subcommand(sub)
+        .unwrap()
+        .get_arguments()
+        .filter(|a| a.get_value_parser().type_id() == std::any::TypeId::of::<bool>())
+        .filter_map(|a| {
+            Some((
+                a.get_id().to_string(),
+                format!("--{}", a.get_long()?),
+                a.get_env()?.to_string_lossy().into_owned(),
+            ))
+        })
+        .collect()
+}
+
+/// The parsed settings of `idemgate ARGV…`, as `Debug` shows them.
+fn parsed(argv: &[String]) -> String {
+    let full = std::iter::once("idemgate").chain(argv.iter().map(String::as_str));
+    match Cli::try_parse_merged(full.map(Into::into).collect()) {
+        Ok(Cli {
+            command: Command::Serve(args),
+            ..
+        }) => format!("{args:?}"),
+        Ok(Cli {
+            command: Command::Proxy(args),
+            ..
+        }) => format!("{args:?}"),
+        other => panic!("{argv:?}: {other:?}"),
+    }
+}
+
+#[test]
+fn every_boolean_takes_one_form_from_flag_environment_and_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bool.toml");
+    let path = file.to_str().unwrap();
+    let mut seen = Vec::new();
+    for sub in ["serve", "proxy"] {
+        let all = booleans(sub);
+        for want in ["no_migrate", "strict_key"] {
+            assert!(all.iter().any(|(id, _, _)| id == want), "{sub}: {all:?}");
+        }
+        let start = start_args(sub);
+        for (id, flag, env) in all {
+            seen.push(id.clone());
+            let with = |extra: &[&str]| {
+                let argv: Vec<String> =
+                    start.iter().chain(extra).map(|a| (*a).to_owned()).collect();
+                parsed(&argv)
+            };
+            let is = |debug: &str, value: bool| debug.contains(&format!("{id}: {value}"));
+            assert!(is(&with(&[]), false), "{id} is off unless set");
+            // The flag: bare (also before another flag), or with a value
+            // after `=` or a space.
+            let (on, off) = (format!("{flag}=true"), format!("{flag}=false"));
+            for (extra, want) in [
+                (vec![flag.as_str()], true),
+                (vec![flag.as_str(), "--max-wait", "3"], true),
+                (vec![on.as_str()], true),
+                (vec![off.as_str()], false),
+                (vec![flag.as_str(), "true"], true),
+                (vec![flag.as_str(), "false"], false),
+            ] {
+                assert!(is(&with(&extra), want), "{sub} {extra:?}");
+            }
+            // The file: a TOML boolean, at the top or in the command's table.
+            for (text, want) in [
+                (format!("{id} = true\n"), true),
+                (format!("{id} = false\n"), false),
+                (format!("[{sub}]\n{id} = true\n"), true),
+            ] {
+                std::fs::write(&file, &text).unwrap();
+                assert!(is(&with(&["--config", path]), want), "{sub} {text:?}");
+            }
+            // The binary takes the same forms: the refusal that follows is
+            // another setting's, not the boolean's.
+            let accepted = |said: &str| {
+                !said.contains(flag.as_str())
+                    && !said.contains(env.as_str())
+                    && said.to_lowercase().replace('-', "_").contains("max_ttl")
+            };
+            for extra in [
+                vec![flag.as_str()],
+                vec![on.as_str()],
+                vec![off.as_str()],
+                vec![flag.as_str(), "true"],
+                vec![flag.as_str(), "false"],
+            ] {
+                let said = refused(bare(&[]).args(&start).args(&extra).args(["--max-ttl", "0"]));
+                assert!(accepted(&said), "{extra:?}: {said}");
+            }
+            // The variable, through the binary so as not to set it in this
+            // process: `true` and `false` are accepted.
+            for value in ["true", "false"] {
+                let said = refused(
+                    bare(&[(env.as_str(), value)])
+                        .args(&start)
+                        .args(["--max-ttl", "0"]),
+                );
+                assert!(accepted(&said), "{env}={value}: {said}");
+            }
+        }
+    }
+    assert!(seen.iter().any(|id| id == "require_key"), "{seen:?}");
+}

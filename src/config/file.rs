@@ -13,7 +13,6 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use clap::ArgAction;
 use clap::parser::ValueSource;
 
 use super::ConfigError;
@@ -121,14 +120,9 @@ pub fn merge(cmd: clap::Command, argv: Vec<OsString>) -> Result<Vec<OsString>, C
                 format!("{key}: expected a string, number, boolean or list"),
             )
         })?;
-        match arg.get_action() {
-            ArgAction::SetTrue => match value.as_bool() {
-                Some(true) => argv.push(format!("--{long}").into()),
-                Some(false) => {}
-                None => return Err(file_error(path, format!("{key}: expected true or false"))),
-            },
-            _ => argv.push(format!("--{long}={text}").into()),
-        }
+        // Booleans too: they all take `--flag=true|false` (see
+        // `config::boolean_style`).
+        argv.push(format!("--{long}={text}").into());
     }
     Ok(argv)
 }

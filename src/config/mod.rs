@@ -1,6 +1,10 @@
 //! Typed settings: every one a flag or an `IDEMGATE_*` environment variable
 //! (flag first), parsed and validated once at start-up so a bad value fails
 //! fast with the setting's name.
+//!
+//! Each settings struct carries `#[command(mut_args = boolean_style)]`, so
+//! that a `bool` field is a setting of the one boolean form without
+//! attributes of its own.
 
 pub mod file;
 mod proxy;
@@ -10,7 +14,7 @@ pub use proxy::ProxyArgs;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{ArgAction, Args};
 use secrecy::{ExposeSecret, SecretString};
 use subtle::ConstantTimeEq;
 
@@ -19,8 +23,43 @@ use crate::fingerprint::{FingerprintPolicy, JsonPointer};
 use crate::key::{KeyFormat, KeyPolicy};
 use crate::seal::Sealer;
 
+/// Gives a boolean setting its one form: `--strict-key` alone turns it on,
+/// `--strict-key true|false` or `--strict-key=true|false` says which, and so
+/// do `IDEMGATE_STRICT_KEY=true|false` and `strict_key = true|false` in the
+/// file. One form for every boolean, whether it defaults to on or off, lets
+/// the variable and the file spell the value as the flag does, and a
+/// script can pass a value through without branching on it.
+///
+/// For `#[command(mut_args = boolean_style)]` on a settings struct: any
+/// other argument is returned as it is, and applying it twice changes
+/// nothing.
+pub fn boolean_style(arg: clap::Arg) -> clap::Arg {
+    let flag = matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse);
+    let boolean = arg.get_value_parser().type_id() == std::any::TypeId::of::<bool>();
+    let settable = flag || matches!(arg.get_action(), ArgAction::Set);
+    if !(flag || boolean) || !settable || arg.get_long().is_none() {
+        return arg;
+    }
+    // A `--no-…` flag of clap's SetFalse kind stores false when given.
+    let (given, unset) = match arg.get_action() {
+        ArgAction::SetFalse => ("false", "true"),
+        _ => ("true", "false"),
+    };
+    let arg = if arg.get_default_values().is_empty() {
+        arg.default_value(unset)
+    } else {
+        arg
+    };
+    arg.action(ArgAction::Set)
+        .value_parser(clap::value_parser!(bool))
+        .num_args(0..=1)
+        .default_missing_value(given)
+        .value_name("true|false")
+}
+
 /// Where the records live.
 #[derive(Debug, Clone, Args)]
+#[command(mut_args = boolean_style)]
 pub struct StoreArgs {
     /// Database URL: postgres://… (any number of idemgate processes) or
     /// sqlite://… (one process per file).
@@ -50,6 +89,7 @@ pub struct StoreArgs {
 /// What a long-running command (`serve`, `proxy`) does beside its requests,
 /// and the memory it keeps for them.
 #[derive(Debug, Clone, Args)]
+#[command(mut_args = boolean_style)]
 pub struct RunArgs {
     /// Do not apply pending migrations at start (`idemgate migrate` does).
     #[arg(long, env = "IDEMGATE_NO_MIGRATE")]
@@ -191,9 +231,10 @@ impl RunArgs {
 
 /// How keys, fingerprints and leases are handled: the published policy.
 #[derive(Debug, Clone, Args)]
+#[command(mut_args = boolean_style)]
 pub struct PolicyArgs {
     /// Reject bare (unquoted) keys: only RFC 8941 sf-strings are accepted.
-    #[arg(long, env = "IDEMGATE_STRICT_KEY", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long, env = "IDEMGATE_STRICT_KEY")]
     pub strict_key: bool,
 
     /// Longest key accepted, in characters after unquoting.
@@ -242,6 +283,7 @@ pub struct PolicyArgs {
 
 /// Settings of `idemgate serve`.
 #[derive(Debug, Clone, Args)]
+#[command(mut_args = boolean_style)]
 pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, env = "IDEMGATE_LISTEN", default_value = "127.0.0.1:8080")]

@@ -4,10 +4,11 @@ use std::net::SocketAddr;
 
 use clap::Args;
 
-use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs};
+use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style};
 
 /// Settings of `idemgate proxy`.
 #[derive(Debug, Clone, Args)]
+#[command(mut_args = boolean_style)]
 pub struct ProxyArgs {
     /// The origin every request is forwarded to: http://HOST:PORT, optionally
     /// with a base path. Required.
@@ -56,7 +57,7 @@ pub struct ProxyArgs {
 
     /// Answer 400 key-missing to a guarded request without a key, instead of
     /// passing it through unguarded.
-    #[arg(long, env = "IDEMGATE_REQUIRE_KEY", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long, env = "IDEMGATE_REQUIRE_KEY")]
     pub require_key: bool,
 
     /// The request header that carries the key.
