@@ -66,23 +66,39 @@ pub struct StoreArgs {
     #[arg(
         long,
         env = "DATABASE_URL",
+        value_name = "URL",
         default_value = "sqlite://idemgate.db",
         hide_env_values = true
     )]
     pub database_url: String,
 
     /// Most database connections this process opens.
-    #[arg(long, env = "IDEMGATE_DB_MAX_CONNECTIONS", default_value_t = 16)]
+    #[arg(
+        long,
+        env = "IDEMGATE_DB_MAX_CONNECTIONS",
+        value_name = "N",
+        default_value_t = 16
+    )]
     pub db_max_connections: u32,
 
     /// Seconds a request waits for a database connection before it answers
     /// 503 store-unavailable.
-    #[arg(long, env = "IDEMGATE_DB_ACQUIRE_TIMEOUT", default_value_t = 3)]
+    #[arg(
+        long,
+        env = "IDEMGATE_DB_ACQUIRE_TIMEOUT",
+        value_name = "SECONDS",
+        default_value_t = 3
+    )]
     pub db_acquire_timeout: u64,
 
     /// Seconds one statement may run before the database cancels it (and the
     /// request answers 503 store-unavailable).
-    #[arg(long, env = "IDEMGATE_DB_STATEMENT_TIMEOUT", default_value_t = 5)]
+    #[arg(
+        long,
+        env = "IDEMGATE_DB_STATEMENT_TIMEOUT",
+        value_name = "SECONDS",
+        default_value_t = 5
+    )]
     pub db_statement_timeout: u64,
 }
 
@@ -96,17 +112,27 @@ pub struct RunArgs {
     pub no_migrate: bool,
 
     /// Seconds between pruning passes (0 turns the job off).
-    #[arg(long, env = "IDEMGATE_PRUNE_INTERVAL", default_value_t = 60)]
+    #[arg(
+        long,
+        env = "IDEMGATE_PRUNE_INTERVAL",
+        value_name = "SECONDS",
+        default_value_t = 60
+    )]
     pub prune_interval: u64,
 
     /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
-    #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE", default_value_t = 30)]
+    #[arg(
+        long,
+        env = "IDEMGATE_SHUTDOWN_GRACE",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
     pub shutdown_grace: u64,
 
     /// Seconds a client has to send a request's headers before its
     /// connection is closed, and at most between two pieces of its body
     /// before it gets 408 (slow clients cannot hold connections open).
-    #[arg(long, env = "IDEMGATE_HEADER_READ_TIMEOUT", default_value_t = 10,
+    #[arg(long, env = "IDEMGATE_HEADER_READ_TIMEOUT", value_name = "SECONDS", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub header_read_timeout: u64,
 
@@ -121,18 +147,29 @@ pub struct RunArgs {
 
     /// Bytes of memory for completed responses, replayed from there without
     /// a database round trip until they expire (0 turns the cache off).
-    #[arg(long, env = "IDEMGATE_REPLAY_CACHE_BYTES", default_value_t = DEFAULT_REPLAY_CACHE_BYTES)]
+    #[arg(long, env = "IDEMGATE_REPLAY_CACHE_BYTES", value_name = "BYTES",
+          default_value_t = DEFAULT_REPLAY_CACHE_BYTES)]
     pub replay_cache_bytes: u64,
 
     /// Most keys one tenant may hold in flight at once; a new key beyond it
     /// is answered 429 tenant-limit with Retry-After (0: no limit).
-    #[arg(long, env = "IDEMGATE_TENANT_MAX_IN_FLIGHT", default_value_t = 0)]
+    #[arg(
+        long,
+        env = "IDEMGATE_TENANT_MAX_IN_FLIGHT",
+        value_name = "N",
+        default_value_t = 0
+    )]
     pub tenant_max_in_flight: u32,
 
     /// Most bytes of stored responses one tenant may keep until they
     /// expire; at or over it, its new keys are answered 429 tenant-limit
     /// with Retry-After while its replays go on (0: no limit).
-    #[arg(long, env = "IDEMGATE_TENANT_MAX_STORED_BYTES", default_value_t = 0)]
+    #[arg(
+        long,
+        env = "IDEMGATE_TENANT_MAX_STORED_BYTES",
+        value_name = "BYTES",
+        default_value_t = 0
+    )]
     pub tenant_max_stored_bytes: u64,
 
     /// Seals stored responses at rest (AES-256-GCM): 32 random bytes,
@@ -238,7 +275,7 @@ pub struct PolicyArgs {
     pub strict_key: bool,
 
     /// Longest key accepted, in characters after unquoting.
-    #[arg(long, env = "IDEMGATE_KEY_MAX_LEN", default_value_t = 255,
+    #[arg(long, env = "IDEMGATE_KEY_MAX_LEN", value_name = "N", default_value_t = 255,
           value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub key_max_len: u16,
 
@@ -257,27 +294,47 @@ pub struct PolicyArgs {
     pub methods: Vec<String>,
 
     /// Largest stored response body (and proxied request body), in bytes.
-    #[arg(long, env = "IDEMGATE_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    #[arg(long, env = "IDEMGATE_MAX_BODY_BYTES", value_name = "BYTES", default_value_t = 1024 * 1024)]
     pub max_body_bytes: usize,
 
     /// Lease in seconds when a reservation names none.
-    #[arg(long, env = "IDEMGATE_DEFAULT_LEASE", default_value_t = 30)]
+    #[arg(
+        long,
+        env = "IDEMGATE_DEFAULT_LEASE",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
     pub default_lease: u32,
 
     /// Longest lease in seconds a reservation may ask for.
-    #[arg(long, env = "IDEMGATE_MAX_LEASE", default_value_t = 3600)]
+    #[arg(
+        long,
+        env = "IDEMGATE_MAX_LEASE",
+        value_name = "SECONDS",
+        default_value_t = 3600
+    )]
     pub max_lease: u32,
 
     /// Seconds a key is remembered when a reservation names no TTL.
-    #[arg(long, env = "IDEMGATE_DEFAULT_TTL", default_value_t = 86_400)]
+    #[arg(
+        long,
+        env = "IDEMGATE_DEFAULT_TTL",
+        value_name = "SECONDS",
+        default_value_t = 86_400
+    )]
     pub default_ttl: u32,
 
     /// Longest TTL in seconds a reservation may ask for.
-    #[arg(long, env = "IDEMGATE_MAX_TTL", default_value_t = 7 * 86_400)]
+    #[arg(long, env = "IDEMGATE_MAX_TTL", value_name = "SECONDS", default_value_t = 7 * 86_400)]
     pub max_ttl: u32,
 
     /// Longest `Prefer: wait=N` honoured, in seconds.
-    #[arg(long, env = "IDEMGATE_MAX_WAIT", default_value_t = 10)]
+    #[arg(
+        long,
+        env = "IDEMGATE_MAX_WAIT",
+        value_name = "SECONDS",
+        default_value_t = 10
+    )]
     pub max_wait: u32,
 }
 
@@ -286,12 +343,18 @@ pub struct PolicyArgs {
 #[command(mut_args = boolean_style)]
 pub struct ServeArgs {
     /// Address to listen on.
-    #[arg(long, env = "IDEMGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(
+        long,
+        env = "IDEMGATE_LISTEN",
+        value_name = "HOST:PORT",
+        default_value = "127.0.0.1:8080"
+    )]
     pub listen: SocketAddr,
 
     /// Bearer tokens and their tenants: tenant:token,tenant:token. Without
     /// tokens the server is open, single-tenant, and loopback-only.
-    #[arg(long, env = "IDEMGATE_TOKENS", hide_env_values = true, value_parser = TokensParser)]
+    #[arg(long, env = "IDEMGATE_TOKENS", value_name = "TENANT:TOKEN,…", hide_env_values = true,
+          value_parser = TokensParser)]
     pub tokens: Option<Tokens>,
 
     #[command(flatten)]

@@ -16,12 +16,22 @@ pub struct ProxyArgs {
     pub upstream: Option<String>,
 
     /// Address the proxy listens on.
-    #[arg(long, env = "IDEMGATE_LISTEN", default_value = "127.0.0.1:8081")]
+    #[arg(
+        long,
+        env = "IDEMGATE_LISTEN",
+        value_name = "HOST:PORT",
+        default_value = "127.0.0.1:8081"
+    )]
     pub listen: SocketAddr,
 
     /// Address of the admin listener: /healthz, /readyz, /metrics,
     /// /v1/policy (never mixed into the upstream's paths).
-    #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_LISTEN",
+        value_name = "HOST:PORT",
+        default_value = "127.0.0.1:9090"
+    )]
     pub admin_listen: SocketAddr,
 
     /// Seconds a client waits for the upstream's answer once its request is
@@ -29,7 +39,12 @@ pub struct ProxyArgs {
     /// the timeout: it runs on, its key's lease kept alive, and its late
     /// answer is stored for the retry. The key's lease is this plus 5,
     /// extended every third of that while the call runs.
-    #[arg(long, env = "IDEMGATE_UPSTREAM_TIMEOUT", default_value_t = 30)]
+    #[arg(
+        long,
+        env = "IDEMGATE_UPSTREAM_TIMEOUT",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
     pub upstream_timeout: u64,
 
     /// Seconds after which a guarded upstream call that has still not
@@ -39,12 +54,22 @@ pub struct ProxyArgs {
     /// default outlasts the request timeouts origins commonly have
     /// themselves (30 to 120 s), at the cost of a connection and a task per
     /// call still running.
-    #[arg(long, env = "IDEMGATE_UPSTREAM_ABANDON_AFTER", default_value_t = 300)]
+    #[arg(
+        long,
+        env = "IDEMGATE_UPSTREAM_ABANDON_AFTER",
+        value_name = "SECONDS",
+        default_value_t = 300
+    )]
     pub upstream_abandon_after: u64,
 
     /// Seconds to wait for a connection to the upstream (502
     /// upstream-unavailable after that; the key is released).
-    #[arg(long, env = "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT", default_value_t = 5)]
+    #[arg(
+        long,
+        env = "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT",
+        value_name = "SECONDS",
+        default_value_t = 5
+    )]
     pub upstream_connect_timeout: u64,
 
     /// Send the client's Host header to the upstream (true), so that the
@@ -52,7 +77,7 @@ pub struct ProxyArgs {
     /// clients use; false sends the upstream URL's host:port instead, for an
     /// origin that routes by its own name. X-Forwarded-Host carries the
     /// client's either way.
-    #[arg(long, env = "IDEMGATE_PRESERVE_HOST", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = "IDEMGATE_PRESERVE_HOST", default_value_t = true)]
     pub preserve_host: bool,
 
     /// Answer 400 key-missing to a guarded request without a key, instead of
@@ -73,7 +98,7 @@ pub struct ProxyArgs {
 
     /// Response statuses returned but not stored: the key is released, since
     /// the origin did not act.
-    #[arg(long, env = "IDEMGATE_RELEASE_STATUSES", value_delimiter = ',',
+    #[arg(long, env = "IDEMGATE_RELEASE_STATUSES", value_name = "STATUS", value_delimiter = ',',
           default_value = "408,425,429,503", value_parser = clap::value_parser!(u16).range(100..=599))]
     pub release_statuses: Vec<u16>,
 
