@@ -12,17 +12,23 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 
-use idemgate::cli::{Cli, CliError, Command};
+use idemgate::cli::{Cli, CliError, Command, ERROR_PREFIX};
 use idemgate::config::{LogFormat, StoreArgs};
 use idemgate::{api, proxy, prune, server, telemetry};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = match Cli::try_parse_merged(std::env::args_os().collect()) {
+    let mut cli = match Cli::try_parse_merged(std::env::args_os().collect()) {
         Ok(cli) => cli,
         Err(CliError::Clap(e)) => e.exit(),
-        Err(CliError::Config(e)) => return fail(e.into()),
+        // A usage error, as clap's own exit with.
+        Err(CliError::Config(message)) => {
+            eprintln!("{ERROR_PREFIX}{message}");
+            return ExitCode::from(2);
+        }
     };
+    // Names a refused setting as it was set (flag, variable, file key).
+    let sources = std::mem::take(&mut cli.sources);
     let json = cli.log_format == LogFormat::Json;
     telemetry::init_tracing(json);
     let result = match cli.command {
@@ -35,17 +41,14 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if json => {
-            tracing::error!(error = format!("{e:#}"), "idemgate stopped");
+            tracing::error!(error = sources.explain(&e), "idemgate stopped");
             ExitCode::FAILURE
         }
-        Err(e) => fail(e),
+        Err(e) => {
+            eprintln!("{ERROR_PREFIX}{}", sources.explain(&e));
+            ExitCode::FAILURE
+        }
     }
-}
-
-/// A refusal before logging is set up, or with human logs.
-fn fail(e: anyhow::Error) -> ExitCode {
-    eprintln!("idemgate: error: {e:#}");
-    ExitCode::FAILURE
 }
 
 /// What a one-shot command did: a log line with JSON logs, so that every

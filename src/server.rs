@@ -8,7 +8,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 
 use crate::api::{self, App, AppState};
-use crate::config::{ServeArgs, StoreArgs};
+use crate::config::{ConfigError, ServeArgs, StoreArgs};
 use crate::store::postgres::PgSettings;
 use crate::store::{PgStore, SqliteStore, Store};
 
@@ -25,8 +25,9 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
                 acquire_timeout: Duration::from_secs(args.db_acquire_timeout.max(1)),
                 statement_timeout: Duration::from_secs(args.db_statement_timeout.max(1)),
             };
-            let store = PgStore::connect_lazy(url, &settings).map_err(|e| {
-                anyhow::anyhow!("DATABASE_URL: not a usable PostgreSQL URL: {}", e.reason())
+            let store = PgStore::connect_lazy(url, &settings).map_err(|e| ConfigError {
+                setting: "database_url",
+                problem: format!("not a usable PostgreSQL URL: {}", e.reason()),
             })?;
             if migrate {
                 // The store's message names the cause and what to do about it.
@@ -41,11 +42,9 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
             Ok(Arc::new(store))
         }
         "sqlite" => {
-            let store = SqliteStore::open(url).await.map_err(|e| {
-                anyhow::anyhow!(
-                    "DATABASE_URL: cannot open the SQLite database {url}: {}",
-                    e.reason()
-                )
+            let store = SqliteStore::open(url).await.map_err(|e| ConfigError {
+                setting: "database_url",
+                problem: format!("cannot open the SQLite database: {}", e.reason()),
             })?;
             if migrate {
                 store.migrate().await.map_err(|e| {
@@ -59,10 +58,14 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
             tracing::info!(database = %url, "embedded SQLite store: one idemgate process per file");
             Ok(Arc::new(store))
         }
-        _ => anyhow::bail!(
-            "DATABASE_URL: expected a postgres://… URL, or a SQLite one (sqlite://PATH, \
-             sqlite:PATH, sqlite::memory:), got scheme {scheme:?}"
-        ),
+        _ => Err(ConfigError {
+            setting: "database_url",
+            problem: format!(
+                "expected a postgres://… URL, or a SQLite one (sqlite://PATH, sqlite:PATH, \
+                 sqlite::memory:), got scheme {scheme:?}"
+            ),
+        }
+        .into()),
     }
 }
 
@@ -91,9 +94,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate()?;
     let store = open_store(&args.store, !args.run.no_migrate).await?;
     let state = app_state(&args, store.clone());
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("IDEMGATE_LISTEN: cannot listen on {}", args.listen))?;
+    let listener = TcpListener::bind(args.listen).await.context(ConfigError {
+        setting: "listen",
+        problem: "cannot listen there".into(),
+    })?;
     if state.tokens.is_empty() {
         tracing::warn!(
             listen = %args.listen,

@@ -367,8 +367,13 @@ async fn a_bad_log_format_is_refused_naming_the_setting() {
     for (env, args, named) in [
         (None, &["serve", "--log-format", "xml"][..], "--log-format"),
         (None, &["--log-format", "xml", "migrate"], "--log-format"),
-        (Some("xml"), &["serve"], "--log-format"),
-        (None, &["serve", "--config", path], "log_format"),
+        // The variable is named as such, with its value.
+        (Some("xml"), &["serve"], "IDEMGATE_LOG_FORMAT=xml"),
+        (
+            None,
+            &["serve", "--config", path],
+            "key `log_format` = \"xml\"",
+        ),
     ] {
         let mut cmd = idemgate(&db);
         cmd.env_remove("IDEMGATE_LOG_FORMAT");
@@ -392,10 +397,10 @@ async fn a_token_given_to_two_tenants_is_refused_without_showing_it() {
     let path = dir.path().join("tokens.toml");
     std::fs::write(&path, format!("tokens = \"{tokens}\"\n")).unwrap();
     let path = path.to_str().unwrap();
-    for (env, args) in [
-        (Some(tokens.as_str()), &["serve"][..]),
-        (None, &["serve", "--tokens", &tokens]),
-        (None, &["serve", "--config", path]),
+    for (env, args, named) in [
+        (Some(tokens.as_str()), &["serve"][..], "IDEMGATE_TOKENS"),
+        (None, &["serve", "--tokens", &tokens], "--tokens"),
+        (None, &["serve", "--config", path], "key `tokens`"),
     ] {
         let mut cmd = idemgate(&db);
         if let Some(value) = env {
@@ -408,7 +413,7 @@ async fn a_token_given_to_two_tenants_is_refused_without_showing_it() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(!out.status.success(), "{args:?} was accepted");
-        assert!(all.contains("IDEMGATE_TOKENS"), "{args:?}: {all}");
+        assert!(all.contains(named), "{args:?}: {all}");
         assert!(all.contains("given to two tenants"), "{args:?}: {all}");
         assert!(!all.contains(secret), "{args:?} showed the token: {all}");
     }
@@ -452,6 +457,8 @@ async fn two_tokens_of_one_tenant_and_a_repeated_pair_are_accepted() {
     }
 }
 
+// === Refusals name the setting as it was set ===
+
 /// `idemgate` with nothing from the caller's environment but `env`.
 fn bare(env: &[(&str, &str)]) -> std::process::Command {
     let mut cmd = std::process::Command::new(common::bin::BIN);
@@ -474,6 +481,200 @@ fn refused(cmd: &mut std::process::Command) -> String {
     );
     assert!(!stderr.contains("panicked"), "{cmd:?}: {stderr}");
     stderr
+}
+
+/// The arguments that make `sub` start but for the setting under test.
+fn start_args(sub: &str) -> Vec<&'static str> {
+    match sub {
+        "proxy" => vec!["proxy", "--upstream", "http://127.0.0.1:9"],
+        _ => vec!["serve"],
+    }
+}
+
+/// Every setting of `serve` and `proxy` whose value has a form a message
+/// states (a duration, a size, a count, an address, a boolean): the
+/// command, the id, the flag, the variable and that form.
+fn formed_settings() -> Vec<(&'static str, String, String, String, &'static str)> {
+    let cmd = idemgate::cli::built();
+    let mut found = Vec::new();
+    for sub in ["serve", "proxy"] {
+        for arg in cmd.find_subcommand(sub).unwrap().get_arguments() {
+            let (Some(long), Some(env), Some(form)) = (
+                arg.get_long(),
+                arg.get_env(),
+                idemgate::config::source::expected_form(arg),
+            ) else {
+                continue;
+            };
+            found.push((
+                sub,
+                arg.get_id().to_string(),
+                format!("--{long}"),
+                env.to_string_lossy().into_owned(),
+                form,
+            ));
+        }
+    }
+    found
+}
+
+#[test]
+fn a_refused_value_names_the_flag_the_variable_or_the_file_key_it_came_from() {
+    let settings = formed_settings();
+    for want in [
+        "--default-ttl",
+        "--upstream-timeout",
+        "--prune-interval",
+        "--listen",
+    ] {
+        assert!(
+            settings.iter().any(|(_, _, flag, _, _)| flag == want),
+            "{want} has no form: {settings:?}"
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.toml");
+    let path = file.to_str().unwrap();
+    for (sub, id, flag, env, form) in &settings {
+        let form = form.split(" (").next().unwrap();
+        // From the environment: the variable and its value, not the flag.
+        let said = refused(bare(&[(env, "soon")]).args(start_args(sub)));
+        assert!(said.contains(&format!("{env}=soon")), "{env}: {said}");
+        assert!(said.contains(form), "{env}: {said}");
+        assert!(
+            !said.contains(flag.as_str()),
+            "{env} named as {flag}: {said}"
+        );
+        // From the command line: the flag, not the variable.
+        let said = refused(bare(&[]).args(start_args(sub)).args([flag, "soon"]));
+        assert!(said.contains(&format!("{flag} soon")), "{flag}: {said}");
+        assert!(said.contains(form), "{flag}: {said}");
+        assert!(
+            !said.contains(env.as_str()),
+            "{flag} named as {env}: {said}"
+        );
+        // From the file: the file and the key as written there.
+        std::fs::write(&file, format!("[{sub}]\n{id} = \"soon\"\n")).unwrap();
+        let said = refused(bare(&[]).args(start_args(sub)).args(["--config", path]));
+        assert!(
+            said.contains(&format!("{path}: key `{sub}.{id}` = \"soon\"")),
+            "{id} in the file: {said}"
+        );
+        assert!(said.contains(form), "{id} in the file: {said}");
+        assert!(
+            !said.contains(flag.as_str()) && !said.contains(env.as_str()),
+            "{id} in the file named as its flag or variable: {said}"
+        );
+    }
+}
+
+#[test]
+fn a_duration_value_error_says_whole_seconds_and_names_the_variable() {
+    let said = refused(bare(&[("IDEMGATE_DEFAULT_TTL", "abc")]).arg("serve"));
+    assert!(said.contains("IDEMGATE_DEFAULT_TTL=abc"), "{said}");
+    assert!(said.contains("whole seconds"), "{said}");
+    assert!(!said.contains("--default-ttl"), "{said}");
+    let said = refused(bare(&[("IDEMGATE_LISTEN", "localhost:8080")]).arg("serve"));
+    assert!(
+        said.contains(
+            "IDEMGATE_LISTEN=localhost:8080: expected HOST:PORT (an IP address and a port"
+        ),
+        "{said}"
+    );
+}
+
+#[test]
+fn a_refusal_after_the_parse_names_the_setting_as_it_was_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("zero.toml");
+    let path = file.to_str().unwrap();
+    std::fs::write(&file, "[serve]\ndefault_ttl = 0\n").unwrap();
+    for (env, args, named, not) in [
+        (
+            &[][..],
+            &["serve", "--default-ttl", "0"][..],
+            "--default-ttl 0: must be at least 1 second",
+            "IDEMGATE_DEFAULT_TTL",
+        ),
+        (
+            &[("IDEMGATE_DEFAULT_TTL", "0")],
+            &["serve"],
+            "IDEMGATE_DEFAULT_TTL=0: must be at least 1 second",
+            "--default-ttl",
+        ),
+        (
+            &[],
+            &["serve", "--config", path],
+            &format!("{path}: key `serve.default_ttl` = 0: must be at least 1 second"),
+            "IDEMGATE_DEFAULT_TTL",
+        ),
+        (
+            &[],
+            &[
+                "proxy",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--upstream-timeout",
+                "0",
+            ],
+            "--upstream-timeout 0: must be at least 1 second",
+            "IDEMGATE_UPSTREAM_TIMEOUT",
+        ),
+        // Two settings at odds: each named as it was set, the default too.
+        (
+            &[],
+            &["serve", "--max-ttl", "3600"],
+            "the default --default-ttl 86400: exceeds the longest TTL a reservation may ask for, \
+             --max-ttl 3600",
+            "IDEMGATE_MAX_TTL",
+        ),
+        (
+            &[("IDEMGATE_LISTEN", "0.0.0.0:0")],
+            &["serve"],
+            "IDEMGATE_LISTEN=0.0.0.0:0: refusing to listen on 0.0.0.0:0 without tokens \
+             (protected mode)",
+            "--listen",
+        ),
+    ] {
+        let said = refused(bare(env).args(args));
+        assert!(said.contains(named), "{env:?} {args:?}: {said}");
+        assert!(!said.contains(not), "{env:?} {args:?} named {not}: {said}");
+    }
+}
+
+#[test]
+fn every_error_line_has_one_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, "nope = 1\n").unwrap();
+    let path = file.to_str().unwrap();
+    for (env, args) in [
+        // clap's own refusals: an unknown flag, a missing value, a bad value.
+        (&[][..], &["serve", "--nope"][..]),
+        (&[], &["serve", "--default-ttl"]),
+        (&[], &["serve", "--default-ttl", "abc"]),
+        (&[], &["frobnicate"]),
+        (&[], &["migrate", "--no-migrate"]),
+        // The file's.
+        (&[], &["serve", "--config", path]),
+        // validate()'s, and a start-up failure.
+        (&[], &["serve", "--default-ttl", "0"]),
+        (&[("DATABASE_URL", "mysql://x")], &["serve"]),
+    ] {
+        let said = refused(bare(env).args(args));
+        let first = said.lines().next().unwrap_or_default();
+        assert!(first.starts_with("idemgate: error: "), "{args:?}: {said}");
+        assert!(
+            !said.lines().any(|l| l.starts_with("error:")),
+            "{args:?}: a second prefix: {said}"
+        );
+    }
+    // --help and --version are no errors: standard output, exit 0.
+    for args in [&["--help"][..], &["--version"], &["serve", "--help"]] {
+        let out = bare(&[]).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+        assert!(!out.stdout.is_empty() && out.stderr.is_empty(), "{args:?}");
+    }
 }
 
 #[test]
@@ -502,14 +703,6 @@ fn migrate_and_prune_help_describes_what_they_do() {
             help.contains("--no-migrate"),
             "{sub} lost --no-migrate:\n{help}"
         );
-    }
-}
-
-/// The arguments that make `sub` start but for the setting under test.
-fn start_args(sub: &str) -> Vec<&'static str> {
-    match sub {
-        "proxy" => vec!["proxy", "--upstream", "http://127.0.0.1:9"],
-        _ => vec!["serve"],
     }
 }
 
@@ -609,7 +802,8 @@ fn every_boolean_takes_one_form_from_flag_environment_and_file() {
                 assert!(accepted(&said), "{extra:?}: {said}");
             }
             // The variable, through the binary so as not to set it in this
-            // process: `true` and `false` are accepted.
+            // process: `true` and `false` are accepted, anything else is
+            // refused as the variable.
             for value in ["true", "false"] {
                 let said = refused(
                     bare(&[(env.as_str(), value)])
@@ -618,7 +812,113 @@ fn every_boolean_takes_one_form_from_flag_environment_and_file() {
                 );
                 assert!(accepted(&said), "{env}={value}: {said}");
             }
+            let said = refused(bare(&[(env.as_str(), "maybe")]).args(&start));
+            assert!(
+                said.contains(&format!("{env}=maybe: expected true or false")),
+                "{said}"
+            );
+            let said = refused(bare(&[]).args(&start).arg(format!("{flag}=maybe")));
+            assert!(
+                said.contains(&format!("{flag} maybe: expected true or false")),
+                "{said}"
+            );
         }
     }
     assert!(seen.iter().any(|id| id == "require_key"), "{seen:?}");
+}
+
+#[test]
+fn refusals_never_show_a_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("secret.toml");
+    std::fs::write(&file, "seal_key = \"c2hvcnQta2V5LW9mLTE2Yg==\"\n").unwrap();
+    for (env, args, named, secret) in [
+        (
+            &[("DATABASE_URL", "mysql://app:hunter2@db/idem")][..],
+            &["serve"][..],
+            "DATABASE_URL=mysql://app:***@db/idem",
+            "hunter2",
+        ),
+        (
+            &[],
+            &["serve", "--database-url", "mysql://app:hunter2@db/idem"],
+            "--database-url mysql://app:***@db/idem",
+            "hunter2",
+        ),
+        (
+            &[],
+            &["serve", "--seal-key", "c2hvcnQta2V5LW9mLTE2Yg=="],
+            "--seal-key (value not shown",
+            "c2hvcnQta2V5LW9mLTE2Yg",
+        ),
+        (
+            &[("IDEMGATE_SEAL_KEY", "c2hvcnQta2V5LW9mLTE2Yg==")],
+            &["serve"],
+            "IDEMGATE_SEAL_KEY (value not shown",
+            "c2hvcnQta2V5LW9mLTE2Yg",
+        ),
+        (
+            &[],
+            &["serve", "--config", file.to_str().unwrap()],
+            "key `seal_key` (value not shown",
+            "c2hvcnQta2V5LW9mLTE2Yg",
+        ),
+        (
+            &[],
+            &["serve", "--tokens", "acme:t0p-s3cret,globex"],
+            "--tokens (value not shown",
+            "t0p-s3cret",
+        ),
+        (
+            &[],
+            &["proxy", "--upstream", "http://app:hunter2@127.0.0.1:9"],
+            "--upstream http://app:***@127.0.0.1:9",
+            "hunter2",
+        ),
+    ] {
+        let said = refused(bare(env).args(args));
+        assert!(said.contains(named), "{args:?}: {said}");
+        assert!(!said.contains(secret), "{args:?} showed a secret: {said}");
+    }
+}
+
+/// A number's refusal says what it counts only if the setting's value name
+/// does (`SECONDS`, `BYTES`, `N`, …): a new duration without one would be
+/// refused as "a whole number", not "whole seconds".
+#[test]
+fn every_number_setting_names_its_unit() {
+    use std::any::TypeId;
+    let numbers = [
+        TypeId::of::<u8>(),
+        TypeId::of::<u16>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u64>(),
+        TypeId::of::<usize>(),
+    ];
+    let units: Vec<&str> = idemgate::config::source::FORMS
+        .iter()
+        .map(|(name, _)| *name)
+        .collect();
+    let cmd = idemgate::cli::built();
+    for sub in cmd.get_subcommands() {
+        for arg in sub.get_arguments() {
+            let ty = arg.get_value_parser().type_id();
+            if !numbers.iter().any(|n| ty == *n) {
+                continue;
+            }
+            let names: Vec<String> = arg
+                .get_value_names()
+                .unwrap_or_default()
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            assert!(
+                names.iter().any(|n| units.contains(&n.as_str())),
+                "{} {}: give it a value_name of config::source::FORMS, e.g. \"SECONDS\" \
+                 (got {names:?})",
+                sub.get_name(),
+                arg.get_id()
+            );
+        }
+    }
 }

@@ -375,12 +375,7 @@ fn bad_seal_keys_refuse_to_start() {
             "IDEMGATE_SEAL_KEY",
             "not*base64*at-all",
         ),
-        (
-            vec![],
-            vec!["--seal-key", short],
-            "IDEMGATE_SEAL_KEY",
-            short,
-        ),
+        (vec![], vec!["--seal-key", short], "--seal-key", short),
         (
             vec![
                 ("IDEMGATE_SEAL_KEY", KEY_A),
@@ -393,7 +388,7 @@ fn bad_seal_keys_refuse_to_start() {
         (
             vec![],
             vec!["--config", config.to_str().unwrap()],
-            "IDEMGATE_SEAL_KEY",
+            "key `seal_key`",
             short,
         ),
     ];

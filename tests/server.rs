@@ -121,7 +121,8 @@ async fn bad_settings_fail_fast_naming_the_setting() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("IDEMGATE_DEFAULT_LEASE"));
+    // Named as it was set: the flag, with its value.
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--default-lease 7200"));
 }
 
 #[tokio::test]

@@ -4,12 +4,16 @@
 //!
 //! Each settings struct carries `#[command(mut_args = boolean_style)]`, so
 //! that a `bool` field is a setting of the one boolean form without
-//! attributes of its own.
+//! attributes of its own, and names its duration, size and count settings'
+//! units by value name (`SECONDS`, `BYTES`, `N`): that is what a refused
+//! value's message says is expected (see [`source::FORMS`]).
 
 pub mod file;
 mod proxy;
+pub mod source;
 
 pub use proxy::ProxyArgs;
+pub use source::{Origin, Sources};
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -251,8 +255,8 @@ impl RunArgs {
         else {
             if previous.is_some() {
                 return Err(ConfigError {
-                    setting: "IDEMGATE_SEAL_KEY_PREVIOUS",
-                    problem: "is set without IDEMGATE_SEAL_KEY: set the current key too".into(),
+                    setting: "seal_key_previous",
+                    problem: "holds retired keys but no current one: set {seal_key} too".into(),
                 });
             }
             return Ok(None);
@@ -444,8 +448,10 @@ impl clap::builder::TypedValueParser for TokensParser {
                  secrets): {problem}\n"
             ),
         );
-        // Lets a refused `tokens` key of the config file be named as such.
+        // The setting and the problem, without the value: what the command
+        // line's refusal names (its source: a flag, the variable, the file).
         err.insert(ContextKind::InvalidArg, ContextValue::String(name));
+        err.insert(ContextKind::Custom, ContextValue::String(problem));
         Err(err.with_cmd(cmd))
     }
 }
@@ -504,15 +510,29 @@ fn parse_method(s: &str) -> Result<String, String> {
         .map_err(|_| format!("{s:?} is not an HTTP method"))
 }
 
-/// A setting that cannot be used, named as the operator wrote it.
-#[derive(Debug, thiserror::Error)]
-#[error("{setting}: {problem}")]
+/// A setting that cannot be used.
+///
+/// The command line's printer names the setting as the operator set it — the
+/// flag, the variable with its value, or the `--config` file and its key —
+/// from the [`Sources`] of the parse; without those (settings built in
+/// code), `Display` names its flag and variable both.
+#[derive(Debug)]
 pub struct ConfigError {
-    /// The environment variable (and flag) at fault.
+    /// The setting at fault: its id, the flag's name with `_`
+    /// (`default_ttl`). A `--flag` or a variable's name is understood too.
     pub setting: &'static str,
-    /// What is wrong and how to fix it.
+    /// What is wrong and how to fix it, to follow the setting's name. A
+    /// `{id}` in it names another setting the same way (`exceeds {max_ttl}`).
     pub problem: String,
 }
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&Sources::default().render(self))
+    }
+}
+
+impl std::error::Error for ConfigError {}
 
 // === impl PolicyArgs ===
 
@@ -520,10 +540,10 @@ impl PolicyArgs {
     /// Checks the values that clap cannot check alone.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let positive = [
-            ("IDEMGATE_DEFAULT_LEASE", self.default_lease),
-            ("IDEMGATE_MAX_LEASE", self.max_lease),
-            ("IDEMGATE_DEFAULT_TTL", self.default_ttl),
-            ("IDEMGATE_MAX_TTL", self.max_ttl),
+            ("default_lease", self.default_lease),
+            ("max_lease", self.max_lease),
+            ("default_ttl", self.default_ttl),
+            ("max_ttl", self.max_ttl),
         ];
         for (setting, v) in positive {
             if v == 0 {
@@ -535,26 +555,24 @@ impl PolicyArgs {
         }
         if self.default_lease > self.max_lease {
             return Err(ConfigError {
-                setting: "IDEMGATE_DEFAULT_LEASE",
-                problem: format!(
-                    "{} exceeds IDEMGATE_MAX_LEASE ({})",
-                    self.default_lease, self.max_lease
-                ),
+                setting: "default_lease",
+                problem: "exceeds the longest lease a reservation may ask for, {max_lease}: \
+                          lower the one or raise the other"
+                    .into(),
             });
         }
         if self.default_ttl > self.max_ttl {
             return Err(ConfigError {
-                setting: "IDEMGATE_DEFAULT_TTL",
-                problem: format!(
-                    "{} exceeds IDEMGATE_MAX_TTL ({})",
-                    self.default_ttl, self.max_ttl
-                ),
+                setting: "default_ttl",
+                problem: "exceeds the longest TTL a reservation may ask for, {max_ttl}: \
+                          lower the one or raise the other"
+                    .into(),
             });
         }
         if self.max_body_bytes == 0 {
             return Err(ConfigError {
-                setting: "IDEMGATE_MAX_BODY_BYTES",
-                problem: "must be at least 1".into(),
+                setting: "max_body_bytes",
+                problem: "must be at least 1 byte".into(),
             });
         }
         Ok(())
@@ -597,11 +615,12 @@ impl ServeArgs {
         let open = self.tokens.as_ref().is_none_or(Tokens::is_empty);
         if open && !self.listen.ip().is_loopback() {
             return Err(ConfigError {
-                setting: "IDEMGATE_TOKENS",
+                setting: "listen",
                 problem: format!(
                     "refusing to listen on {} without tokens (protected mode): anyone who can \
-                     reach it could read and complete every key. Set IDEMGATE_TOKENS=tenant:token,… \
-                     or listen on a loopback address (IDEMGATE_LISTEN=127.0.0.1:8080)",
+                     reach it could read and complete every key. Set tokens \
+                     (--tokens or IDEMGATE_TOKENS=tenant:token,…) or listen on a loopback \
+                     address (e.g. 127.0.0.1:8080)",
                     self.listen
                 ),
             });

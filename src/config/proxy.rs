@@ -133,7 +133,7 @@ impl ProxyArgs {
         self.upstream_uri()?;
         if self.upstream_timeout == 0 {
             return Err(ConfigError {
-                setting: "IDEMGATE_UPSTREAM_TIMEOUT",
+                setting: "upstream_timeout",
                 problem: "must be at least 1 second".into(),
             });
         }
@@ -149,18 +149,16 @@ impl ProxyArgs {
         }
         if self.upstream_connect_timeout == 0 {
             return Err(ConfigError {
-                setting: "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT",
+                setting: "upstream_connect_timeout",
                 problem: "must be at least 1 second".into(),
             });
         }
         if self.listen == self.admin_listen && self.listen.port() != 0 {
             return Err(ConfigError {
-                setting: "IDEMGATE_ADMIN_LISTEN",
-                problem: format!(
-                    "{} is also the proxy's address (IDEMGATE_LISTEN); the admin endpoints \
-                     need a listener of their own",
-                    self.admin_listen
-                ),
+                setting: "admin_listen",
+                problem: "is also the proxy's address ({listen}); the admin endpoints need a \
+                          listener of their own"
+                    .into(),
             });
         }
         self.policy.validate()
@@ -169,7 +167,7 @@ impl ProxyArgs {
     /// The upstream as a URI: `http`, a host, and a path without query.
     pub fn upstream_uri(&self) -> Result<http::Uri, ConfigError> {
         let bad = |problem: String| ConfigError {
-            setting: "--upstream / IDEMGATE_UPSTREAM",
+            setting: "upstream",
             problem,
         };
         let Some(raw) = self.upstream.as_deref().map(str::trim) else {
@@ -177,7 +175,8 @@ impl ProxyArgs {
                 "required: the origin to forward to, e.g. --upstream http://127.0.0.1:3000".into(),
             ));
         };
-        // Checked first, so no message below echoes a password.
+        // Checked first: no message shows the value, but the command line's
+        // names it (masking a password), and an embedded user is no better.
         let authority = raw.split_once("://").map_or(raw, |(_, rest)| rest);
         let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
         if authority.contains('@') {
@@ -187,9 +186,7 @@ impl ProxyArgs {
                     .into(),
             ));
         }
-        let uri: http::Uri = raw
-            .parse()
-            .map_err(|e| bad(format!("{raw:?} is not a URL: {e}")))?;
+        let uri: http::Uri = raw.parse().map_err(|e| bad(format!("not a URL: {e}")))?;
         match uri.scheme_str() {
             Some("http") => {}
             Some(other) => {
@@ -199,14 +196,14 @@ impl ProxyArgs {
                 )));
             }
             None => {
-                return Err(bad(format!("{raw:?} has no scheme; use http://HOST:PORT")));
+                return Err(bad("no scheme; use http://HOST:PORT".into()));
             }
         }
         if uri.host().is_none_or(str::is_empty) {
-            return Err(bad(format!("{raw:?} names no host")));
+            return Err(bad("names no host".into()));
         }
         if uri.query().is_some() {
-            return Err(bad(format!("{raw:?} has a query; give a base URL only")));
+            return Err(bad("has a query; give a base URL only".into()));
         }
         Ok(uri)
     }

@@ -66,7 +66,7 @@ impl Proxy {
             args.preserve_host,
         )
         .map_err(|problem| ConfigError {
-            setting: "--upstream / IDEMGATE_UPSTREAM",
+            setting: "upstream",
             problem,
         })?;
         let policy = layer_policy(args, routes);
@@ -122,16 +122,15 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     };
     let store = server::open_store(&args.store, !args.run.no_migrate).await?;
     let proxy = Proxy::build(&args, routes, store.clone())?;
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("IDEMGATE_LISTEN: cannot listen on {}", args.listen))?;
+    let listener = TcpListener::bind(args.listen).await.context(ConfigError {
+        setting: "listen",
+        problem: "cannot listen there".into(),
+    })?;
     let admin = TcpListener::bind(args.admin_listen)
         .await
-        .with_context(|| {
-            format!(
-                "IDEMGATE_ADMIN_LISTEN: cannot listen on {}",
-                args.admin_listen
-            )
+        .context(ConfigError {
+            setting: "admin_listen",
+            problem: "cannot listen there".into(),
         })?;
     let pruner = args.run.spawn_pruner(store);
     telemetry::record_pruned(0);

@@ -38,12 +38,14 @@ struct RouteEntry {
 /// The rules of the file at `path`; `max_ttl` bounds `ttl_seconds`.
 ///
 /// # Errors
-/// A [`ConfigError`] naming the file, the entry and the field.
+/// A [`ConfigError`] of the `config` setting (named as it was given, which
+/// shows the file) naming the entry and the field.
 pub fn from_file(path: &Path, max_ttl: u32) -> Result<Vec<Route>, ConfigError> {
     let table = file::read(path)?;
+    // Named as the `config` setting, whose name shows the path.
     from_table(&table, max_ttl).map_err(|problem| ConfigError {
-        setting: "--config",
-        problem: format!("{}: {problem}", path.display()),
+        setting: "config",
+        problem,
     })
 }
 
