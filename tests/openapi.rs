@@ -4,6 +4,27 @@
 
 use std::path::Path;
 
+use serde_json::{Value, json};
+
+/// The document as JSON, as clients and generators read it.
+fn doc() -> Value {
+    serde_json::to_value(idemgate::api::openapi()).unwrap()
+}
+
+/// `schema`, with a `$ref` followed into the document's components.
+fn resolve<'a>(doc: &'a Value, schema: &'a Value) -> &'a Value {
+    match schema["$ref"].as_str() {
+        Some(target) => {
+            let pointer = target.strip_prefix('#').unwrap_or(target);
+            let found = doc
+                .pointer(pointer)
+                .unwrap_or_else(|| panic!("{target} points at nothing"));
+            resolve(doc, found)
+        }
+        None => schema,
+    }
+}
+
 #[test]
 fn committed_openapi_matches_the_code() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("openapi/openapi.json");
@@ -54,4 +75,20 @@ fn every_operation_has_a_verb_resource_id_and_problem_errors() {
         }
     }
     assert_eq!(ids.len(), 10, "{ids:?}");
+}
+
+/// A reserve answers `201` (reserved) or `200` (the replay); a client that
+/// holds either must be able to tell which from the body alone, so `state`
+/// is required and allows exactly one value in each.
+#[test]
+fn the_two_answers_of_a_reserve_are_told_apart_by_state() {
+    let doc = doc();
+    for (view, value) in [("ReservedView", "reserved"), ("CompletedView", "completed")] {
+        let schema = &doc["components"]["schemas"][view];
+        let required = schema["required"].as_array().unwrap();
+        assert!(required.contains(&json!("state")), "{view}: {schema:#}");
+        let state = resolve(&doc, &schema["properties"]["state"]);
+        assert_eq!(state["type"], "string", "{view}.state: {state:#}");
+        assert_eq!(state["enum"], json!([value]), "{view}.state: {state:#}");
+    }
 }

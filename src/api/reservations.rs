@@ -15,7 +15,7 @@ use super::extract::{ApiJson, Tenant};
 use super::problem::{ApiError, Problem, Result};
 use super::views::{
     CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, RequestDescription,
-    ReserveBody, ReservedView, completed_response, record_view,
+    ReserveBody, ReservedState, ReservedView, completed_response, record_view,
 };
 use crate::engine::{CommitOutcome, Lookup, Refusal, ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
@@ -138,7 +138,7 @@ pub async fn create_reservation(
             let mut res = (
                 StatusCode::CREATED,
                 axum::Json(ReservedView {
-                    state: "reserved",
+                    state: ReservedState::Reserved,
                     reservation_id: r.reservation_id,
                     attempt: r.attempt,
                     lease_expires_at: r.lease_expires_at,

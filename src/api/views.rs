@@ -45,12 +45,32 @@ pub struct RequestDescription {
     pub body: Option<serde_json::Value>,
 }
 
+/// The `state` of a reserve's `201`: always `reserved`, where its `200`
+/// replay says `completed`.
+// A type of its own rather than a string: the document then names the one
+// value allowed, and a generated client can tell the two answers of a reserve
+// apart by `state` (a TypeScript union narrows on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReservedState {
+    /// The caller holds the key.
+    Reserved,
+}
+
+/// The `state` of a completed key's view: always `completed`, where a
+/// reserve's `201` says `reserved`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CompletedState {
+    /// The key's response is stored.
+    Completed,
+}
+
 /// `201`: the caller holds the key and owns the effect.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ReservedView {
-    /// Always `reserved`.
-    #[schema(example = "reserved")]
-    pub state: &'static str,
+    /// Always `reserved`: tells this answer from a [`CompletedView`].
+    pub state: ReservedState,
     /// Fencing token for commit, release, extend and checkpoint.
     pub reservation_id: Uuid,
     /// 1 for a new key; more after a takeover.
@@ -83,9 +103,8 @@ pub struct ResponseView {
 /// `200`: the key was completed; this is its stored response.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CompletedView {
-    /// Always `completed`.
-    #[schema(example = "completed")]
-    pub state: &'static str,
+    /// Always `completed`: tells this answer from a [`ReservedView`].
+    pub state: CompletedState,
     /// The stored response.
     pub response: ResponseView,
     /// When it was stored.
@@ -181,7 +200,7 @@ pub(super) fn completed_response(record: &Record) -> Response {
         body: Vec::new(),
     };
     let view = CompletedView {
-        state: "completed",
+        state: CompletedState::Completed,
         response: response_view(record.response.as_ref().unwrap_or(&empty)),
         completed_at: record.completed_at,
         expires_at: record.expires_at,
