@@ -240,6 +240,50 @@ async fn bad_bodies_and_fields_are_400_invalid_request(b: Backend) {
         .assert_problem(400, "invalid-request");
 }
 
+/// A commit's header line that is not exactly two strings is refused with
+/// its index, and refusing it stores nothing: the same reservation then
+/// commits a correct body.
+async fn a_header_line_that_is_not_a_pair_is_400_naming_it(b: Backend) {
+    let app = app(&b).await;
+    let id = app.reserve(&fresh_key(), "").await.reservation_id();
+    for (headers, index) in [
+        (r#"[["a","1"],["x","y","z"]]"#, 1),
+        (r#"[["x"]]"#, 0),
+        (r#"[[]]"#, 0),
+        (r#"[["a","1"],["b","2"],["c",3]]"#, 2),
+        (r#"[["a","1"],"x-charge: ch_1"]"#, 1),
+        (r#"[{"name":"x-charge","value":"ch_1"}]"#, 0),
+        (r#"[["a","1"],null]"#, 1),
+    ] {
+        let res = app
+            .act(
+                &id,
+                "commit",
+                &format!(r#"{{"status":200,"headers":{headers}}}"#),
+            )
+            .await;
+        res.assert_problem(400, "invalid-request");
+        let detail = res.body["detail"].as_str().unwrap();
+        let want = format!("headers[{index}] must be [name, value]");
+        assert!(
+            detail.contains(&want),
+            "{headers}: {detail:?} does not say {want:?}"
+        );
+    }
+    let commit = app
+        .act(
+            &id,
+            "commit",
+            r#"{"status":200,"headers":[["x-charge","ch_1"]]}"#,
+        )
+        .await;
+    assert_eq!(commit.status, 200, "{commit:#?}");
+    assert_eq!(
+        commit.body["response"]["headers"],
+        json!([["x-charge", "ch_1"]])
+    );
+}
+
 async fn unknown_ids_and_paths_are_404(b: Backend) {
     let app = app(&b).await;
     let unknown = uuid::Uuid::new_v4().to_string();
@@ -528,6 +572,7 @@ both_stores! {
         missing_and_malformed_keys_are_400,
         strict_mode_and_uuid_format,
         bad_bodies_and_fields_are_400_invalid_request,
+        a_header_line_that_is_not_a_pair_is_400_naming_it,
         unknown_ids_and_paths_are_404,
         commit_is_idempotent_for_the_same_response_only,
         bodies_over_the_limit_are_413,

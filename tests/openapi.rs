@@ -92,3 +92,34 @@ fn the_two_answers_of_a_reserve_are_told_apart_by_state() {
         assert_eq!(state["enum"], json!([value]), "{view}.state: {state:#}");
     }
 }
+
+/// Header lines, in the commit body and in the stored response, are each
+/// exactly `[name, value]`: a tuple of two strings, which generators type as
+/// `[string, string]`.
+#[test]
+fn header_lines_are_name_value_pairs() {
+    let doc = doc();
+    for (schema, field) in [("CommitBody", "headers"), ("ResponseView", "headers")] {
+        let lines = resolve(
+            &doc,
+            &doc["components"]["schemas"][schema]["properties"][field],
+        );
+        assert_eq!(lines["type"], "array", "{schema}.{field}: {lines:#}");
+        let pair = resolve(&doc, &lines["items"]);
+        assert_eq!(pair["type"], "array", "{schema}.{field}: {pair:#}");
+        assert_eq!(
+            pair["prefixItems"],
+            json!([{"type": "string"}, {"type": "string"}]),
+            "{schema}.{field}: {pair:#}"
+        );
+        assert_eq!(pair["minItems"], 2, "{schema}.{field}: {pair:#}");
+        assert_eq!(pair["maxItems"], 2, "{schema}.{field}: {pair:#}");
+        // Not `false`, which would say the same: openapi-python-client
+        // refuses a document that holds a boolean schema.
+        assert_eq!(
+            pair["items"],
+            json!({"type": "string"}),
+            "{schema}.{field}: {pair:#}"
+        );
+    }
+}

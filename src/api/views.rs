@@ -1,11 +1,14 @@
 //! The reservation API's request bodies and response views (its OpenAPI
 //! schemas), and how records become those views.
 
+use std::fmt;
+
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use chrono::{DateTime, Utc};
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
@@ -121,7 +124,7 @@ pub struct CommitBody {
     #[schema(minimum = 100, maximum = 599)]
     pub status: u16,
     /// Header lines as `[name, value]` pairs.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "header_pairs")]
     #[schema(schema_with = header_lines)]
     pub headers: Vec<(String, String)>,
     /// The body as text.
@@ -230,14 +233,98 @@ pub(super) fn record_view(id: Uuid, record: &Record, live: bool) -> RecordView {
 
 /// The schema of header lines: an array of `[name, value]` pairs, each
 /// exactly two strings.
+///
+/// A pair is a tuple (`prefixItems`), so that generators type it as
+/// `[string, string]` rather than `string[]`. `maxItems` forbids a third
+/// item, so `items` could be `false` and mean the same; it is
+/// `{"type": "string"}` because openapi-python-client refuses a whole
+/// document that holds a boolean schema.
 fn header_lines() -> utoipa::openapi::schema::Array {
     use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    let string = || ObjectBuilder::new().schema_type(Type::String).build();
     let pair = ArrayBuilder::new()
-        .items(ObjectBuilder::new().schema_type(Type::String))
+        .prefix_items([string(), string()])
+        .items(string())
         .min_items(Some(2))
         .max_items(Some(2));
     ArrayBuilder::new()
         .items(pair)
         .description(Some("Header lines as `[name, value]` pairs."))
         .build()
+}
+
+/// Reads the header lines of a commit, each exactly `[name, value]`; any
+/// other line is refused with its index, where serde's own reading of a pair
+/// said only `trailing characters` or `invalid length`, naming neither the
+/// field nor the line.
+fn header_pairs<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Vec<(String, String)>, D::Error> {
+    struct Lines;
+
+    impl<'de> Visitor<'de> for Lines {
+        type Value = Vec<(String, String)>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an array of [name, value] pairs")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut lines = Vec::new();
+            // Each line is read whole as a JSON value first, so that a wrong
+            // one is named by its index whatever shape it has.
+            while let Some(line) = seq.next_element::<serde_json::Value>()? {
+                let pair = serde_json::from_value::<(String, String)>(line).map_err(|_| {
+                    de::Error::custom(format!(
+                        "headers[{}] must be [name, value] (two strings)",
+                        lines.len()
+                    ))
+                })?;
+                lines.push(pair);
+            }
+            Ok(lines)
+        }
+    }
+
+    deserializer.deserialize_seq(Lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn commit(json: &str) -> Result<CommitBody, String> {
+        serde_json::from_str(json).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn header_lines_read_as_pairs_or_not_at_all() {
+        let body = commit(r#"{"status":200,"headers":[["a","1"],["b",""]]}"#).unwrap();
+        assert_eq!(
+            body.headers,
+            [("a".into(), "1".into()), ("b".into(), String::new())]
+        );
+        assert!(commit(r#"{"status":200}"#).unwrap().headers.is_empty());
+        assert!(
+            commit(r#"{"status":200,"headers":[]}"#)
+                .unwrap()
+                .headers
+                .is_empty()
+        );
+        for (json, index) in [
+            (r#"{"status":200,"headers":[["a","1","2"]]}"#, 0),
+            (r#"{"status":200,"headers":[["a","1"],["b"]]}"#, 1),
+            (
+                r#"{"status":200,"headers":[["a","1"],["b","2"],[1,"3"]]}"#,
+                2,
+            ),
+        ] {
+            let error = commit(json).unwrap_err();
+            assert!(
+                error.starts_with(&format!("headers[{index}] must be [name, value]")),
+                "{json}: {error}"
+            );
+        }
+        assert!(commit(r#"{"status":200,"headers":{"a":"1"}}"#).is_err());
+    }
 }
