@@ -284,6 +284,18 @@ async fn a_header_line_that_is_not_a_pair_is_400_naming_it(b: Backend) {
     );
 }
 
+/// The reserve and extend bodies are optional: none at all, or `null`, is
+/// `{}`, as the document declares them.
+async fn optional_bodies_may_be_left_out_or_null(b: Backend) {
+    let app = app(&b).await;
+    for body in ["", "null", " null\n"] {
+        let res = app.reserve(&fresh_key(), body).await;
+        assert_eq!(res.status, 201, "{body:?}: {res:#?}");
+        let extended = app.act(&res.reservation_id(), "extend", body).await;
+        assert_eq!(extended.status, 200, "{body:?}: {extended:#?}");
+    }
+}
+
 async fn unknown_ids_and_paths_are_404(b: Backend) {
     let app = app(&b).await;
     let unknown = uuid::Uuid::new_v4().to_string();
@@ -573,6 +585,7 @@ both_stores! {
         strict_mode_and_uuid_format,
         bad_bodies_and_fields_are_400_invalid_request,
         a_header_line_that_is_not_a_pair_is_400_naming_it,
+        optional_bodies_may_be_left_out_or_null,
         unknown_ids_and_paths_are_404,
         commit_is_idempotent_for_the_same_response_only,
         bodies_over_the_limit_are_413,

@@ -123,3 +123,31 @@ fn header_lines_are_name_value_pairs() {
         );
     }
 }
+
+/// The reserve and extend bodies may be left out: each is an optional body
+/// whose schema is the body's own, not `oneOf [body, null]`, which
+/// openapi-python-client's client crashed on when the body was left out.
+/// The commit and checkpoint bodies stay required.
+#[test]
+fn optional_bodies_are_declared_optional_not_nullable() {
+    let doc = doc();
+    for (path, schema, required) in [
+        ("/v1/reservations", "ReserveBody", false),
+        ("/v1/reservations/{id}/extend", "ExtendBody", false),
+        ("/v1/reservations/{id}/commit", "CommitBody", true),
+        ("/v1/reservations/{id}/checkpoint", "Recovery", true),
+    ] {
+        let body = &doc["paths"][path]["post"]["requestBody"];
+        assert_eq!(body["required"], required, "{path}: {body:#}");
+        assert_eq!(
+            body["content"]["application/json"]["schema"],
+            json!({ "$ref": format!("#/components/schemas/{schema}") }),
+            "{path}: {body:#}"
+        );
+    }
+    let text = doc["paths"].to_string();
+    assert!(
+        !text.contains(r#"{"type":"null"}"#),
+        "a schema under paths is oneOf [..., null]: {text}"
+    );
+}

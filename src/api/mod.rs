@@ -93,7 +93,7 @@ impl Modify for BearerAuth {
 }
 
 fn openapi_router() -> OpenApiRouter<AppState> {
-    OpenApiRouter::with_openapi(ApiDoc::openapi())
+    let mut router = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(reservations::create_reservation))
         .routes(routes!(reservations::get_reservation))
         .routes(routes!(reservations::commit_reservation))
@@ -103,7 +103,60 @@ fn openapi_router() -> OpenApiRouter<AppState> {
         .routes(routes!(ops::get_policy))
         .routes(routes!(ops::get_healthz))
         .routes(routes!(ops::get_readyz))
-        .routes(routes!(ops::get_metrics))
+        .routes(routes!(ops::get_metrics));
+    // The handlers' paths are only in the document once routed, after the
+    // `ApiDoc` modifiers have run.
+    optional_bodies(router.get_openapi_mut());
+    router
+}
+
+/// Declares each request body given as `Option<T>` as an optional body of
+/// schema `T`, the way generators read one that may be left out.
+///
+/// utoipa renders `Option<T>` as a body of schema `oneOf [T, null]` with no
+/// `required`: openapi-python-client then sends its "unset" marker as the
+/// JSON body of a call that leaves the body out, and crashes. The server
+/// reads an absent body, or `null`, as `{}` (see [`extract::ApiJson`]), so
+/// leaving it out is what such a body means.
+fn optional_bodies(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::schema::{Schema, SchemaType, Type};
+    use utoipa::openapi::{RefOr, Required};
+
+    for item in doc.paths.paths.values_mut() {
+        let operations = [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ];
+        for body in
+            operations
+                .into_iter()
+                .flatten()
+                .filter_map(|op| match op.request_body.as_mut() {
+                    Some(RefOr::T(body)) => Some(body),
+                    _ => None,
+                })
+        {
+            let mut optional = false;
+            for content in body.content.values_mut() {
+                let RefOr::T(content) = content else { continue };
+                let Some(RefOr::T(Schema::OneOf(one_of))) = &content.schema else {
+                    continue;
+                };
+                if let [inner, RefOr::T(Schema::Object(null))] = one_of.items.as_slice()
+                    && null.schema_type == SchemaType::Type(Type::Null)
+                {
+                    content.schema = Some(inner.clone());
+                    optional = true;
+                }
+            }
+            if optional {
+                body.required = Some(Required::False);
+            }
+        }
+    }
 }
 
 /// The OpenAPI document, as generated from the handlers.

@@ -49,7 +49,8 @@ pub(super) fn register_metrics() {
         ("Idempotency-Key" = String, Header, min_length = 1, description = "The key: an RFC 8941 sf-string (a bare token is accepted unless strict mode is on)."),
         ("Prefer" = Option<String>, Header, description = "`wait=N`: hold the request up to N seconds (capped) while another holder is in flight."),
     ),
-    request_body(content = Option<ReserveBody>, content_type = "application/json"),
+    request_body(content = Option<ReserveBody>, content_type = "application/json",
+        description = "Optional: no body, or `null`, is `{}` (every field takes its default)."),
     responses(
         (status = 201, description = "Reserved: perform the effect, then commit.", body = ReservedView,
          headers(("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered"))),
@@ -256,7 +257,8 @@ pub async fn release_reservation(
     path = "/v1/reservations/{id}/extend",
     tag = "reservations",
     params(("id" = Uuid, Path, description = "The reservation id")),
-    request_body(content = Option<ExtendBody>, content_type = "application/json"),
+    request_body(content = Option<ExtendBody>, content_type = "application/json",
+        description = "Optional: no body, or `null`, is `{}` (the default lease)."),
     responses(
         (status = 200, description = "Extended.", body = ExtendedView),
         (status = 400, description = "invalid-request", body = Problem, content_type = "application/problem+json"),
