@@ -296,6 +296,44 @@ async fn optional_bodies_may_be_left_out_or_null(b: Backend) {
     }
 }
 
+/// Every response header the document declares on an answer is on that
+/// answer (the 503s are the outage tests').
+async fn the_response_headers_the_document_declares_are_sent(b: Backend) {
+    let doc = serde_json::to_value(idemgate::api::openapi()).unwrap();
+    let check = |res: &common::app::TestResponse, path: &str, status: u16| {
+        assert_eq!(res.status, status, "{res:#?}");
+        let declared = doc["paths"][path]["post"]["responses"][status.to_string()]["headers"]
+            .as_object()
+            .unwrap_or_else(|| panic!("POST {path} {status} declares no headers"));
+        for name in declared.keys() {
+            assert!(
+                res.headers.contains_key(name.as_str()),
+                "POST {path} {status} declares {name}, which is not sent: {res:#?}"
+            );
+        }
+    };
+    let app = TestApp::new(&b.url(), &["--tenant-max-in-flight", "1"]).await;
+    let key = fresh_key();
+    let reserved = app.reserve(&key, "").await;
+    check(&reserved, "/v1/reservations", 201);
+    let id = reserved.reservation_id();
+    assert_eq!(
+        reserved.header("location"),
+        format!("/v1/reservations/{id}")
+    );
+    check(&app.reserve(&key, "").await, "/v1/reservations", 409);
+    check(
+        &app.reserve(&fresh_key(), "").await,
+        "/v1/reservations",
+        429,
+    );
+    let commit = app.act(&id, "commit", r#"{"status":204}"#).await;
+    check(&commit, "/v1/reservations/{id}/commit", 200);
+    let replay = app.reserve(&key, "").await;
+    check(&replay, "/v1/reservations", 200);
+    assert_eq!(replay.header("idempotent-replayed"), "true");
+}
+
 async fn unknown_ids_and_paths_are_404(b: Backend) {
     let app = app(&b).await;
     let unknown = uuid::Uuid::new_v4().to_string();
@@ -586,6 +624,7 @@ both_stores! {
         bad_bodies_and_fields_are_400_invalid_request,
         a_header_line_that_is_not_a_pair_is_400_naming_it,
         optional_bodies_may_be_left_out_or_null,
+        the_response_headers_the_document_declares_are_sent,
         unknown_ids_and_paths_are_404,
         commit_is_idempotent_for_the_same_response_only,
         bodies_over_the_limit_are_413,

@@ -2,6 +2,7 @@
 //! Regenerate it with `IDEMGATE_UPDATE_OPENAPI=1 cargo test --test openapi`
 //! (or `cargo run -- openapi --output openapi/openapi.json`).
 
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use serde_json::{Value, json};
@@ -150,4 +151,63 @@ fn optional_bodies_are_declared_optional_not_nullable() {
         !text.contains(r#"{"type":"null"}"#),
         "a schema under paths is oneOf [..., null]: {text}"
     );
+}
+
+/// The response headers a client needs are declared on exactly the answers
+/// that carry them (tests/api.rs checks that they are sent): the expiry on
+/// every reserve, replay and commit, the replay marker, the reservation's
+/// `Location`, and `Retry-After` on every refusal that says when to retry,
+/// which includes every `503 store-unavailable`.
+#[test]
+fn response_headers_are_declared_where_they_are_sent() {
+    let doc = doc();
+    let mut declared = BTreeSet::new();
+    let mut unavailable = BTreeSet::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            for (status, res) in op["responses"].as_object().unwrap() {
+                if status == "503" {
+                    unavailable.insert(format!("{method} {path}"));
+                }
+                for (name, header) in res["headers"].as_object().into_iter().flatten() {
+                    declared.insert(format!("{method} {path} {status} {name}"));
+                    if name == "Retry-After" {
+                        let schema = &header["schema"];
+                        assert_eq!(schema["type"], "integer", "{method} {path} {status}");
+                        assert_eq!(schema["minimum"], 1, "{method} {path} {status}");
+                    }
+                }
+            }
+        }
+    }
+    // Every door that reads or writes the store can find it away.
+    let store_doors: BTreeSet<String> = [
+        "get /readyz",
+        "get /v1/reservations/{id}",
+        "post /v1/reservations",
+        "post /v1/reservations/{id}/checkpoint",
+        "post /v1/reservations/{id}/commit",
+        "post /v1/reservations/{id}/extend",
+        "post /v1/reservations/{id}/release",
+    ]
+    .map(String::from)
+    .into();
+    assert_eq!(unavailable, store_doors);
+    let mut expected: BTreeSet<String> = [
+        "post /v1/reservations 201 Idempotency-Expires",
+        "post /v1/reservations 201 Location",
+        "post /v1/reservations 200 Idempotency-Expires",
+        "post /v1/reservations 200 Idempotent-Replayed",
+        "post /v1/reservations 409 Retry-After",
+        "post /v1/reservations 429 Retry-After",
+        "post /v1/reservations/{id}/commit 200 Idempotency-Expires",
+    ]
+    .map(String::from)
+    .into();
+    expected.extend(
+        store_doors
+            .iter()
+            .map(|door| format!("{door} 503 Retry-After")),
+    );
+    assert_eq!(declared, expected);
 }

@@ -10,6 +10,7 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::problem::{ApiError, PROBLEM_BASE, Problem};
+use super::views::RetryAfterSeconds;
 use crate::fingerprint;
 use crate::key::KeyFormat;
 use crate::telemetry;
@@ -123,7 +124,8 @@ pub async fn get_healthz() -> axum::Json<Health> {
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses(
         (status = 200, description = "The database answers.", body = Health),
-        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
     ))]
 pub async fn get_readyz(State(state): State<AppState>) -> Result<axum::Json<Health>, ApiError> {
     match tokio::time::timeout(READY_TIMEOUT, state.engine.store().ping()).await {

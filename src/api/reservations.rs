@@ -14,8 +14,8 @@ use super::AppState;
 use super::extract::{ApiJson, Tenant};
 use super::problem::{ApiError, Problem, Result};
 use super::views::{
-    CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, RequestDescription,
-    ReserveBody, ReservedState, ReservedView, completed_response, record_view,
+    CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, Replayed, RequestDescription,
+    ReserveBody, ReservedState, ReservedView, RetryAfterSeconds, completed_response, record_view,
 };
 use crate::engine::{CommitOutcome, Lookup, Refusal, ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
@@ -53,18 +53,25 @@ pub(super) fn register_metrics() {
         description = "Optional: no body, or `null`, is `{}` (every field takes its default)."),
     responses(
         (status = 201, description = "Reserved: perform the effect, then commit.", body = ReservedView,
-         headers(("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered"))),
+         headers(
+            ("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered."),
+            ("Location" = String, description = "`/v1/reservations/{id}`: the reservation's record."),
+         )),
         (status = 200, description = "Completed before: the stored response, replayed.", body = CompletedView,
-         headers(("Idempotent-Replayed" = String), ("Idempotency-Expires" = String))),
+         headers(
+            ("Idempotent-Replayed" = inline(Replayed), description = "Always `true`: the answer is the stored response, and nothing was reserved."),
+            ("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered."),
+         )),
         (status = 400, description = "key-missing, key-invalid or invalid-request", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "unauthorized", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "request-in-flight", body = Problem, content_type = "application/problem+json",
-         headers(("Retry-After" = u64))),
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds until the holder has likely finished (at least 1, never past its lease)."))),
         (status = 413, description = "payload-too-large", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "key-reused: the key was used with another payload", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "tenant-limit: the tenant holds as many keys in flight, or as many stored bytes, as it may; nothing was reserved", body = Problem, content_type = "application/problem+json",
-         headers(("Retry-After" = u64))),
-        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds until room is likely (at least 1)."))),
+        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
     ),
     security((), ("bearer" = []))
 )]
@@ -195,13 +202,14 @@ pub async fn create_reservation(
     request_body(content = CommitBody, content_type = "application/json"),
     responses(
         (status = 200, description = "Stored (or stored before, identically).", body = CompletedView,
-         headers(("Idempotency-Expires" = String))),
+         headers(("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered."))),
         (status = 400, description = "invalid-request", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "unauthorized", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "not-found", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "lease-lost: this id no longer holds the key", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "payload-too-large", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
     ),
     security((), ("bearer" = []))
 )]
@@ -234,7 +242,8 @@ pub async fn commit_reservation(
         (status = 401, description = "unauthorized", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "not-found", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "lease-lost", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
     ),
     security((), ("bearer" = []))
 )]
@@ -265,7 +274,8 @@ pub async fn release_reservation(
         (status = 401, description = "unauthorized", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "not-found", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "lease-lost", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
     ),
     security((), ("bearer" = []))
 )]
@@ -309,7 +319,8 @@ pub async fn extend_reservation(
         (status = 404, description = "not-found", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "lease-lost", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "payload-too-large", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
     ),
     security((), ("bearer" = []))
 )]
@@ -357,7 +368,8 @@ pub async fn checkpoint_reservation(
         (status = 401, description = "unauthorized", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "not-found", body = Problem, content_type = "application/problem+json"),
         (status = 410, description = "reservation-gone", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
     ),
     security((), ("bearer" = []))
 )]

@@ -116,6 +116,36 @@ pub struct CompletedView {
     pub expires_at: DateTime<Utc>,
 }
 
+/// The schema of a `Retry-After` header: whole seconds, never 0 (a client
+/// told 0 would retry at once, in a loop). The header itself is written with
+/// each problem that carries `retry_after_seconds`.
+pub struct RetryAfterSeconds;
+
+impl utoipa::PartialSchema for RetryAfterSeconds {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::Integer)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+            .minimum(Some(1))
+            .into()
+    }
+}
+
+/// The schema of the `Idempotent-Replayed` header: only ever `true`. The
+/// header itself is written by [`crate::headers::mark_replayed`].
+pub struct Replayed;
+
+impl utoipa::PartialSchema for Replayed {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .enum_values(Some(["true"]))
+            .into()
+    }
+}
+
 /// Body of `POST /v1/reservations/{id}/commit`: the response to store.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
