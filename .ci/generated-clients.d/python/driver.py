@@ -1,0 +1,208 @@
+"""The reservation API through the client openapi-python-client generates
+from openapi/openapi.json, against a running `idemgate serve`.
+
+Every call goes through the generated functions and models, so a document
+that generates a client which cannot make a call, or cannot read an answer,
+fails here. Each step checks the status, the body, and the headers a client
+relies on.
+
+    python driver.py BASE_URL TOKEN
+"""
+
+import sys
+import uuid
+from http import HTTPStatus
+
+from idemgate_client import AuthenticatedClient, errors
+from idemgate_client.api.reservations import (
+    commit_reservation,
+    create_reservation,
+    extend_reservation,
+    release_reservation,
+)
+from idemgate_client.models import (
+    CommitBody,
+    CompletedState,
+    CompletedView,
+    ExtendedView,
+    Problem,
+    ReserveBody,
+    ReservedState,
+    ReservedView,
+)
+from idemgate_client.types import Response
+
+
+class CheckFailed(Exception):
+    """A step's answer was not what the document and the server promise."""
+
+
+def check(ok: bool, step: str, what: str, res: Response | None = None) -> None:
+    if not ok:
+        seen = ""
+        if res is not None:
+            seen = f"\n  got {int(res.status_code)}: {res.content[:400]!r}"
+        raise CheckFailed(f"{step}: {what}{seen}")
+
+
+def reserve_answer(step: str, res: Response) -> ReservedView | CompletedView:
+    """A reserve's 201 or 200 replay; the caller tells them apart by state."""
+    answer = res.parsed
+    check(
+        isinstance(answer, (ReservedView, CompletedView)),
+        step,
+        "expected a ReservedView or a CompletedView",
+        res,
+    )
+    return answer
+
+
+def reserved(step: str, res: Response) -> ReservedView:
+    check(res.status_code == HTTPStatus.CREATED, step, "expected 201", res)
+    answer = reserve_answer(step, res)
+    if answer.state == ReservedState.RESERVED:
+        assert isinstance(answer, ReservedView)
+        check(
+            res.headers.get("location") == f"/v1/reservations/{answer.reservation_id}",
+            step,
+            "expected Location: /v1/reservations/{id}",
+            res,
+        )
+        check("idempotency-expires" in res.headers, step, "expected Idempotency-Expires", res)
+        return answer
+    raise CheckFailed(f"{step}: expected state reserved, got {answer.state!r}")
+
+
+def completed(step: str, res: Response) -> CompletedView:
+    check(res.status_code == HTTPStatus.OK, step, "expected 200", res)
+    answer = reserve_answer(step, res)
+    if answer.state == CompletedState.COMPLETED:
+        assert isinstance(answer, CompletedView)
+        check("idempotency-expires" in res.headers, step, "expected Idempotency-Expires", res)
+        return answer
+    raise CheckFailed(f"{step}: expected state completed, got {answer.state!r}")
+
+
+def problem(step: str, res: Response, status: int, slug: str) -> Problem:
+    check(res.status_code == status, step, f"expected {status}", res)
+    check(
+        res.headers.get("content-type") == "application/problem+json",
+        step,
+        "expected application/problem+json",
+        res,
+    )
+    body = res.parsed
+    check(isinstance(body, Problem), step, "expected a Problem", res)
+    assert isinstance(body, Problem)
+    check(body.type_.endswith(f"/{slug}"), step, f"expected the {slug} problem", res)
+    check(body.status == status, step, f"expected status {status} in the problem", res)
+    return body
+
+
+def run(base_url: str, token: str) -> int:
+    client = AuthenticatedClient(base_url=base_url, token=token, raise_on_unexpected_status=True)
+    key = f"python-{uuid.uuid4()}"
+    charge = ReserveBody(fingerprint="POST /charges amount=500")
+    steps = 0
+
+    step = "reserve a new key"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
+    first = reserved(step, res)
+    check(first.attempt == 1, step, "expected attempt 1", res)
+    steps += 1
+
+    step = "reserve the same key while it is in flight"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
+    in_flight = problem(step, res, 409, "request-in-flight")
+    retry = in_flight.retry_after_seconds
+    check(isinstance(retry, int) and retry >= 1, step, "expected retry_after_seconds >= 1", res)
+    check(res.headers.get("retry-after") == str(retry), step, "expected Retry-After to match", res)
+    steps += 1
+
+    step = "commit the response"
+    res = commit_reservation.sync_detailed(
+        first.reservation_id,
+        client=client,
+        body=CommitBody(
+            status=201,
+            headers=[["content-type", "application/json"], ["x-charge", "ch_1"]],
+            body='{"id":"ch_1"}',
+        ),
+    )
+    stored = completed(step, res)
+    check(stored.response.status == 201, step, "expected the stored status 201", res)
+    steps += 1
+
+    step = "reserve the completed key again"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
+    check(res.headers.get("idempotent-replayed") == "true", step, "expected Idempotent-Replayed: true", res)
+    replay = completed(step, res)
+    check(replay.response.status == 201, step, "expected the stored status", res)
+    check(
+        replay.response.headers == [["content-type", "application/json"], ["x-charge", "ch_1"]],
+        step,
+        "expected the stored header lines",
+        res,
+    )
+    check(replay.response.body == '{"id":"ch_1"}', step, "expected the stored body", res)
+    steps += 1
+
+    step = "reserve the same key with another payload"
+    other = ReserveBody(fingerprint="POST /charges amount=501")
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=other)
+    problem(step, res, 422, "key-reused")
+    steps += 1
+
+    # A body left out: the generated client must send none (or {}), not its
+    # "unset" marker.
+    fresh = f"python-{uuid.uuid4()}"
+    step = "reserve a new key with no body"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=fresh)
+    held = reserved(step, res)
+    steps += 1
+
+    step = "extend with no body"
+    res = extend_reservation.sync_detailed(held.reservation_id, client=client)
+    check(res.status_code == HTTPStatus.OK, step, "expected 200", res)
+    extended = res.parsed
+    check(isinstance(extended, ExtendedView), step, "expected an ExtendedView", res)
+    assert isinstance(extended, ExtendedView)
+    check(extended.reservation_id == held.reservation_id, step, "expected the same id", res)
+    steps += 1
+
+    step = "release"
+    res = release_reservation.sync_detailed(held.reservation_id, client=client)
+    check(res.status_code == HTTPStatus.NO_CONTENT, step, "expected 204", res)
+    check(res.content == b"", step, "expected no body", res)
+    steps += 1
+
+    step = "reserve the released key again"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=fresh)
+    again = reserved(step, res)
+    check(again.reservation_id != held.reservation_id, step, "expected a new reservation id", res)
+    check(again.attempt == 1, step, "expected attempt 1: the key is new again", res)
+    steps += 1
+
+    print(f"python client (openapi-python-client): {steps} steps passed")
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) != 3:
+        print("usage: driver.py BASE_URL TOKEN", file=sys.stderr)
+        return 2
+    try:
+        return run(sys.argv[1], sys.argv[2])
+    except CheckFailed as e:
+        print(f"python client: FAILED at {e}", file=sys.stderr)
+    except errors.UnexpectedStatus as e:
+        print(
+            f"python client: FAILED: a status the document does not declare: "
+            f"{e.status_code} {e.content[:400]!r}",
+            file=sys.stderr,
+        )
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

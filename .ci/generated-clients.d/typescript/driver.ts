@@ -1,0 +1,184 @@
+// The reservation API through types that openapi-typescript generates from
+// openapi/openapi.json, with every call made by openapi-fetch, against a
+// running `idemgate serve`.
+//
+// It is compiled with `tsc --strict` before it runs, so the document is
+// checked twice: its types must fit the way a client uses them (the union of
+// a reserve's 201 and 200 must narrow on `state`, a header line must be
+// `[string, string]`), and the server's answers must match them at run time.
+//
+//     node out/driver.js BASE_URL TOKEN
+
+import createClient from "openapi-fetch";
+import type { components, paths } from "./idemgate.js";
+
+type Schemas = components["schemas"];
+
+// A header line is exactly [name, value] in the generated types: a compile
+// error otherwise. (Checked on the schema types: openapi-fetch widens tuples to
+// arrays in the data it returns.)
+type Assert<T extends true> = T;
+export type HeaderLinesArePairs = Assert<
+    Schemas["ResponseView"]["headers"] extends [string, string][]
+        ? NonNullable<Schemas["CommitBody"]["headers"]> extends [string, string][]
+            ? true
+            : false
+        : false
+>;
+
+const [baseUrl, token] = process.argv.slice(2);
+if (baseUrl === undefined || token === undefined) {
+    console.error("usage: node out/driver.js BASE_URL TOKEN");
+    process.exit(2);
+}
+const client = createClient<paths>({ baseUrl, headers: { Authorization: `Bearer ${token}` } });
+
+/** A reserve, with a body or with none. */
+const reserve = (key: string, body?: Schemas["ReserveBody"]) =>
+    body === undefined
+        ? client.POST("/v1/reservations", { params: { header: { "Idempotency-Key": key } } })
+        : client.POST("/v1/reservations", { params: { header: { "Idempotency-Key": key } }, body });
+const commit = (id: string, body: Schemas["CommitBody"]) =>
+    client.POST("/v1/reservations/{id}/commit", { params: { path: { id } }, body });
+
+type ReserveResult = Awaited<ReturnType<typeof reserve>>;
+type CommitResult = Awaited<ReturnType<typeof commit>>;
+
+class CheckFailed extends Error {}
+
+function check(ok: unknown, step: string, what: string, response?: Response, body?: unknown): asserts ok {
+    if (!ok) {
+        const seen = response ? `\n  got ${response.status}: ${JSON.stringify(body)}` : "";
+        throw new CheckFailed(`${step}: ${what}${seen}`);
+    }
+}
+
+/** A reserve's 201, told from its 200 replay by `state` alone. */
+function reserved(step: string, { data, error, response }: ReserveResult) {
+    check(response.status === 201, step, "expected 201", response, data ?? error);
+    check(data, step, "expected a body", response, error);
+    if (data.state === "reserved") {
+        // Narrowed: only the 201's body has a reservation_id.
+        const location = `/v1/reservations/${data.reservation_id}`;
+        check(response.headers.get("location") === location, step, `expected Location: ${location}`, response, data);
+        check(response.headers.has("idempotency-expires"), step, "expected Idempotency-Expires", response, data);
+        return data;
+    }
+    throw new CheckFailed(`${step}: expected state reserved, got ${data.state}`);
+}
+
+/** A reserve's 200 replay, or a commit's 200, told from a 201 by `state`. */
+function completed(step: string, { data, error, response }: ReserveResult | CommitResult) {
+    check(response.status === 200, step, "expected 200", response, data ?? error);
+    check(data, step, "expected a body", response, error);
+    if (data.state === "completed") {
+        // Narrowed: only the 200's body has a response.
+        check(response.headers.has("idempotency-expires"), step, "expected Idempotency-Expires", response, data);
+        return data;
+    }
+    throw new CheckFailed(`${step}: expected state completed, got ${data.state}`);
+}
+
+interface Answer {
+    data?: unknown;
+    error?: Schemas["Problem"];
+    response: Response;
+}
+
+function problem(step: string, answer: Answer, status: number, slug: string): Schemas["Problem"] {
+    const { data, error, response } = answer;
+    check(response.status === status, step, `expected ${status}`, response, data ?? error);
+    check(
+        response.headers.get("content-type") === "application/problem+json",
+        step,
+        "expected application/problem+json",
+        response,
+        error,
+    );
+    check(error, step, "expected a problem", response, data);
+    check(error.type.endsWith(`/${slug}`), step, `expected the ${slug} problem`, response, error);
+    check(error.status === status, step, `expected status ${status} in the problem`, response, error);
+    return error;
+}
+
+async function run(): Promise<void> {
+    const key = `typescript-${crypto.randomUUID()}`;
+    const charge = { fingerprint: "POST /charges amount=500" };
+    let steps = 0;
+
+    let step = "reserve a new key";
+    const first = reserved(step, await reserve(key, charge));
+    check(first.attempt === 1, step, "expected attempt 1");
+    steps++;
+
+    step = "reserve the same key while it is in flight";
+    let answer = await reserve(key, charge);
+    const inFlight = problem(step, answer, 409, "request-in-flight");
+    const retry = inFlight.retry_after_seconds;
+    check(typeof retry === "number" && retry >= 1, step, "expected retry_after_seconds >= 1", answer.response, inFlight);
+    check(answer.response.headers.get("retry-after") === String(retry), step, "expected Retry-After to match", answer.response, inFlight);
+    steps++;
+
+    step = "commit the response";
+    const lines: [string, string][] = [
+        ["content-type", "application/json"],
+        ["x-charge", "ch_1"],
+    ];
+    const stored = completed(step, await commit(first.reservation_id, { status: 201, headers: lines, body: '{"id":"ch_1"}' }));
+    check(stored.response.status === 201, step, "expected the stored status 201");
+    steps++;
+
+    step = "reserve the completed key again";
+    answer = await reserve(key, charge);
+    check(
+        answer.response.headers.get("idempotent-replayed") === "true",
+        step,
+        "expected Idempotent-Replayed: true",
+        answer.response,
+        answer.data,
+    );
+    const replay = completed(step, answer);
+    check(replay.response.status === 201, step, "expected the stored status");
+    check(JSON.stringify(replay.response.headers) === JSON.stringify(lines), step, "expected the stored header lines");
+    check(replay.response.body === '{"id":"ch_1"}', step, "expected the stored body");
+    steps++;
+
+    step = "reserve the same key with another payload";
+    problem(step, await reserve(key, { fingerprint: "POST /charges amount=501" }), 422, "key-reused");
+    steps++;
+
+    // Bodies left out: the reserve and extend bodies are optional.
+    const fresh = `typescript-${crypto.randomUUID()}`;
+    step = "reserve a new key with no body";
+    const held = reserved(step, await reserve(fresh));
+    steps++;
+
+    step = "extend with no body";
+    const extended = await client.POST("/v1/reservations/{id}/extend", {
+        params: { path: { id: held.reservation_id } },
+    });
+    check(extended.response.status === 200, step, "expected 200", extended.response, extended.error);
+    check(extended.data, step, "expected a body", extended.response, extended.error);
+    check(extended.data.reservation_id === held.reservation_id, step, "expected the same id", extended.response, extended.data);
+    steps++;
+
+    step = "release";
+    const released = await client.POST("/v1/reservations/{id}/release", {
+        params: { path: { id: held.reservation_id } },
+    });
+    check(released.response.status === 204, step, "expected 204", released.response, released.error);
+    steps++;
+
+    step = "reserve the released key again";
+    const again = reserved(step, await reserve(fresh));
+    check(again.reservation_id !== held.reservation_id, step, "expected a new reservation id");
+    check(again.attempt === 1, step, "expected attempt 1: the key is new again");
+    steps++;
+
+    console.log(`typescript client (openapi-typescript + openapi-fetch): ${steps} steps passed`);
+}
+
+run().catch((e: unknown) => {
+    console.error(`typescript client: FAILED at ${e instanceof CheckFailed ? e.message : String(e)}`);
+    process.exit(1);
+});
