@@ -10,6 +10,7 @@ relies on.
 """
 
 import sys
+import traceback
 import uuid
 from http import HTTPStatus
 
@@ -35,6 +36,11 @@ from idemgate_client.types import Response
 
 class CheckFailed(Exception):
     """A step's answer was not what the document and the server promise."""
+
+
+# The step under way, for the message when something other than a check
+# fails (the generated client raising, say).
+current = {"step": "starting"}
 
 
 def check(ok: bool, step: str, what: str, res: Response | None = None) -> None:
@@ -105,13 +111,13 @@ def run(base_url: str, token: str) -> int:
     charge = ReserveBody(fingerprint="POST /charges amount=500")
     steps = 0
 
-    step = "reserve a new key"
+    step = current["step"] = "reserve a new key"
     res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
     first = reserved(step, res)
     check(first.attempt == 1, step, "expected attempt 1", res)
     steps += 1
 
-    step = "reserve the same key while it is in flight"
+    step = current["step"] = "reserve the same key while it is in flight"
     res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
     in_flight = problem(step, res, 409, "request-in-flight")
     retry = in_flight.retry_after_seconds
@@ -119,7 +125,7 @@ def run(base_url: str, token: str) -> int:
     check(res.headers.get("retry-after") == str(retry), step, "expected Retry-After to match", res)
     steps += 1
 
-    step = "commit the response"
+    step = current["step"] = "commit the response"
     res = commit_reservation.sync_detailed(
         first.reservation_id,
         client=client,
@@ -133,9 +139,14 @@ def run(base_url: str, token: str) -> int:
     check(stored.response.status == 201, step, "expected the stored status 201", res)
     steps += 1
 
-    step = "reserve the completed key again"
+    step = current["step"] = "reserve the completed key again"
     res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
-    check(res.headers.get("idempotent-replayed") == "true", step, "expected Idempotent-Replayed: true", res)
+    check(
+        res.headers.get("idempotent-replayed") == "true",
+        step,
+        "expected Idempotent-Replayed: true",
+        res,
+    )
     replay = completed(step, res)
     check(replay.response.status == 201, step, "expected the stored status", res)
     check(
@@ -147,7 +158,7 @@ def run(base_url: str, token: str) -> int:
     check(replay.response.body == '{"id":"ch_1"}', step, "expected the stored body", res)
     steps += 1
 
-    step = "reserve the same key with another payload"
+    step = current["step"] = "reserve the same key with another payload"
     other = ReserveBody(fingerprint="POST /charges amount=501")
     res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=other)
     problem(step, res, 422, "key-reused")
@@ -156,12 +167,12 @@ def run(base_url: str, token: str) -> int:
     # A body left out: the generated client must send none (or {}), not its
     # "unset" marker.
     fresh = f"python-{uuid.uuid4()}"
-    step = "reserve a new key with no body"
+    step = current["step"] = "reserve a new key with no body"
     res = create_reservation.sync_detailed(client=client, idempotency_key=fresh)
     held = reserved(step, res)
     steps += 1
 
-    step = "extend with no body"
+    step = current["step"] = "extend with no body"
     res = extend_reservation.sync_detailed(held.reservation_id, client=client)
     check(res.status_code == HTTPStatus.OK, step, "expected 200", res)
     extended = res.parsed
@@ -170,13 +181,13 @@ def run(base_url: str, token: str) -> int:
     check(extended.reservation_id == held.reservation_id, step, "expected the same id", res)
     steps += 1
 
-    step = "release"
+    step = current["step"] = "release"
     res = release_reservation.sync_detailed(held.reservation_id, client=client)
     check(res.status_code == HTTPStatus.NO_CONTENT, step, "expected 204", res)
     check(res.content == b"", step, "expected no body", res)
     steps += 1
 
-    step = "reserve the released key again"
+    step = current["step"] = "reserve the released key again"
     res = create_reservation.sync_detailed(client=client, idempotency_key=fresh)
     again = reserved(step, res)
     check(again.reservation_id != held.reservation_id, step, "expected a new reservation id", res)
@@ -197,10 +208,13 @@ def main() -> int:
         print(f"python client: FAILED at {e}", file=sys.stderr)
     except errors.UnexpectedStatus as e:
         print(
-            f"python client: FAILED: a status the document does not declare: "
-            f"{e.status_code} {e.content[:400]!r}",
+            f"python client: FAILED at {current['step']}: a status the document does not "
+            f"declare: {e.status_code} {e.content[:400]!r}",
             file=sys.stderr,
         )
+    except Exception:
+        traceback.print_exc()
+        print(f"python client: FAILED at {current['step']}: the exception above", file=sys.stderr)
     return 1
 
 

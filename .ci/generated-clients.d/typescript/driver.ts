@@ -46,6 +46,9 @@ type CommitResult = Awaited<ReturnType<typeof commit>>;
 
 class CheckFailed extends Error {}
 
+/** The step under way, for the message when something other than a check fails. */
+let step = "starting";
+
 function check(ok: unknown, step: string, what: string, response?: Response, body?: unknown): asserts ok {
     if (!ok) {
         const seen = response ? `\n  got ${response.status}: ${JSON.stringify(body)}` : "";
@@ -106,7 +109,7 @@ async function run(): Promise<void> {
     const charge = { fingerprint: "POST /charges amount=500" };
     let steps = 0;
 
-    let step = "reserve a new key";
+    step = "reserve a new key";
     const first = reserved(step, await reserve(key, charge));
     check(first.attempt === 1, step, "expected attempt 1");
     steps++;
@@ -179,6 +182,11 @@ async function run(): Promise<void> {
 }
 
 run().catch((e: unknown) => {
-    console.error(`typescript client: FAILED at ${e instanceof CheckFailed ? e.message : String(e)}`);
+    if (e instanceof CheckFailed) {
+        console.error(`typescript client: FAILED at ${e.message}`);
+    } else {
+        console.error(e);
+        console.error(`typescript client: FAILED at ${step}: the error above`);
+    }
     process.exit(1);
 });
