@@ -145,7 +145,7 @@ pub struct RunArgs {
     /// any Retry-After sent under the default leases (30 s for serve, 35 s
     /// for the proxy), so a client that waits as told still finds its pooled
     /// connection open.
-    #[arg(long, env = "IDEMGATE_KEEP_ALIVE_TIMEOUT", default_value_t = 75,
+    #[arg(long, env = "IDEMGATE_KEEP_ALIVE_TIMEOUT", value_name = "SECONDS", default_value_t = 75,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub keep_alive_timeout: u64,
 
