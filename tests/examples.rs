@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// An example binary `cargo test` built beside this test.
+/// An example binary `cargo test` built beside this test (a plain
+/// `cargo test` builds the examples; `cargo test --test examples` alone does
+/// not, so run `cargo build --examples` first then).
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let debug = exe.parent().and_then(|deps| deps.parent()).unwrap();
@@ -23,7 +25,13 @@ fn an_address_in_use_is_named() {
     let addr = taken.local_addr().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
     for name in ["origin", "axum_app"] {
-        let out = Command::new(example(name))
+        let path = example(name);
+        assert!(
+            path.exists(),
+            "{} is not built: cargo build --examples",
+            path.display()
+        );
+        let out = Command::new(path)
             .env("LISTEN", &addr)
             .env("TMPDIR", dir.path())
             .stdin(Stdio::null())
@@ -45,29 +53,40 @@ fn both_examples_run_at_once_on_their_default_ports() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut children: Vec<_> = ["origin", "axum_app"]
-        .iter()
-        .map(|name| {
-            Command::new(example(name))
-                .env_remove("LISTEN")
-                .env("TMPDIR", dir.path())
-                .stdin(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let mut children = Children(
+        ["origin", "axum_app"]
+            .iter()
+            .map(|name| {
+                Command::new(example(name))
+                    .env_remove("LISTEN")
+                    .env("TMPDIR", dir.path())
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect(),
+    );
     let started = Instant::now();
     let up = |port: u16| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
     while !(up(3000) && up(3001)) {
-        for child in &mut children {
+        for child in &mut children.0 {
             assert!(child.try_wait().unwrap().is_none(), "an example exited");
         }
         assert!(started.elapsed() < Duration::from_secs(20), "not both up");
         std::thread::sleep(Duration::from_millis(100));
     }
-    for mut child in children {
-        let _ = child.kill();
-        let _ = child.wait();
+}
+
+/// Killed on drop, also when an assertion fails.
+struct Children(Vec<std::process::Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
