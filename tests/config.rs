@@ -707,6 +707,18 @@ fn migrate_and_prune_help_describes_what_they_do() {
 }
 
 /// The boolean settings of `sub`, by id.
+/// Whether boolean setting `id` of `sub` is on when nothing sets it.
+fn on_by_default(sub: &str, id: &str) -> bool {
+    let cmd = Cli::command();
+    let arg = cmd
+        .find_subcommand(sub)
+        .unwrap()
+        .get_arguments()
+        .find(|a| a.get_id() == id)
+        .unwrap();
+    arg.get_default_values().iter().any(|v| v == "true")
+}
+
 fn booleans(sub: &str) -> Vec<(String, String, String)> {
     // Built, so that the global flags are there too.
     let mut cmd = Cli::command();
@@ -761,7 +773,8 @@ fn every_boolean_takes_one_form_from_flag_environment_and_file() {
                 parsed(&argv)
             };
             let is = |debug: &str, value: bool| debug.contains(&format!("{id}: {value}"));
-            assert!(is(&with(&[]), false), "{id} is off unless set");
+            let default = on_by_default(sub, &id);
+            assert!(is(&with(&[]), default), "{id} is {default} unless set");
             // The flag: bare (also before another flag), or with a value
             // after `=` or a space.
             let (on, off) = (format!("{flag}=true"), format!("{flag}=false"));

@@ -16,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::bin::{drain_stderr, free_port, idemgate_at, wait_exit};
+use common::bin::{drain_stderr, free_port, idemgate_at, refused};
 use common::pg::{TestDb, admin_url};
 use sqlx::{AssertSqlSafe, Connection as _};
 
@@ -72,25 +72,6 @@ fn idemgate(url: &str) -> Command {
     cmd.env_remove("IDEMGATE_CONFIG")
         .env("IDEMGATE_PRUNE_INTERVAL", "0");
     cmd
-}
-
-/// Runs `cmd`, which must exit non-zero within 20 s: its stderr.
-async fn refused(mut cmd: Command) -> String {
-    let mut child = cmd
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let status = wait_exit(&mut child, Duration::from_secs(20)).await;
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-    let status = status.unwrap_or_else(|| panic!("still running after 20 s:\n{stderr}"));
-    assert!(!status.success(), "exit {status}:\n{stderr}");
-    stderr
 }
 
 /// A refusal or a log that says `cause`, without noise or secrets.

@@ -7,7 +7,7 @@ mod common;
 use std::process::{Command, Stdio};
 
 use clap::CommandFactory;
-use common::bin::{BIN, Served};
+use common::bin::{BIN, Served, refused};
 use idemgate::cli::Cli;
 
 /// `idemgate` in `dir` with no DATABASE_URL: the embedded default store.
@@ -226,28 +226,6 @@ fn with_json_logs_a_refusal_to_start_is_json_too() {
         let line: serde_json::Value = serde_json::from_str(line).expect("JSON");
         assert!(line["level"].is_string(), "{line}");
     }
-}
-
-/// Runs `cmd` (a subcommand that must refuse to start) and gives its stderr;
-/// it must exit non-zero within 20 s.
-async fn refused(mut cmd: Command) -> String {
-    let mut child = cmd
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let status = common::bin::wait_exit(&mut child, std::time::Duration::from_secs(20)).await;
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-    let status =
-        status.unwrap_or_else(|| panic!("it started (still running after 20 s):\n{stderr}"));
-    assert!(!status.success(), "exit {status}:\n{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    stderr
 }
 
 /// One idemgate process per SQLite file: a second `serve` on the file refuses

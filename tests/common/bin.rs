@@ -150,6 +150,28 @@ pub async fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::proces
     }
 }
 
+/// Runs `cmd` (a subcommand that must refuse to start) and gives its
+/// stderr: it must exit non-zero within 20 s, without a panic.
+pub async fn refused(mut cmd: Command) -> String {
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut child, Duration::from_secs(20)).await;
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let status =
+        status.unwrap_or_else(|| panic!("it started (still running after 20 s):\n{stderr}"));
+    assert!(!status.success(), "exit {status}:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
 /// Takes `child`'s piped stderr and reads it on a thread into the returned
 /// buffer, so a busy process never blocks on a full pipe (64 KiB of logs).
 pub fn drain_stderr(child: &mut Child) -> std::sync::Arc<std::sync::Mutex<String>> {
