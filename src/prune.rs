@@ -15,16 +15,25 @@ const MAX_PAUSE: Duration = Duration::from_millis(500);
 
 /// Deletes every record expired now, batch after batch; returns how many.
 /// Safe to run in several processes at once: each batch skips the rows
-/// another one holds.
+/// another one holds. When part of the database could not be reached (a
+/// Citus worker that is down), the rest is pruned all the same and the pass
+/// then fails, saying what it deleted and what it could not reach.
 pub async fn prune_once(store: &dyn Store) -> Result<u64, StoreError> {
     let mut total = 0;
+    let mut unreachable = None;
     loop {
         let started = tokio::time::Instant::now();
-        let n = store.prune_expired_batch(BATCH).await?;
-        total += n;
-        telemetry::record_pruned(n);
-        if n < u64::try_from(BATCH).unwrap_or(u64::MAX) {
-            return Ok(total);
+        let batch = store.prune_expired_batch(BATCH).await?;
+        total += batch.deleted;
+        telemetry::record_pruned(batch.deleted);
+        unreachable = batch.unreachable.or(unreachable);
+        if !batch.more {
+            return match unreachable {
+                None => Ok(total),
+                Some(why) => Err(StoreError::Unavailable(format!(
+                    "pruned {total} expired keys, but not everywhere: {why}"
+                ))),
+            };
         }
         // Rest as long as the batch took: pruning then holds at most half of
         // the database's time while live traffic runs. Without the pause a

@@ -208,7 +208,12 @@ async fn postgres_pruning_neither_blocks_nor_is_blocked_by_reservations() {
     // A reservation in progress holds the lock on one expired row: the
     // pruner skips it instead of waiting.
     let mut tx = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency_keys WHERE key_hash = sha256('7'::bytea) FOR UPDATE")
+    // By tenant too, so that on Citus it is a one-shard query (it refuses a
+    // FOR UPDATE across shards).
+    sqlx::query(
+        "SELECT 1 FROM idempotency_keys WHERE tenant = 'seed' AND key_hash = sha256('7'::bytea) \
+         FOR UPDATE",
+    )
         .execute(&mut *tx)
         .await
         .unwrap();

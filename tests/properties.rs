@@ -1054,6 +1054,7 @@ impl Subject {
                     .store()
                     .prune_expired_batch(1000)
                     .await
+                    .map(|batch| batch.deleted)
                     .unwrap_or_else(store_err),
             ),
         }

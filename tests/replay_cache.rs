@@ -444,7 +444,10 @@ impl Store for AnHourAhead {
         })
     }
 
-    async fn prune_expired_batch(&self, limit: i64) -> Result<u64, StoreError> {
+    async fn prune_expired_batch(
+        &self,
+        limit: i64,
+    ) -> Result<idemgate::store::PruneBatch, StoreError> {
         self.0.prune_expired_batch(limit).await
     }
 

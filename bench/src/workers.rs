@@ -206,6 +206,7 @@ impl Worker for RawPair {
             .bind(id)
             .bind(30.0_f64)
             .bind(86_400.0_f64)
+            .bind(None::<i64>)
             .fetch_optional(&self.pool)
             .await?
             .context("the reserve statement returned no row")?;

@@ -2,6 +2,7 @@
 //! implementations. SQL lives only below this module.
 
 mod lock;
+pub mod citus;
 pub mod postgres;
 pub mod sqlite;
 
@@ -191,6 +192,29 @@ pub struct StoredUsage {
     pub now: DateTime<Utc>,
 }
 
+/// What one pruning batch did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PruneBatch {
+    /// Records deleted (with their reservation ids).
+    pub deleted: u64,
+    /// A full batch somewhere: more expired records may be left.
+    pub more: bool,
+    /// Parts of the database this batch could not reach (a Citus worker that
+    /// is down): what went wrong there. Everything else was pruned.
+    pub unreachable: Option<String>,
+}
+
+impl PruneBatch {
+    /// A batch of one table: full when it deleted `limit` records.
+    pub fn of(deleted: u64, limit: i64) -> PruneBatch {
+        PruneBatch {
+            deleted,
+            more: deleted >= u64::try_from(limit).unwrap_or(0) && limit > 0,
+            unreachable: None,
+        }
+    }
+}
+
 /// Connection pool figures for the metrics endpoint.
 #[derive(Debug, Clone, Copy)]
 pub struct PoolStats {
@@ -323,9 +347,9 @@ pub trait Store: Send + Sync + 'static {
         tenant: &str,
         reservation_id: Uuid,
     ) -> Result<Option<Found>>;
-    /// Deletes up to `limit` expired records without waiting on locked rows;
-    /// returns how many it deleted.
-    async fn prune_expired_batch(&self, limit: i64) -> Result<u64>;
+    /// Deletes up to about `limit` expired records without waiting on locked
+    /// rows; says how many it deleted and whether more may be left.
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch>;
     /// The tenant's live in-flight keys, counted up to `up_to`.
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage>;
     /// What the tenant's completed, unexpired records take; this reads every

@@ -14,8 +14,9 @@ use sqlx::{ConnectOptions, FromRow};
 use tokio::sync::{Semaphore, SemaphorePermit};
 use uuid::Uuid;
 
+use super::citus::{self, Layout};
 use super::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, Record, Recovery, Result,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record, Recovery, Result,
     Store, StoreError, StoredResponse, StoredUsage,
 };
 
@@ -50,6 +51,9 @@ pub struct PgStore {
     pool: PgPool,
     /// For every statement of the store.
     conns: Arc<Conns>,
+    /// One PostgreSQL or a Citus cluster: read once, by the migrations or by
+    /// the first pruning batch.
+    layout: Arc<tokio::sync::OnceCell<Layout>>,
 }
 
 /// The store's connections: a stack of idle ones under a semaphore of
@@ -206,19 +210,28 @@ impl Drop for Conn<'_> {
 }
 
 /// Errors after which a connection must not be used again: I/O and protocol
-/// failures, and the database's own "this session is over" (SQLSTATE class 08,
-/// and 57P01–57P03: terminated by an administrator, a crash or a shutdown). A
-/// statement timeout (57014) leaves the connection usable.
+/// failures, and the database's own "this session is over" (an error of
+/// severity FATAL or PANIC, which PostgreSQL sends before it closes the
+/// session: 57P01–57P03, terminated by an administrator, a crash or a
+/// shutdown, and the connection exceptions of class 08 it raises itself). An
+/// ERROR leaves the session usable: a statement timeout (57014), and a Citus
+/// coordinator's 08006 when one of its workers is down, which says nothing of
+/// the coordinator's connection (closing the pool's idle connections for it
+/// would make every healthy tenant reconnect).
 fn broken(e: &sqlx::Error) -> bool {
+    use sqlx::postgres::{PgDatabaseError, PgSeverity};
     match e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_)
         | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => {
-            let code = db.code().unwrap_or_default();
-            code.starts_with("08") || code.starts_with("57P")
-        }
+        sqlx::Error::Database(db) => match db.try_downcast_ref::<PgDatabaseError>() {
+            Some(pg) => matches!(pg.severity(), PgSeverity::Fatal | PgSeverity::Panic),
+            None => {
+                let code = db.code().unwrap_or_default();
+                code.starts_with("08") || code.starts_with("57P")
+            }
+        },
         _ => false,
     }
 }
@@ -252,7 +265,11 @@ impl PgStore {
             answer_timeout: settings.statement_timeout + ANSWER_MARGIN,
             open: AtomicU32::new(0),
         });
-        Ok(PgStore { pool, conns })
+        Ok(PgStore {
+            pool,
+            conns,
+            layout: Arc::default(),
+        })
     }
 
     /// The pool, for tests and tools.
@@ -297,8 +314,29 @@ impl PgStore {
         result.map_err(|e| classify(e, &self.conns.target))
     }
 
-    /// Applies the pending migrations.
+    /// Applies the pending migrations; on a Citus cluster, then distributes
+    /// the tables and the claim function (see [`super::citus`]).
     pub async fn migrate(&self) -> Result<()> {
+        self.run_migrations().await?;
+        let layout = citus::distribute(&self.pool).await?;
+        let _ = self.layout.set(layout);
+        Ok(())
+    }
+
+    /// How the tables are laid out, read once.
+    async fn layout(&self) -> Result<Layout> {
+        self.layout
+            .get_or_try_init(|| async {
+                let mut conn = self.conns.acquire().await?;
+                let result = self.conns.answered(citus::layout(&mut conn)).await?;
+                conn.done(&result);
+                result.map_err(|e| classify(e, &self.conns.target))
+            })
+            .await
+            .copied()
+    }
+
+    async fn run_migrations(&self) -> Result<()> {
         let target = &self.conns.target;
         match MIGRATOR.run(&self.pool).await {
             Ok(()) => Ok(()),
@@ -564,70 +602,21 @@ fn headers_json(headers: &[(String, String)]) -> serde_json::Value {
     )
 }
 
-// The claim: insert a new record, or — under the row lock that ON CONFLICT
-// takes — reset an expired one or take over an in-flight one whose lease ended
-// (fingerprints compatible). When neither applies the DO UPDATE is skipped and
-// the second branch reads the record as it stands. Both branches run in one
-// round trip.
-static RESERVE: LazyLock<String> = LazyLock::new(|| reserve_statement(false));
-
-// The same claim under a limit of `$7` live in-flight keys for the tenant: the
-// proposed row exists only while the tenant has fewer, so neither the insert
-// nor the update applies beyond it. The count reads the statement's snapshot,
-// so claims running at the same instant can each see room: the limit can be
-// passed by at most the number of such statements (one per connection).
-static RESERVE_LIMITED: LazyLock<String> = LazyLock::new(|| reserve_statement(true));
-
-fn reserve_statement(limited: bool) -> String {
-    let proposed = if limited {
-        "SELECT $1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 1,
-                    now(), now() + make_interval(secs => $6)
-             WHERE (SELECT count(*) FROM (
-                        SELECT 1 FROM idempotency_keys c
-                         WHERE c.tenant = $1 AND c.state = 'in_flight'
-                           AND c.lease_expires_at > now() AND c.expires_at > now()
-                         LIMIT $7) live) < $7"
-    } else {
-        "VALUES ($1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 1,
-                    now(), now() + make_interval(secs => $6))"
-    };
+// The claim (migration `20261202000001_reserve_function.sql`): insert a new
+// record, or, under the row lock that ON CONFLICT takes, reset an expired one
+// or take over an in-flight one whose lease ended; else read the record as it
+// stands. `$7` is the tenant's limit of live in-flight keys, NULL for none. A
+// function, so that it is one router call on Citus too: see the migration.
+static RESERVE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH claimed AS (
-            INSERT INTO idempotency_keys AS k
-                (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
-                 created_at, expires_at)
-            {proposed}
-            ON CONFLICT (tenant, key_hash) DO UPDATE SET
-                fingerprint = CASE WHEN k.expires_at <= now() THEN EXCLUDED.fingerprint
-                                   ELSE COALESCE(k.fingerprint, EXCLUDED.fingerprint) END,
-                state = 'in_flight',
-                reservation_id = EXCLUDED.reservation_id,
-                lease_expires_at = EXCLUDED.lease_expires_at,
-                attempt = CASE WHEN k.expires_at <= now() THEN 1 ELSE k.attempt + 1 END,
-                recovery_point = CASE WHEN k.expires_at <= now() THEN NULL ELSE k.recovery_point END,
-                recovery_data = CASE WHEN k.expires_at <= now() THEN NULL ELSE k.recovery_data END,
-                response_status = NULL,
-                response_headers = NULL,
-                response_body = NULL,
-                created_at = CASE WHEN k.expires_at <= now() THEN now() ELSE k.created_at END,
-                completed_at = NULL,
-                expires_at = CASE WHEN k.expires_at <= now() THEN EXCLUDED.expires_at
-                                  ELSE k.expires_at END
-            WHERE k.expires_at <= now()
-               OR (k.state = 'in_flight' AND k.lease_expires_at <= now()
-                   AND (k.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL
-                        OR k.fingerprint = EXCLUDED.fingerprint))
-            RETURNING {KEY_COLUMNS}
-        ), fenced AS (
-            INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
-            SELECT tenant, reservation_id, key_hash FROM claimed
-        )
-        SELECT true AS claimed, now() AS db_now, {KEY_COLUMNS} FROM claimed
-        UNION ALL
-        SELECT false, now(), {KEY_COLUMNS} FROM idempotency_keys
-         WHERE tenant = $1 AND key_hash = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+        "SELECT claimed, db_now, {KEY_COLUMNS}
+           FROM idemgate_reserve($1, $2, $3, $4, $5, $6, $7)"
     )
-}
+});
+
+static PRUNE: LazyLock<String> = LazyLock::new(|| {
+    citus::prune_sql("idempotency_keys", "idempotency_reservations", "now()", "$1")
+});
 
 /// Restricts a statement on `idempotency_keys k` to the row whose current
 /// holder is reservation `$2` of tenant `$1`, while the record is alive.
@@ -684,7 +673,8 @@ static FIND: LazyLock<String> = LazyLock::new(|| {
 /// raw-SQL bound sends exactly these).
 ///
 /// `reserve` binds: tenant (text), key hash (bytea), fingerprint (text, null
-/// allowed), new reservation id (uuid), lease and TTL seconds (float8).
+/// allowed), new reservation id (uuid), lease and TTL seconds (float8), the
+/// tenant's limit of in-flight keys (int8, null for none).
 /// `complete` binds: tenant, reservation id, status (int4), headers (jsonb
 /// array of `[name, value]`), body (bytea).
 pub mod sql {
@@ -702,27 +692,20 @@ pub mod sql {
 #[async_trait]
 impl Store for PgStore {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
-        // The second branch reads with the statement's snapshot: when another
-        // transaction inserted the row after that snapshot was taken, the
-        // claim is skipped and the read sees nothing. The next statement has a
-        // fresh snapshot, so a retry settles it. Under a limit, nothing twice
-        // running means the limit held the claim back from a key with no
-        // record.
+        // The function's read has a snapshot of its own, taken after the
+        // claim, so it sees what a concurrent claim committed; a record gone
+        // between the two (pruned at that instant) is tried again. Under a
+        // limit, nothing twice running means the limit held the claim back
+        // from a key with no record.
         for round in 0..5 {
-            let statement = match req.max_in_flight {
-                None => RESERVE.as_str(),
-                Some(_) => RESERVE_LIMITED.as_str(),
-            };
-            let mut query = sqlx::query_as(statement)
+            let query = sqlx::query_as(RESERVE.as_str())
                 .bind(&req.tenant)
                 .bind(&req.key_hash[..])
                 .bind(&req.fingerprint)
                 .bind(req.reservation_id)
                 .bind(f64::from(req.lease_seconds))
-                .bind(f64::from(req.ttl_seconds));
-            if let Some(max) = req.max_in_flight {
-                query = query.bind(i64::from(max));
-            }
+                .bind(f64::from(req.ttl_seconds))
+                .bind(req.max_in_flight.map(i64::from));
             let row: Option<ClaimRow> = self.fetch_row(query).await?;
             match row {
                 Some(row) => {
@@ -825,34 +808,32 @@ impl Store for PgStore {
         .transpose()
     }
 
-    async fn prune_expired_batch(&self, limit: i64) -> Result<u64> {
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
+        if limit <= 0 {
+            return Ok(PruneBatch::default());
+        }
         // SKIP LOCKED: rows a reservation (or another pruner) holds are left
         // for the next pass, so pruning never waits on live traffic and two
-        // pruners never delete the same row.
-        let deleted: Option<i64> = self
-            .fetch_scalar(
-                sqlx::query_scalar(
-                    "WITH doomed AS (
-                SELECT tenant, key_hash FROM idempotency_keys
-                 WHERE expires_at <= now()
-                 ORDER BY expires_at
-                 LIMIT $1
-                 FOR UPDATE SKIP LOCKED
-            ), gone AS (
-                DELETE FROM idempotency_keys k USING doomed d
-                 WHERE k.tenant = d.tenant AND k.key_hash = d.key_hash
-                   AND k.expires_at <= now()
-             RETURNING k.tenant, k.key_hash
-            ), fences AS (
-                DELETE FROM idempotency_reservations r USING gone g
-                 WHERE r.tenant = g.tenant AND r.key_hash = g.key_hash
-            )
-            SELECT count(*) FROM gone",
-                )
-                .bind(limit),
-            )
-            .await?;
-        Ok(deleted.and_then(|n| u64::try_from(n).ok()).unwrap_or(0))
+        // pruners never delete the same row. On Citus, the same statement
+        // runs shard by shard.
+        match self.layout().await? {
+            Layout::Single => {
+                let deleted: Option<i64> = self
+                    .fetch_scalar(sqlx::query_scalar(PRUNE.as_str()).bind(limit))
+                    .await?;
+                let deleted = deleted.and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
+                Ok(PruneBatch::of(deleted, limit))
+            }
+            Layout::Citus { .. } => {
+                let per_shard = citus::per_shard(limit);
+                let sql = citus::prune_shards_sql(per_shard);
+                let row: Option<citus::ShardsPruned> = self
+                    .fetch_row(sqlx::query_as(sqlx::AssertSqlSafe(sql)))
+                    .await?;
+                let row = row.ok_or_else(|| StoreError::Other("pruning returned no row".into()))?;
+                Ok(row.batch(per_shard))
+            }
+        }
     }
 
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {

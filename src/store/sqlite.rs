@@ -53,7 +53,7 @@ use uuid::fmt::Hyphenated;
 
 use super::lock::FileLock;
 use super::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, Record, Recovery, Result,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record, Recovery, Result,
     Store, StoreError, StoredResponse, StoredUsage,
 };
 
@@ -806,10 +806,10 @@ impl Store for SqliteStore {
         .transpose()
     }
 
-    async fn prune_expired_batch(&self, limit: i64) -> Result<u64> {
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
         // SQLite reads a negative LIMIT as "no limit"; PostgreSQL refuses it.
         if limit <= 0 {
-            return Ok(0);
+            return Ok(PruneBatch::default());
         }
         // Both deletes run under one write lock, so they see the same expired
         // rows and no reservation can touch them in between; a second pruner
@@ -831,7 +831,7 @@ impl Store for SqliteStore {
             .map_err(classify)?
             .rows_affected();
         tx.commit().await.map_err(classify)?;
-        Ok(deleted)
+        Ok(PruneBatch::of(deleted, limit))
     }
 
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {

@@ -14,6 +14,11 @@
 //!      for the life of the test process and removed by its watchdog when the process exits.
 //!   4. else panic, saying what to install or set.
 //! * [`TestDb`] is a fresh, empty database per test, dropped (`WITH (FORCE)`) on `Drop`.
+//!   With `IDEMGATE_TEST_CITUS_URL` set (the coordinator of a Citus cluster, e.g.
+//!   `postgres://postgres@127.0.0.1:5501/postgres`), it is instead a fresh schema in that
+//!   database, its `url` setting `search_path` to it: the migrations then distribute the tables
+//!   in it, and every PostgreSQL scenario of the test binary runs on the cluster. (A database
+//!   per test would need Citus set up in each, on every node.)
 //! * [`TempCluster`] is a private cluster in a temp dir on a free port, for the fallback and for
 //!   tests that must stop and restart the database.
 //!
@@ -239,10 +244,29 @@ pub struct TestDb {
     pub url: String,
     pub name: String,
     admin: String,
+    /// A schema on a Citus cluster rather than a database.
+    schema: bool,
+}
+
+/// The Citus coordinator the PostgreSQL tests run on, if one is set.
+pub fn citus_url() -> Option<String> {
+    std::env::var("IDEMGATE_TEST_CITUS_URL")
+        .ok()
+        .map(|u| u.trim().to_owned())
+        .filter(|u| !u.is_empty())
+}
+
+/// `url` with `search_path` set to `schema` for every connection.
+fn with_search_path(url: &str, schema: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}options[search_path]={schema}")
 }
 
 impl TestDb {
     pub async fn new() -> TestDb {
+        if let Some(citus) = citus_url() {
+            return TestDb::schema_on(citus).await;
+        }
         let admin = admin_url().await;
         SWEPT.get_or_init(|| sweep_leftovers(&admin)).await;
 
@@ -282,6 +306,48 @@ impl TestDb {
             url: with_database(&admin, &name),
             name,
             admin,
+            schema: false,
+        }
+    }
+
+    /// A fresh schema on the Citus coordinator at `admin`.
+    async fn schema_on(admin: String) -> TestDb {
+        static SWEPT_SCHEMAS: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+        SWEPT_SCHEMAS
+            .get_or_init(|| sweep_leftover_schemas(&admin))
+            .await;
+        let mut conn = connect(&admin, EXPLICIT_TIMEOUT).await.unwrap_or_else(|e| {
+            panic!(
+                "TestDb: IDEMGATE_TEST_CITUS_URL={} is not usable: {}",
+                redact_url(&admin),
+                e.msg
+            )
+        });
+        let has_citus: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
+                .fetch_one(&mut conn)
+                .await
+                .expect("TestDb: look for the citus extension");
+        assert!(
+            has_citus,
+            "TestDb: IDEMGATE_TEST_CITUS_URL={} has no citus extension",
+            redact_url(&admin)
+        );
+        let name = format!(
+            "{DB_PREFIX}{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA \"{name}\"")))
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("TestDb: CREATE SCHEMA {name} failed: {e}"));
+        let _ = conn.close().await;
+        TestDb {
+            url: with_search_path(&admin, &name),
+            name,
+            admin,
+            schema: true,
         }
     }
 }
@@ -290,6 +356,7 @@ impl Drop for TestDb {
     fn drop(&mut self) {
         let admin = self.admin.clone();
         let name = self.name.clone();
+        let schema = self.schema;
         let (tx, rx) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
             .name(format!("drop-{name}"))
@@ -299,7 +366,14 @@ impl Drop for TestDb {
                     .build()
                 {
                     Ok(rt) => rt.block_on(async {
-                        tokio::time::timeout(Duration::from_secs(10), drop_database(&admin, &name))
+                        let dropped = async {
+                            if schema {
+                                drop_schema(&admin, &name).await
+                            } else {
+                                drop_database(&admin, &name).await
+                            }
+                        };
+                        tokio::time::timeout(Duration::from_secs(10), dropped)
                             .await
                             .unwrap_or_else(|_| Err("timed out after 10s".into()))
                     }),
@@ -323,6 +397,52 @@ impl Drop for TestDb {
             ),
         }
     }
+}
+
+async fn drop_schema(admin: &str, name: &str) -> Result<(), String> {
+    let mut conn = connect(admin, Duration::from_secs(5))
+        .await
+        .map_err(|e| e.msg)?;
+    let result = sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS \"{name}\" CASCADE"
+    )))
+    .execute(&mut conn)
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string());
+    let _ = conn.close().await;
+    result
+}
+
+/// Drops `idemgate_test_<pid>_*` schemas of test processes that are gone.
+async fn sweep_leftover_schemas(admin: &str) {
+    let Ok(mut conn) = connect(admin, EXPLICIT_TIMEOUT).await else {
+        return;
+    };
+    let names: Vec<String> = sqlx::query_scalar(
+        r"SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idemgate\_test\_%'",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap_or_default();
+    let me = std::process::id();
+    for name in names {
+        let Some(pid) = name
+            .strip_prefix(DB_PREFIX)
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != me && Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let sql = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
+        if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await {
+            eprintln!("[idemgate tests] leaving leftover schema {name}: {e}");
+        }
+    }
+    let _ = conn.close().await;
 }
 
 async fn drop_database(admin: &str, name: &str) -> Result<(), String> {
