@@ -214,9 +214,9 @@ async fn postgres_pruning_neither_blocks_nor_is_blocked_by_reservations() {
         "SELECT 1 FROM idempotency_keys WHERE tenant = 'seed' AND key_hash = sha256('7'::bytea) \
          FOR UPDATE",
     )
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    .execute(&mut *tx)
+    .await
+    .unwrap();
     let pruning = tokio::time::timeout(
         Duration::from_secs(10),
         prune::prune_once(app.store.as_ref()),

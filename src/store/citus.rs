@@ -140,12 +140,14 @@ pub async fn distribute(pool: &PgPool) -> Result<Layout, StoreError> {
         Some(p) if p.method == "h" && p.colocation == keys.colocation => {}
         Some(p) => return Err(misplaced(RESERVATIONS, &p)),
         None => {
-            sqlx::query("SELECT create_distributed_table($1::regclass, 'tenant', colocate_with => $2)")
-                .bind(RESERVATIONS)
-                .bind(KEYS)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| failed("distributing", RESERVATIONS, e))?;
+            sqlx::query(
+                "SELECT create_distributed_table($1::regclass, 'tenant', colocate_with => $2)",
+            )
+            .bind(RESERVATIONS)
+            .bind(KEYS)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| failed("distributing", RESERVATIONS, e))?;
             done.push(RESERVATIONS);
         }
     }
@@ -162,12 +164,14 @@ pub async fn distribute(pool: &PgPool) -> Result<Layout, StoreError> {
     .await
     .map_err(other)?;
     if !delegated {
-        sqlx::query("SELECT create_distributed_function($1::regprocedure, 'p_tenant', colocate_with => $2)")
-            .bind(RESERVE_FN)
-            .bind(KEYS)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| failed("distributing", "idemgate_reserve", e))?;
+        sqlx::query(
+            "SELECT create_distributed_function($1::regprocedure, 'p_tenant', colocate_with => $2)",
+        )
+        .bind(RESERVE_FN)
+        .bind(KEYS)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| failed("distributing", "idemgate_reserve", e))?;
         done.push("idemgate_reserve");
     }
     tx.commit().await.map_err(other)?;
@@ -259,7 +263,12 @@ pub fn prune_sql(keys: &str, reservations: &str, cutoff: &str, limit: &str) -> S
 pub fn prune_shards_sql(per_shard: u32) -> String {
     // format() runs twice: here, with now() (so `%%` stands for the `%` of
     // the shard names' placeholders), and in Citus, with the shard names.
-    let command = prune_sql("%%1$s", "%%2$s", "%1$L::timestamptz", &per_shard.to_string());
+    let command = prune_sql(
+        "%%1$s",
+        "%%2$s",
+        "%1$L::timestamptz",
+        &per_shard.to_string(),
+    );
     format!(
         "SELECT coalesce(sum(result::int8) FILTER (WHERE success), 0)::int8 AS deleted,
                 coalesce(max(result::int8) FILTER (WHERE success), 0)::int8 AS fullest,

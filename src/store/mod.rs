@@ -1,8 +1,8 @@
 //! Where idempotency records live: the [`Store`] trait the engine drives, and its
 //! implementations. SQL lives only below this module.
 
-mod lock;
 pub mod citus;
+mod lock;
 pub mod postgres;
 pub mod sqlite;
 

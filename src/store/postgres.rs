@@ -16,8 +16,8 @@ use uuid::Uuid;
 
 use super::citus::{self, Layout};
 use super::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record, Recovery, Result,
-    Store, StoreError, StoredResponse, StoredUsage,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record, Recovery,
+    Result, Store, StoreError, StoredResponse, StoredUsage,
 };
 
 /// The PostgreSQL schema migrations (`migrations/postgres`).
@@ -615,7 +615,12 @@ static RESERVE: LazyLock<String> = LazyLock::new(|| {
 });
 
 static PRUNE: LazyLock<String> = LazyLock::new(|| {
-    citus::prune_sql("idempotency_keys", "idempotency_reservations", "now()", "$1")
+    citus::prune_sql(
+        "idempotency_keys",
+        "idempotency_reservations",
+        "now()",
+        "$1",
+    )
 });
 
 /// Restricts a statement on `idempotency_keys k` to the row whose current
@@ -668,6 +673,23 @@ static FIND: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// A tenant's live in-flight keys, up to `$2`; the partial index
+/// `idempotency_keys_in_flight` holds exactly these rows.
+const IN_FLIGHT_USAGE: &str = "SELECT count(*), min(lease_expires_at), now() FROM (
+        SELECT lease_expires_at FROM idempotency_keys
+         WHERE tenant = $1 AND state = 'in_flight' AND lease_expires_at > now()
+           AND expires_at > now()
+         ORDER BY lease_expires_at
+         LIMIT $2) live";
+
+/// What a tenant's completed records take. `octet_length` of a bytea and
+/// `pg_column_size` of a jsonb read the stored size without decompressing.
+const STORED_USAGE: &str = "SELECT coalesce(sum(coalesce(octet_length(response_body), 0)
+                         + coalesce(pg_column_size(response_headers), 0)), 0)::int8,
+                min(expires_at), now()
+           FROM idempotency_keys
+          WHERE tenant = $1 AND state = 'completed' AND expires_at > now()";
+
 /// The statements behind [`Store::reserve`] and [`Store::complete`], for tools
 /// that measure the database's own share of a request (the benchmark's
 /// raw-SQL bound sends exactly these).
@@ -686,6 +708,26 @@ pub mod sql {
     /// One round trip that stores the response and completes the key.
     pub fn complete() -> &'static str {
         super::COMPLETE.as_str()
+    }
+
+    /// Every per-request statement, by name, for tests that check how a
+    /// distributed database plans each. Binds, after tenant (text):
+    /// `reserve` as above; `complete` as above; `release`: reservation id;
+    /// `extend`: reservation id, lease seconds (float8); `checkpoint`:
+    /// reservation id, recovery point (text), data (jsonb); `find`:
+    /// reservation id; `in_flight_usage`: limit (int8); `stored_usage`:
+    /// nothing.
+    pub fn per_request() -> [(&'static str, &'static str); 8] {
+        [
+            ("reserve", super::RESERVE.as_str()),
+            ("complete", super::COMPLETE.as_str()),
+            ("release", super::RELEASE.as_str()),
+            ("extend", super::EXTEND.as_str()),
+            ("checkpoint", super::CHECKPOINT.as_str()),
+            ("find", super::FIND.as_str()),
+            ("in_flight_usage", super::IN_FLIGHT_USAGE),
+            ("stored_usage", super::STORED_USAGE),
+        ]
     }
 }
 
@@ -837,20 +879,12 @@ impl Store for PgStore {
     }
 
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
-        // The partial index `idempotency_keys_in_flight` holds exactly these
-        // rows, and the count stops at `up_to`.
+        // The count stops at `up_to`.
         let row: Option<(i64, Option<DateTime<Utc>>, DateTime<Utc>)> = self
             .fetch_row(
-                sqlx::query_as(
-                    "SELECT count(*), min(lease_expires_at), now() FROM (
-                        SELECT lease_expires_at FROM idempotency_keys
-                         WHERE tenant = $1 AND state = 'in_flight' AND lease_expires_at > now()
-                           AND expires_at > now()
-                         ORDER BY lease_expires_at
-                         LIMIT $2) live",
-                )
-                .bind(tenant)
-                .bind(i64::from(up_to)),
+                sqlx::query_as(IN_FLIGHT_USAGE)
+                    .bind(tenant)
+                    .bind(i64::from(up_to)),
             )
             .await?;
         let (keys, next_lease_end, now) =
@@ -863,19 +897,8 @@ impl Store for PgStore {
     }
 
     async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage> {
-        // `octet_length` of a bytea and `pg_column_size` of a jsonb read the
-        // stored size without decompressing the value.
         let row: Option<(i64, Option<DateTime<Utc>>, DateTime<Utc>)> = self
-            .fetch_row(
-                sqlx::query_as(
-                    "SELECT coalesce(sum(coalesce(octet_length(response_body), 0)
-                                     + coalesce(pg_column_size(response_headers), 0)), 0)::int8,
-                            min(expires_at), now()
-                       FROM idempotency_keys
-                      WHERE tenant = $1 AND state = 'completed' AND expires_at > now()",
-                )
-                .bind(tenant),
-            )
+            .fetch_row(sqlx::query_as(STORED_USAGE).bind(tenant))
             .await?;
         let (bytes, next_expiry, now) =
             row.ok_or_else(|| StoreError::Other("sum returned no row".into()))?;

@@ -53,8 +53,8 @@ use uuid::fmt::Hyphenated;
 
 use super::lock::FileLock;
 use super::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record, Recovery, Result,
-    Store, StoreError, StoredResponse, StoredUsage,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record, Recovery,
+    Result, Store, StoreError, StoredResponse, StoredUsage,
 };
 
 /// The SQLite schema migrations (`migrations/sqlite`).

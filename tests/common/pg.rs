@@ -311,7 +311,7 @@ impl TestDb {
     }
 
     /// A fresh schema on the Citus coordinator at `admin`.
-    async fn schema_on(admin: String) -> TestDb {
+    pub async fn schema_on(admin: String) -> TestDb {
         static SWEPT_SCHEMAS: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
         SWEPT_SCHEMAS
             .get_or_init(|| sweep_leftover_schemas(&admin))
@@ -323,11 +323,12 @@ impl TestDb {
                 e.msg
             )
         });
-        let has_citus: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
-                .fetch_one(&mut conn)
-                .await
-                .expect("TestDb: look for the citus extension");
+        let has_citus: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .expect("TestDb: look for the citus extension");
         assert!(
             has_citus,
             "TestDb: IDEMGATE_TEST_CITUS_URL={} has no citus extension",
@@ -556,7 +557,26 @@ impl TempCluster {
         Self::start_in(bindir).await
     }
 
+    /// [`TempCluster::start`] with `conf` appended to its `postgresql.conf`.
+    pub async fn start_with(conf: &str) -> anyhow::Result<TempCluster> {
+        let bindir = find_bindir().with_context(|| {
+            format!(
+                "no PostgreSQL server binaries (initdb, pg_ctl, postgres) found; {INSTALL_HINT}"
+            )
+        })?;
+        Self::start_configured(bindir, conf).await
+    }
+
+    /// The directory of the server binaries the clusters are started from.
+    pub fn bindir() -> Option<PathBuf> {
+        find_bindir()
+    }
+
     async fn start_in(bindir: PathBuf) -> anyhow::Result<TempCluster> {
+        Self::start_configured(bindir, "").await
+    }
+
+    async fn start_configured(bindir: PathBuf, extra_conf: &str) -> anyhow::Result<TempCluster> {
         let run_as = if running_as_root() {
             let user = std::env::var("IDEMGATE_TEST_PG_OS_USER")
                 .ok()
@@ -632,7 +652,8 @@ impl TempCluster {
              fsync = off\n\
              synchronous_commit = off\n\
              full_page_writes = off\n\
-             max_connections = 300\n"
+             max_connections = 300\n\
+             {extra_conf}\n"
         );
         std::fs::OpenOptions::new()
             .append(true)
