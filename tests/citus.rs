@@ -245,65 +245,137 @@ async fn pair(app: &TestApp, token: &str) -> (u16, u16, String) {
     (201, committed.status.as_u16(), key)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_stopped_worker_is_503_for_its_tenants_only_and_nothing_acknowledged_is_lost() {
-    if !citus::available("a_stopped_worker_is_503_for_its_tenants_only") {
-        return;
+/// What load on some tenants saw: each pair's start, reserve and commit
+/// status, by token; and the keys whose commit was acknowledged.
+struct Seen {
+    pairs: Vec<(&'static str, Instant, u16, u16)>,
+    acknowledged: Vec<(&'static str, String)>,
+}
+
+/// Runs reserve+commit pairs, two tasks per token, while `during` runs,
+/// and for `after` once it is done.
+async fn load_while(
+    app: &Arc<TestApp>,
+    tokens: [&'static str; 2],
+    during: impl std::future::Future<Output = ()>,
+    after: Duration,
+) -> Seen {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut load = Vec::new();
+    for token in [tokens[0], tokens[1], tokens[0], tokens[1]] {
+        let (app, stop) = (app.clone(), stop.clone());
+        load.push(tokio::spawn(async move {
+            let mut pairs = Vec::new();
+            let mut acknowledged = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let started = Instant::now();
+                let (reserved, committed, key) = pair(&app, token).await;
+                if committed == 200 {
+                    acknowledged.push((token, key));
+                }
+                pairs.push((token, started, reserved, committed));
+            }
+            (pairs, acknowledged)
+        }));
     }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    during.await;
+    tokio::time::sleep(after).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut seen = Seen {
+        pairs: Vec::new(),
+        acknowledged: Vec::new(),
+    };
+    for task in load {
+        let (pairs, acknowledged) = task.await.unwrap();
+        seen.pairs.extend(pairs);
+        seen.acknowledged.extend(acknowledged);
+    }
+    seen
+}
+
+/// Every acknowledged commit is in the database, completed, and a retry of
+/// the last ones is a replay.
+async fn all_acknowledged_present(
+    app: &TestApp,
+    url: &str,
+    seen: &Seen,
+    tenant_of: impl Fn(&str) -> String,
+) {
+    assert!(seen.acknowledged.len() > 20, "{}", seen.acknowledged.len());
+    let mut conn = connect(url).await;
+    let stored: std::collections::HashSet<(String, Vec<u8>)> =
+        sqlx::query_as("SELECT tenant, key_hash FROM idempotency_keys WHERE state = 'completed'")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    for (token, key) in &seen.acknowledged {
+        let tenant = tenant_of(token);
+        let hash = <sha2::Sha256 as sha2::Digest>::digest(key.as_bytes()).to_vec();
+        assert!(
+            stored.contains(&(tenant.clone(), hash)),
+            "an acknowledged commit of {tenant} is missing"
+        );
+    }
+    for (token, key) in seen.acknowledged.iter().rev().take(10) {
+        let replay = app
+            .reserve_as(&format!("Bearer {token}"), key, r#"{"fingerprint":"f1"}"#)
+            .await;
+        assert_eq!(replay.status, 200, "{replay:#?}");
+        assert_eq!(replay.body["state"], "completed", "{replay:#?}");
+    }
+    let _ = conn.close().await;
+}
+
+/// A cluster, migrated, and an app whose two tokens name a tenant on each
+/// worker (in the workers' order).
+async fn cluster_with_a_tenant_per_worker() -> (TempCitus, Arc<TestApp>, Vec<String>) {
     let cluster = TempCitus::start(2).await.expect("a Citus cluster");
     // Migrated first: a tenant's worker is known once the tables are
     // distributed.
     drop(TestApp::new(&cluster.url(), &[]).await);
     let tenants = cluster.tenant_per_worker("tenant").await.unwrap();
-    let tokens = format!("{}:token-up,{}:token-down", tenants[0], tenants[1]);
+    let tokens = format!("{}:token-0,{}:token-1", tenants[0], tenants[1]);
     let app = Arc::new(TestApp::new(&cluster.url(), &["--tokens", &tokens]).await);
-    let (up, down) = ("token-up", "token-down");
+    (cluster, app, tenants)
+}
 
-    // Load on both tenants while the second one's worker stops and starts.
-    let acknowledged = Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut load = Vec::new();
-    for (token, _) in [(up, 0), (down, 1), (up, 2), (down, 3)] {
-        let (app, acknowledged, stop) = (app.clone(), acknowledged.clone(), stop.clone());
-        load.push(tokio::spawn(async move {
-            let mut seen = Vec::new();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let started = Instant::now();
-                let (reserved, committed, key) = pair(&app, token).await;
-                if committed == 200 {
-                    acknowledged.lock().unwrap().push((token.to_owned(), key));
-                }
-                seen.push((started, reserved, committed));
-            }
-            (token, seen)
-        }));
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_worker_is_503_for_its_tenants_only_and_nothing_acknowledged_is_lost() {
+    if !citus::available("a_stopped_worker_is_503_for_its_tenants_only") {
+        return;
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let stopped_at = Instant::now();
-    cluster.workers[1].stop().await.expect("stop a worker");
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    cluster.workers[1].restart().await.expect("start it again");
-    let restarted_at = Instant::now();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (cluster, app, tenants) = cluster_with_a_tenant_per_worker().await;
+    let (up, down) = ("token-0", "token-1");
+    let stopped_at = std::sync::Mutex::new(None);
+    let restarted_at = std::sync::Mutex::new(None);
+    let outage = async {
+        *stopped_at.lock().unwrap() = Some(Instant::now());
+        cluster.workers[1].stop().await.expect("stop a worker");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        cluster.workers[1].restart().await.expect("start it again");
+        *restarted_at.lock().unwrap() = Some(Instant::now());
+    };
+    let seen = load_while(&app, [up, down], outage, Duration::from_secs(3)).await;
+    let stopped_at = stopped_at.lock().unwrap().unwrap();
+    let restarted_at = restarted_at.lock().unwrap().unwrap();
 
     let mut down_failed = 0;
     let mut down_recovered = 0;
-    for task in load {
-        let (token, seen) = task.await.unwrap();
-        for (at, reserved, committed) in seen {
-            let ok = reserved == 201 && committed == 200;
-            if token == up {
-                assert!(
-                    ok,
-                    "the healthy worker's tenant failed: {reserved} {committed}"
-                );
-            } else if at > stopped_at + Duration::from_millis(200) && at < restarted_at {
-                down_failed += usize::from(!ok);
-            } else if at > restarted_at + Duration::from_secs(2) {
-                assert!(ok, "no recovery after the restart: {reserved} {committed}");
-                down_recovered += 1;
-            }
+    for &(token, at, reserved, committed) in &seen.pairs {
+        let ok = reserved == 201 && committed == 200;
+        if token == up {
+            assert!(
+                ok,
+                "the healthy worker's tenant failed: {reserved} {committed}"
+            );
+        } else if at > stopped_at + Duration::from_millis(200) && at < restarted_at {
+            down_failed += usize::from(!ok);
+        } else if at > restarted_at + Duration::from_secs(2) {
+            assert!(ok, "no recovery after the restart: {reserved} {committed}");
+            down_recovered += 1;
         }
     }
     assert!(
@@ -314,42 +386,59 @@ async fn a_stopped_worker_is_503_for_its_tenants_only_and_nothing_acknowledged_i
         down_recovered > 0,
         "the stopped worker's tenant made no request after recovery"
     );
+    all_acknowledged_present(&app, &cluster.url(), &seen, |token| {
+        tenants[usize::from(token == down)].clone()
+    })
+    .await;
+}
 
-    // Every acknowledged commit is there, completed.
-    let acknowledged = acknowledged.lock().unwrap().clone();
-    assert!(acknowledged.len() > 20, "{}", acknowledged.len());
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shard_moving_under_load_is_never_a_500_and_loses_nothing() {
+    if !citus::available("a_shard_moving_under_load_is_never_a_500_and_loses_nothing") {
+        return;
+    }
+    let (cluster, app, tenants) = cluster_with_a_tenant_per_worker().await;
     let mut conn = connect(&cluster.url()).await;
-    let stored: std::collections::HashSet<(String, Vec<u8>)> = sqlx::query_as(
-        "SELECT tenant, key_hash FROM idempotency_keys
-          WHERE tenant = ANY($1) AND state = 'completed'",
-    )
-    .bind(&tenants)
-    .fetch_all(&mut conn)
-    .await
-    .unwrap()
-    .into_iter()
-    .collect();
-    for (token, key) in &acknowledged {
-        let tenant = if token == up {
-            &tenants[0]
-        } else {
-            &tenants[1]
-        };
-        let hash = <sha2::Sha256 as sha2::Digest>::digest(key.as_bytes()).to_vec();
-        assert!(
-            stored.contains(&(tenant.clone(), hash)),
-            "an acknowledged commit of {tenant} is missing"
-        );
-    }
-    // And a retry of one of them is a replay.
-    for (token, key) in acknowledged.iter().rev().take(10) {
-        let replay = app
-            .reserve_as(&format!("Bearer {token}"), key, r#"{"fingerprint":"f1"}"#)
-            .await;
-        assert_eq!(replay.status, 200, "{replay:#?}");
-        assert_eq!(replay.body["state"], "completed", "{replay:#?}");
-    }
-    let _ = conn.close().await;
+    let shard: i64 =
+        sqlx::query_scalar("SELECT get_shard_id_for_distribution_column('idempotency_keys', $1)")
+            .bind(&tenants[0])
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    let (from, to) = (cluster.workers[0].port(), cluster.workers[1].port());
+    // The tenant's shard (and its colocated reservations shard with it) moves
+    // to the other worker while both tenants' requests run.
+    let moving = async {
+        sqlx::query(
+            "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3,
+                                               shard_transfer_mode => 'block_writes')",
+        )
+        .bind(shard)
+        .bind(i32::from(from))
+        .bind(i32::from(to))
+        .execute(&mut conn)
+        .await
+        .expect("move the shard");
+    };
+    let seen = load_while(&app, ["token-0", "token-1"], moving, Duration::from_secs(2)).await;
+    // Every pair succeeded or was a 503 (`pair` fails on anything else), and
+    // the moved tenant's requests succeed on its new worker.
+    let moved_ok = seen
+        .pairs
+        .iter()
+        .rev()
+        .filter(|(token, ..)| *token == "token-0")
+        .take(5)
+        .all(|&(_, _, reserved, committed)| reserved == 201 && committed == 200);
+    assert!(
+        moved_ok,
+        "the moved tenant does not recover on its new worker"
+    );
+    assert_eq!(cluster.worker_port_of(&tenants[0]).await.unwrap(), to);
+    all_acknowledged_present(&app, &cluster.url(), &seen, |token| {
+        tenants[usize::from(token == "token-1")].clone()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

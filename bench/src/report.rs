@@ -353,6 +353,38 @@ pub async fn render(env: &Env, res: &Results) -> String {
         };
         let _ = writeln!(w, "| {label} | {rss} | {cpu} |");
     }
+    let _ = writeln!(w, "\n### 8. A Citus cluster beside one PostgreSQL\n");
+    let _ = writeln!(
+        w,
+        "The reservation API on a Citus coordinator with two workers, all three on this machine, beside the \
+         single PostgreSQL above; each pair of measurements back to back. All nodes share the same cores, so this \
+         shows what a request costs on a cluster, not how a cluster scales (see \"Scaling out\" below).\n"
+    );
+    let _ = writeln!(
+        w,
+        "| c | one PostgreSQL pairs/s | Citus pairs/s | p50 | p99 | Citus ÷ one | one PostgreSQL replays/s | Citus replays/s | p50 | p99 | Citus ÷ one |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for c in [8, 32] {
+        let _ = writeln!(
+            w,
+            "| {c} | {} | {} | {} | {} | {} | {} |",
+            v.rate(&format!("single-pair c={c}")),
+            v.cells(&format!("citus-pair c={c}")),
+            times(v.ratio(
+                &format!("citus-pair c={c}"),
+                &format!("single-pair c={c}"),
+                Metric::Rate
+            )),
+            v.rate(&format!("single-replay c={c}")),
+            v.cells(&format!("citus-replay c={c}")),
+            times(v.ratio(
+                &format!("citus-replay c={c}"),
+                &format!("single-replay c={c}"),
+                Metric::Rate
+            )),
+        );
+    }
+
     let other: Vec<&String> = res.notes.iter().filter(|n| !n.contains("pruned")).collect();
     if !other.is_empty() {
         let _ = writeln!(w);

@@ -64,7 +64,13 @@ pub struct SuiteArgs {
     #[arg(long, env = "IDEMPOTENT_PROXY_BIN")]
     pub idempotent_proxy: Option<PathBuf>,
 
-    /// Scenarios to run (default: all): sql, replay, proxy, prune, sqlite.
+    /// A Citus coordinator (with its workers added) for the scale-out
+    /// scenario; it creates (and drops first) the schema `idemgate_bench` in
+    /// that database. Without it the scenario is skipped.
+    #[arg(long, env = "IDEMGATE_BENCH_CITUS_URL", hide_env_values = true)]
+    pub citus_url: Option<String>,
+
+    /// Scenarios to run (default: all): sql, replay, proxy, prune, sqlite, citus.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 
@@ -143,6 +149,8 @@ pub struct Env {
     pub bench_url: String,
     pub work: PathBuf,
     pub pool: PgPool,
+    /// The Citus schema's URL and a pool on it, for the scale-out scenario.
+    pub citus: Option<(String, PgPool)>,
     pub prefix: String,
     counter: std::sync::atomic::AtomicU64,
 }
@@ -540,6 +548,61 @@ async fn sqlite(env: &Env, res: &mut Results) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Scenario 8: the reservation API on a Citus cluster beside one PostgreSQL,
+/// the same measurement on each, alternating which goes first.
+async fn citus_beside_single(env: &Env, run: usize, res: &mut Results) -> anyhow::Result<()> {
+    let Some((citus_url, citus_pool)) = &env.citus else {
+        return Ok(());
+    };
+    for c in [8, 32] {
+        let order = if run % 2 == 1 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for on_citus in order {
+            let (url, pool, name) = if on_citus {
+                (citus_url.as_str(), citus_pool, "citus")
+            } else {
+                (env.bench_url.as_str(), &env.pool, "single")
+            };
+            sqlx::query("TRUNCATE idempotency_keys, idempotency_reservations")
+                .execute(pool)
+                .await?;
+            let (proc, addr) = env.serve(url, &[]).await?;
+            let label = format!("{name}-pair c={c}");
+            let before = proc.cpu_ticks();
+            let sample = measure(env, api_pairs(env, addr, c)).await?;
+            res.record_with_cpu(&label, sample, &proc, before);
+            let keys = populate_api(addr, &env.fresh_prefix(), env.args.replay_keys).await?;
+            let label = format!("{name}-replay c={c}");
+            let before = proc.cpu_ticks();
+            let sample = measure(env, api_replays(addr, &keys, c)).await?;
+            res.record_with_cpu(&label, sample, &proc, before);
+            proc.stop().await;
+        }
+    }
+    Ok(())
+}
+
+/// Creates (dropping it first) the schema `idemgate_bench` on the Citus
+/// coordinator at `url`; returns the URL that uses it.
+async fn create_citus_schema(url: &str) -> anyhow::Result<String> {
+    let options = PgConnectOptions::from_str(url).context("--citus-url")?;
+    let mut admin = options
+        .connect()
+        .await
+        .context("connect to the Citus coordinator")?;
+    sqlx::query("DROP SCHEMA IF EXISTS idemgate_bench CASCADE")
+        .execute(&mut admin)
+        .await?;
+    sqlx::query("CREATE SCHEMA idemgate_bench")
+        .execute(&mut admin)
+        .await?;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    Ok(format!("{url}{sep}options[search_path]=idemgate_bench"))
+}
+
 /// Creates the benchmark database beside `admin_url` and returns its URL.
 async fn create_database(admin_url: &str) -> anyhow::Result<String> {
     let options = PgConnectOptions::from_str(admin_url).context("DATABASE_URL")?;
@@ -596,6 +659,23 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         .max_connections(16)
         .connect(&bench_url)
         .await?;
+    let citus = match args.citus_url.as_deref() {
+        Some(url) if args.only.is_empty() || args.only.iter().any(|s| s == "citus") => {
+            let url = create_citus_schema(url).await?;
+            let status = tokio::process::Command::new(&idemgate)
+                .arg("migrate")
+                .env("DATABASE_URL", &url)
+                .status()
+                .await?;
+            anyhow::ensure!(status.success(), "idemgate migrate on Citus failed");
+            let pool = PgPoolOptions::new()
+                .max_connections(2)
+                .connect(&url)
+                .await?;
+            Some((url, pool))
+        }
+        _ => None,
+    };
 
     let env = Env {
         prefix: uuid::Uuid::new_v4().simple().to_string()[..12].to_owned(),
@@ -605,9 +685,16 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         bench_url,
         work,
         pool,
+        citus,
         counter: Default::default(),
     };
     let mut res = Results::default();
+    if env.citus.is_none() && env.wants("citus") {
+        res.notes.push(
+            "no Citus cluster was given (--citus-url): the scale-out comparison was skipped"
+                .to_owned(),
+        );
+    }
     if env.ipx.is_none() && env.wants("proxy") {
         res.notes.push(
             "idempotent-proxy-server was not available: its comparison was skipped".to_owned(),
@@ -639,6 +726,9 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         }
         if env.wants("sqlite") {
             sqlite(&env, &mut res).await?;
+        }
+        if env.wants("citus") {
+            citus_beside_single(&env, run, &mut res).await?;
         }
     }
     // Pruning writes and deletes a million rows: it runs after every other

@@ -551,8 +551,10 @@ fn classify(e: sqlx::Error, at: &Target) -> StoreError {
                 "28P01" => StoreError::Unavailable(format!(
                     "{refused}: check the password in DATABASE_URL"
                 )),
-                // undefined_table: the migrations were not applied.
+                // undefined_table, or undefined_function for the claim
+                // function: the migrations were not (all) applied.
                 "42P01" => no_tables(&said, at),
+                "42883" if db.message().contains("idemgate_reserve") => no_tables(&said, at),
                 // 08: connection exception; 57: operator intervention
                 // (shutdown, statement timeout 57014); 53: insufficient
                 // resources.
@@ -910,28 +912,31 @@ impl Store for PgStore {
     }
 
     async fn ping(&self) -> Result<()> {
-        // What every request needs beyond a connection: the two tables. A
-        // catalog lookup, evaluated at each execution (a cached plan would
-        // keep the answer of its first run), reading neither table.
-        let found: Option<(bool, bool)> = self
+        // What every request needs beyond a connection: the two tables and
+        // the claim function. Catalog lookups, evaluated at each execution (a
+        // cached plan would keep the answer of its first run), reading
+        // neither table.
+        let found: Option<(bool, bool, bool)> = self
             .fetch_row(sqlx::query_as(
                 "SELECT to_regclass('idempotency_keys') IS NOT NULL,
-                        to_regclass('idempotency_reservations') IS NOT NULL",
+                        to_regclass('idempotency_reservations') IS NOT NULL,
+                        to_regprocedure(
+                            'idemgate_reserve(text, bytea, text, uuid, float8, float8, int8)')
+                            IS NOT NULL",
             ))
             .await?;
         match found {
-            Some((true, true)) => Ok(()),
+            Some((true, true, true)) => Ok(()),
             // In the words a request would get, so that both are one cause.
-            Some((keys, _)) => {
-                let table = if keys {
-                    "idempotency_reservations"
+            Some((keys, reservations, _)) => {
+                let missing = if !keys {
+                    "relation \"idempotency_keys\" does not exist (SQLSTATE 42P01)"
+                } else if !reservations {
+                    "relation \"idempotency_reservations\" does not exist (SQLSTATE 42P01)"
                 } else {
-                    "idempotency_keys"
+                    "function idemgate_reserve does not exist (SQLSTATE 42883)"
                 };
-                Err(no_tables(
-                    &format!("relation \"{table}\" does not exist (SQLSTATE 42P01)"),
-                    &self.conns.target,
-                ))
+                Err(no_tables(missing, &self.conns.target))
             }
             None => Err(StoreError::Other(
                 "the readiness query returned no row".into(),
