@@ -358,7 +358,7 @@ pub async fn render(env: &Env, res: &Results) -> String {
         w,
         "The reservation API on a Citus coordinator with two workers, all three on this machine, beside the \
          single PostgreSQL above; each pair of measurements back to back. All nodes share the same cores, so this \
-         shows what a request costs on a cluster, not how a cluster scales (see \"Scaling out\" below).\n"
+         shows what a request costs on a cluster, not how a cluster scales (see \"Scaling out on Citus\" below).\n"
     );
     let _ = writeln!(
         w,
