@@ -18,11 +18,10 @@ use common::backend::Backend;
 use common::bin::idemgate_at;
 use common::citus::{self, TempCitus};
 use common::pg::TestDb;
-use idemgate::prune;
 use idemgate::store::postgres::sql;
 use idemgate::store::{PgStore, Store};
 use sqlx::{Connection as _, PgConnection};
-use tokio::sync::{Barrier, OnceCell};
+use tokio::sync::OnceCell;
 
 /// One cluster for the tests that do not stop a node, each in a schema of its
 /// own.
@@ -199,19 +198,7 @@ async fn pruning_goes_shard_by_shard_and_two_pruners_delete_each_row_once() {
     assert_eq!(live.reserve(&fresh_key(), "").await.status, 201);
     assert_eq!(backend.counts().await, (3_501, 3_501));
 
-    let stores: [Arc<dyn Store>; 2] = [backend.open().await, backend.open().await];
-    let barrier = Arc::new(Barrier::new(2));
-    let passes = stores.map(|store| {
-        let barrier = barrier.clone();
-        tokio::spawn(async move {
-            barrier.wait().await;
-            prune::prune_once(store.as_ref()).await
-        })
-    });
-    let mut total = 0;
-    for pass in passes {
-        total += pass.await.unwrap().expect("prune pass");
-    }
+    let total = backend.prune_twice_at_once().await;
     assert_eq!(total, 3_500, "each row deleted once");
     assert_eq!(backend.counts().await, (1, 1), "the live record stays");
     let _ = conn.close().await;

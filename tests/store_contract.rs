@@ -557,19 +557,7 @@ async fn two_pruners_at_once_delete_each_expired_row_once(backend: Backend) {
     reserved(reserve(&live, &request(fresh_key(), None)).await);
     assert_eq!(backend.counts().await, (SEEDED + 1, SEEDED + 1));
 
-    let stores = [backend.open().await, backend.open().await];
-    let barrier = Arc::new(Barrier::new(2));
-    let passes = stores.map(|store| {
-        let barrier = barrier.clone();
-        tokio::spawn(async move {
-            barrier.wait().await;
-            prune::prune_once(store.as_ref()).await
-        })
-    });
-    let mut total = 0;
-    for pass in passes {
-        total += pass.await.unwrap().expect("prune pass");
-    }
+    let total = backend.prune_twice_at_once().await;
     assert_eq!(
         total,
         u64::try_from(SEEDED).unwrap(),

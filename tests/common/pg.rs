@@ -415,35 +415,16 @@ async fn drop_schema(admin: &str, name: &str) -> Result<(), String> {
     result
 }
 
-/// Drops `idemgate_test_<pid>_*` schemas of test processes that are gone.
+/// Drops `idemgate_test_<pid>_*` schemas of test processes that are gone (see
+/// [`sweep_leftovers`]).
 async fn sweep_leftover_schemas(admin: &str) {
-    let Ok(mut conn) = connect(admin, EXPLICIT_TIMEOUT).await else {
-        return;
-    };
-    let names: Vec<String> = sqlx::query_scalar(
+    sweep(
+        admin,
         r"SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idemgate\_test\_%'",
+        "schema",
+        |name| format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"),
     )
-    .fetch_all(&mut conn)
-    .await
-    .unwrap_or_default();
-    let me = std::process::id();
-    for name in names {
-        let Some(pid) = name
-            .strip_prefix(DB_PREFIX)
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid != me && Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        let sql = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
-        if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await {
-            eprintln!("[idemgate tests] leaving leftover schema {name}: {e}");
-        }
-    }
-    let _ = conn.close().await;
+    .await;
 }
 
 async fn drop_database(admin: &str, name: &str) -> Result<(), String> {
@@ -483,6 +464,17 @@ async fn drop_database(admin: &str, name: &str) -> Result<(), String> {
 /// socket), where pids are comparable; a database that still has sessions is left alone (plain
 /// `DROP DATABASE` refuses it). Best effort: failures are reported on stderr and ignored.
 async fn sweep_leftovers(admin: &str) {
+    sweep(
+        admin,
+        r"SELECT datname::text FROM pg_database WHERE datname LIKE 'idemgate\_test\_%'",
+        "database",
+        |name| format!("DROP DATABASE IF EXISTS \"{name}\""),
+    )
+    .await;
+}
+
+/// Runs `drop` for each name `list` returns whose test process is gone.
+async fn sweep(admin: &str, list: &'static str, what: &str, drop: impl Fn(&str) -> String) {
     let Ok(opts) = PgConnectOptions::from_str(admin) else {
         return;
     };
@@ -495,12 +487,10 @@ async fn sweep_leftovers(admin: &str) {
     let Ok(mut conn) = connect(admin, EXPLICIT_TIMEOUT).await else {
         return;
     };
-    let names: Vec<String> = sqlx::query_scalar(
-        r"SELECT datname::text FROM pg_database WHERE datname LIKE 'idemgate\_test\_%'",
-    )
-    .fetch_all(&mut conn)
-    .await
-    .unwrap_or_default();
+    let names: Vec<String> = sqlx::query_scalar(list)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap_or_default();
     let me = std::process::id();
     for name in names {
         let Some(pid) = name
@@ -513,9 +503,9 @@ async fn sweep_leftovers(admin: &str) {
         if pid != me && Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
-        let sql = format!("DROP DATABASE IF EXISTS \"{name}\"");
+        let sql = drop(&name);
         if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await {
-            eprintln!("[idemgate tests] leaving leftover database {name}: {e}");
+            eprintln!("[idemgate tests] leaving leftover {what} {name}: {e}");
         }
     }
     let _ = conn.close().await;
