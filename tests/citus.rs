@@ -18,8 +18,9 @@ use common::backend::Backend;
 use common::bin::idemgate_at;
 use common::citus::{self, TempCitus};
 use common::pg::TestDb;
+use idemgate::prune;
 use idemgate::store::postgres::sql;
-use idemgate::store::{PgStore, Store};
+use idemgate::store::{PgStore, Store, StoreError};
 use sqlx::{Connection as _, PgConnection};
 use tokio::sync::OnceCell;
 
@@ -442,4 +443,46 @@ async fn a_store_over_the_cluster_pings_and_reads_its_layout() {
     assert_eq!(batch.deleted, 0);
     assert!(!batch.more);
     assert_eq!(batch.unreachable, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pruning_with_a_worker_down_prunes_the_rest_and_says_what_it_skipped() {
+    if !citus::available("pruning_with_a_worker_down_prunes_the_rest_and_says_what_it_skipped") {
+        return;
+    }
+    let (cluster, app, tenants) = cluster_with_a_tenant_per_worker().await;
+    let mut conn = connect(&cluster.url()).await;
+    for tenant in &tenants {
+        sqlx::query(
+            "INSERT INTO idempotency_keys
+                 (tenant, key_hash, state, reservation_id, attempt, created_at, expires_at)
+             SELECT $1, sha256(i::text::bytea), 'completed', gen_random_uuid(), 1,
+                    now() - interval '2 hours', now() - interval '1 hour'
+               FROM generate_series(1, 50) AS i",
+        )
+        .bind(tenant)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    cluster.workers[1].stop().await.expect("stop a worker");
+    let pass = prune::prune_once(app.store.as_ref()).await;
+    let Err(StoreError::Unavailable(why)) = &pass else {
+        panic!("a pass with a worker down must fail: {pass:?}");
+    };
+    assert!(
+        why.contains("pruned 50 expired keys, but not everywhere")
+            && why.contains("could not be pruned")
+            && why.contains(&cluster.workers[1].port().to_string()),
+        "{why}"
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE tenant = $1")
+        .bind(&tenants[0])
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the running worker's shards were pruned");
+    cluster.workers[1].restart().await.expect("start it again");
+    assert_eq!(prune::prune_once(app.store.as_ref()).await.unwrap(), 50);
+    let _ = conn.close().await;
 }
