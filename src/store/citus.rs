@@ -34,11 +34,7 @@ const LOCK: i64 = 0x6964_656d_6369_7475; // "idemcitu"
 /// Reads the layout: Citus when the extension is there and the keys table
 /// is distributed.
 pub async fn layout(conn: &mut PgConnection) -> Result<Layout, sqlx::Error> {
-    let has_citus: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
-            .fetch_one(&mut *conn)
-            .await?;
-    if !has_citus {
+    if !has_citus(conn).await? {
         return Ok(Layout::Single);
     }
     let shards: i64 = sqlx::query_scalar(
@@ -51,6 +47,13 @@ pub async fn layout(conn: &mut PgConnection) -> Result<Layout, sqlx::Error> {
         Ok(0) | Err(_) => Layout::Single,
         Ok(shards) => Layout::Citus { shards },
     })
+}
+
+/// Whether the database has the `citus` extension.
+async fn has_citus(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
+        .fetch_one(&mut *conn)
+        .await
 }
 
 /// A table's place in Citus's metadata: `None` when it is a plain table.
@@ -95,16 +98,8 @@ fn misplaced(table: &str, found: &Placement) -> StoreError {
 /// later ones find the work done.
 pub async fn distribute(pool: &PgPool) -> Result<Layout, StoreError> {
     let mut conn = pool.acquire().await.map_err(other)?;
-    if layout(&mut conn).await.map_err(other)? == Layout::Single {
-        let has_citus: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')",
-        )
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(other)?;
-        if !has_citus {
-            return Ok(Layout::Single);
-        }
+    if !has_citus(&mut conn).await.map_err(other)? {
+        return Ok(Layout::Single);
     }
     let mut tx = conn.begin().await.map_err(other)?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
