@@ -16,7 +16,7 @@ use crate::durations::Durations;
 pub use crate::replay_cache::{DEFAULT_REPLAY_CACHE_BYTES, ReplayCache};
 use crate::seal::{self, Sealer};
 use crate::store::{
-    Claim, ClaimRequest, KeyState, Record, Recovery, Store, StoreError, StoredResponse,
+    Batched, Claim, ClaimRequest, KeyState, Record, Recovery, Store, StoreError, StoredResponse,
 };
 use crate::telemetry;
 
@@ -277,10 +277,11 @@ struct StoredFigure {
 
 impl Engine {
     /// An engine over `store`, with a replay cache of
-    /// [`DEFAULT_REPLAY_CACHE_BYTES`].
+    /// [`DEFAULT_REPLAY_CACHE_BYTES`]. Its claims, commits and releases are
+    /// written in batches ([`Batched`]).
     pub fn new(store: Arc<dyn Store>, limits: Limits) -> Engine {
         Engine {
-            store,
+            store: Batched::wrap(store),
             waiters: Waiters::default(),
             replay_cache: ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES),
             sealer: None,

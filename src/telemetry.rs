@@ -8,7 +8,7 @@ use std::time::Duration;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tracing_subscriber::EnvFilter;
 
-use crate::store::PoolStats;
+use crate::store::{BatchStats, PoolStats};
 
 /// Installs the global tracing subscriber, writing to standard error: human
 /// by default, JSON when asked, level from `RUST_LOG` (default `info`). Human
@@ -68,6 +68,23 @@ fn describe() {
         "idemgate_replay_cache_hits_total",
         "Reserves of a completed key answered from the in-process replay cache, without a \
          database round trip."
+    );
+    metrics::describe_counter!(
+        "idemgate_store_batches_total",
+        "Transactions that wrote claims, commits and releases (a write alone is one)."
+    );
+    metrics::describe_counter!(
+        "idemgate_store_batched_writes_total",
+        "Claims, commits and releases written in those transactions: divided by \
+         idemgate_store_batches_total, the mean batch size."
+    );
+    metrics::describe_gauge!(
+        "idemgate_store_batch_largest",
+        "The most writes one transaction carried since start-up."
+    );
+    metrics::describe_counter!(
+        "idemgate_store_writes_refused_total",
+        "Writes refused with 503 because the store's write queue was full."
     );
     metrics::describe_gauge!(
         "idemgate_db_pool_connections",
@@ -157,6 +174,14 @@ pub fn record_pruned(n: u64) {
 /// Counts one reserve answered from the replay cache.
 pub fn record_replay_cache_hit() {
     metrics::counter!("idemgate_replay_cache_hits_total").increment(1);
+}
+
+/// Publishes how the store batched its writes.
+pub fn record_batches(stats: BatchStats) {
+    metrics::counter!("idemgate_store_batches_total").absolute(stats.batches);
+    metrics::counter!("idemgate_store_batched_writes_total").absolute(stats.writes);
+    metrics::gauge!("idemgate_store_batch_largest").set(stats.largest as f64);
+    metrics::counter!("idemgate_store_writes_refused_total").absolute(stats.refused);
 }
 
 /// Publishes the pool gauges.

@@ -26,7 +26,18 @@ pub enum Layout {
 /// The tables and the function the migrations distribute.
 const KEYS: &str = "idempotency_keys";
 const RESERVATIONS: &str = "idempotency_reservations";
-const RESERVE_FN: &str = "idemgate_reserve(text, bytea, text, uuid, float8, float8, int8)";
+/// The functions distributed by their tenant argument: name, signature.
+const FUNCTIONS: [(&str, &str); 2] = [
+    (
+        "idemgate_reserve",
+        "idemgate_reserve(text, bytea, text, uuid, float8, float8, int8)",
+    ),
+    (
+        "idemgate_write_batch",
+        "idemgate_write_batch(text, text[], text[], bytea[], text[], uuid[], float8[], \
+         float8[], int8[], int4[], jsonb[], bytea[])",
+    ),
+];
 
 /// Serializes the distribution across idemgate processes starting together.
 const LOCK: i64 = 0x6964_656d_6369_7475; // "idemcitu"
@@ -146,28 +157,31 @@ pub async fn distribute(pool: &PgPool) -> Result<Layout, StoreError> {
             done.push(RESERVATIONS);
         }
     }
-    let delegated: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_object
-                         WHERE classid = 'pg_proc'::regclass
-                           AND objid = to_regprocedure($1)
-                           AND distribution_argument_index IS NOT NULL
-                           AND colocationid = $2)",
-    )
-    .bind(RESERVE_FN)
-    .bind(keys.colocation)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(other)?;
-    if !delegated {
-        sqlx::query(
-            "SELECT create_distributed_function($1::regprocedure, 'p_tenant', colocate_with => $2)",
+    for (name, signature) in FUNCTIONS {
+        let delegated: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_object
+                             WHERE classid = 'pg_proc'::regclass
+                               AND objid = to_regprocedure($1)
+                               AND distribution_argument_index IS NOT NULL
+                               AND colocationid = $2)",
         )
-        .bind(RESERVE_FN)
-        .bind(KEYS)
-        .execute(&mut *tx)
+        .bind(signature)
+        .bind(keys.colocation)
+        .fetch_one(&mut *tx)
         .await
-        .map_err(|e| failed("distributing", "idemgate_reserve", e))?;
-        done.push("idemgate_reserve");
+        .map_err(other)?;
+        if !delegated {
+            sqlx::query(
+                "SELECT create_distributed_function($1::regprocedure, 'p_tenant', \
+                 colocate_with => $2)",
+            )
+            .bind(signature)
+            .bind(KEYS)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| failed("distributing", name, e))?;
+            done.push(name);
+        }
     }
     tx.commit().await.map_err(other)?;
     let layout = layout(&mut conn).await.map_err(other)?;
@@ -189,7 +203,7 @@ pub async fn distribute(pool: &PgPool) -> Result<Layout, StoreError> {
             shards,
             nodes = workers,
             "citus: {KEYS} and {RESERVATIONS} are distributed by tenant, colocated, and \
-             idemgate_reserve runs on the tenant's node"
+             idemgate_reserve and idemgate_write_batch run on the tenant's node"
         );
     } else {
         tracing::info!(
@@ -197,7 +211,7 @@ pub async fn distribute(pool: &PgPool) -> Result<Layout, StoreError> {
             nodes = workers,
             distributed = done.join(", "),
             "citus: distributed {KEYS} and {RESERVATIONS} by tenant, colocated, and \
-             idemgate_reserve by its tenant argument"
+             idemgate_reserve and idemgate_write_batch by their tenant argument"
         );
     }
     Ok(layout)

@@ -1,6 +1,7 @@
 //! Where idempotency records live: the [`Store`] trait the engine drives, and its
 //! implementations. SQL lives only below this module.
 
+mod batch;
 pub mod citus;
 mod lock;
 pub mod postgres;
@@ -14,6 +15,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+pub use batch::Batched;
 pub use postgres::PgStore;
 pub use sqlite::SqliteStore;
 
@@ -224,8 +226,65 @@ pub struct PoolStats {
     pub idle: u32,
 }
 
+/// How the writes were batched, since the store was built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Batches written (a write alone counts as one).
+    pub batches: u64,
+    /// Writes in them.
+    pub writes: u64,
+    /// The most writes in one batch.
+    pub largest: u64,
+    /// Writes refused because the queue was full.
+    pub refused: u64,
+}
+
+/// One write of a batch (see [`Store::write_batch`]).
+#[derive(Debug, Clone)]
+pub enum Write {
+    /// [`Store::reserve`].
+    Claim(ClaimRequest),
+    /// [`Store::complete`].
+    Complete {
+        /// The key's tenant.
+        tenant: String,
+        /// The holder's reservation id.
+        reservation_id: Uuid,
+        /// What to store.
+        response: StoredResponse,
+    },
+    /// [`Store::release`].
+    Release {
+        /// The key's tenant.
+        tenant: String,
+        /// The holder's reservation id.
+        reservation_id: Uuid,
+    },
+}
+
+impl Write {
+    /// The tenant the write is for.
+    pub fn tenant(&self) -> &str {
+        match self {
+            Write::Claim(req) => &req.tenant,
+            Write::Complete { tenant, .. } | Write::Release { tenant, .. } => tenant,
+        }
+    }
+}
+
+/// What one write of a batch did: what the one-by-one operation returns.
+#[derive(Debug, Clone)]
+pub enum Written {
+    /// As [`Store::reserve`].
+    Claim(Option<Claim>),
+    /// As [`Store::complete`].
+    Complete(Option<Record>),
+    /// As [`Store::release`].
+    Release(Option<Vec<u8>>),
+}
+
 /// Why a store operation failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The database cannot be reached or timed out: the caller should retry later.
     #[error("the store is unavailable: {0}")]
@@ -360,6 +419,48 @@ pub trait Store: Send + Sync + 'static {
     async fn ping(&self) -> Result<()>;
     /// Pool figures, where the store has a pool.
     fn pool_stats(&self) -> Option<PoolStats>;
+
+    /// Applies `writes` in the order given, as if one by one (each sees what
+    /// the ones before it did), in one transaction that has committed when
+    /// this returns: one durable write for all of them. One answer per write,
+    /// in order; an `Err` says that write's transaction failed and nothing is
+    /// known of it (the caller then writes it alone). A store without
+    /// transactions of its own keeps this default, which writes one by one.
+    async fn write_batch(&self, writes: &[Write]) -> Vec<Result<Written>> {
+        let mut answers = Vec::with_capacity(writes.len());
+        for write in writes {
+            answers.push(write_one(self, write).await);
+        }
+        answers
+    }
+
+    /// How many batches the store writes at once: one for a store with one
+    /// writer (SQLite); more where transactions run side by side and the
+    /// database shares one flush among them (PostgreSQL).
+    fn batch_writers(&self) -> usize {
+        1
+    }
+
+    /// How writes were batched, where they are (see [`Batched`]).
+    fn batch_stats(&self) -> Option<BatchStats> {
+        None
+    }
+}
+
+/// `write` on its own, through the one-by-one operation.
+pub(crate) async fn write_one<S: Store + ?Sized>(store: &S, write: &Write) -> Result<Written> {
+    Ok(match write {
+        Write::Claim(req) => Written::Claim(store.reserve(req).await?),
+        Write::Complete {
+            tenant,
+            reservation_id,
+            response,
+        } => Written::Complete(store.complete(tenant, *reservation_id, response).await?),
+        Write::Release {
+            tenant,
+            reservation_id,
+        } => Written::Release(store.release(tenant, *reservation_id).await?),
+    })
 }
 
 #[cfg(test)]

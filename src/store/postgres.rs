@@ -17,7 +17,7 @@ use uuid::Uuid;
 use super::citus::{self, Layout};
 use super::{
     Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record, Recovery,
-    Result, Store, StoreError, StoredResponse, StoredUsage,
+    Result, Store, StoreError, StoredResponse, StoredUsage, Write, Written,
 };
 
 /// The PostgreSQL schema migrations (`migrations/postgres`).
@@ -370,6 +370,117 @@ impl PgStore {
     }
 }
 
+/// Batches written at once: while one is in the database, the next gathers
+/// and goes in its own transaction, and PostgreSQL flushes their commits
+/// together.
+const BATCH_WRITERS: usize = 2;
+
+impl PgStore {
+    /// `writes` in one call of `idemgate_write_batch`: one transaction.
+    async fn write_batch_call(&self, writes: &[Write]) -> Vec<Result<Written>> {
+        let n = writes.len();
+        let mut ops = Vec::with_capacity(n);
+        let mut tenants = Vec::with_capacity(n);
+        let mut key_hashes: Vec<Option<&[u8]>> = Vec::with_capacity(n);
+        let mut fingerprints: Vec<Option<&str>> = Vec::with_capacity(n);
+        let mut ids = Vec::with_capacity(n);
+        let mut leases: Vec<Option<f64>> = Vec::with_capacity(n);
+        let mut ttls: Vec<Option<f64>> = Vec::with_capacity(n);
+        let mut limits: Vec<Option<i64>> = Vec::with_capacity(n);
+        let mut statuses: Vec<Option<i32>> = Vec::with_capacity(n);
+        let mut headers: Vec<Option<serde_json::Value>> = Vec::with_capacity(n);
+        let mut bodies: Vec<Option<&[u8]>> = Vec::with_capacity(n);
+        for write in writes {
+            let (op, id) = match write {
+                Write::Claim(req) => ("claim", req.reservation_id),
+                Write::Complete { reservation_id, .. } => ("complete", *reservation_id),
+                Write::Release { reservation_id, .. } => ("release", *reservation_id),
+            };
+            ops.push(op);
+            tenants.push(write.tenant());
+            ids.push(id);
+            let claim = match write {
+                Write::Claim(req) => Some(req),
+                _ => None,
+            };
+            key_hashes.push(claim.map(|r| &r.key_hash[..]));
+            fingerprints.push(claim.and_then(|r| r.fingerprint.as_deref()));
+            leases.push(claim.map(|r| f64::from(r.lease_seconds)));
+            ttls.push(claim.map(|r| f64::from(r.ttl_seconds)));
+            limits.push(claim.and_then(|r| r.max_in_flight.map(i64::from)));
+            let response = match write {
+                Write::Complete { response, .. } => Some(response),
+                _ => None,
+            };
+            statuses.push(response.map(|r| i32::from(r.status)));
+            headers.push(response.map(|r| headers_json(&r.headers)));
+            bodies.push(response.map(|r| &r.body[..]));
+        }
+        let query = sqlx::query_as(WRITE_BATCH.as_str())
+            .bind(tenants.first().copied().unwrap_or_default())
+            .bind(&ops)
+            .bind(&tenants)
+            .bind(&key_hashes)
+            .bind(&fingerprints)
+            .bind(&ids)
+            .bind(&leases)
+            .bind(&ttls)
+            .bind(&limits)
+            .bind(&statuses)
+            .bind(&headers)
+            .bind(&bodies);
+        let rows: Vec<BatchRow> = match self.fetch_all(query).await {
+            Ok(rows) => rows,
+            Err(e) => return writes.iter().map(|_| Err(e.clone())).collect(),
+        };
+        let mut answers: Vec<Result<Written>> = writes
+            .iter()
+            .map(|w| {
+                Ok(match w {
+                    Write::Claim(_) => Written::Claim(None),
+                    Write::Complete { .. } => Written::Complete(None),
+                    Write::Release { .. } => Written::Release(None),
+                })
+            })
+            .collect();
+        for row in rows {
+            let Some(i) = usize::try_from(row.ord)
+                .ok()
+                .and_then(|ord| ord.checked_sub(1))
+                .filter(|&i| i < n)
+            else {
+                continue;
+            };
+            let now = row.db_now;
+            let claimed = row.claimed;
+            answers[i] = Record::try_from(row.row).map(|record| match &writes[i] {
+                Write::Claim(_) => Written::Claim(Some(Claim {
+                    claimed,
+                    record,
+                    now,
+                })),
+                Write::Complete { .. } => Written::Complete(Some(record)),
+                Write::Release { .. } => Written::Release(Some(record.key_hash)),
+            });
+        }
+        answers
+    }
+
+    /// Runs a query on one of the store's connections; every row.
+    async fn fetch_all<'q, O>(
+        &self,
+        query: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    ) -> Result<Vec<O>>
+    where
+        O: Send + Unpin + for<'r> FromRow<'r, sqlx::postgres::PgRow>,
+    {
+        let mut conn = self.conns.acquire().await?;
+        let result = self.conns.answered(query.fetch_all(&mut *conn)).await?;
+        conn.done(&result);
+        result.map_err(|e| classify(e, &self.conns.target))
+    }
+}
+
 /// Every column of `idempotency_keys`, in the order [`KeyRow`] reads them.
 const KEY_COLUMNS: &str = "tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, \
      attempt, recovery_point, recovery_data, response_status, response_headers, response_body, \
@@ -396,6 +507,15 @@ struct KeyRow {
 
 #[derive(FromRow)]
 struct ClaimRow {
+    claimed: bool,
+    db_now: DateTime<Utc>,
+    #[sqlx(flatten)]
+    row: KeyRow,
+}
+
+#[derive(FromRow)]
+struct BatchRow {
+    ord: i32,
     claimed: bool,
     db_now: DateTime<Utc>,
     #[sqlx(flatten)]
@@ -554,7 +674,7 @@ fn classify(e: sqlx::Error, at: &Target) -> StoreError {
                 // undefined_table, or undefined_function for the claim
                 // function: the migrations were not (all) applied.
                 "42P01" => no_tables(&said, at),
-                "42883" if db.message().contains("idemgate_reserve") => no_tables(&said, at),
+                "42883" if db.message().contains("idemgate_") => no_tables(&said, at),
                 // 08: connection exception; 57: operator intervention
                 // (shutdown, statement timeout 57014); 53: insufficient
                 // resources.
@@ -613,6 +733,16 @@ static RESERVE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT claimed, db_now, {KEY_COLUMNS}
            FROM idemgate_reserve($1, $2, $3, $4, $5, $6, $7)"
+    )
+});
+
+// Claims, commits and releases in one call (migration
+// `20261203000001_write_batch_function.sql`); the arrays hold one item per
+// write, NULL where a kind of write has no such argument.
+static WRITE_BATCH: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT ord, claimed, db_now, {KEY_COLUMNS}
+           FROM idemgate_write_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
     )
 });
 
@@ -916,25 +1046,32 @@ impl Store for PgStore {
         // the claim function. Catalog lookups, evaluated at each execution (a
         // cached plan would keep the answer of its first run), reading
         // neither table.
-        let found: Option<(bool, bool, bool)> = self
+        let found: Option<(bool, bool, bool, bool)> = self
             .fetch_row(sqlx::query_as(
                 "SELECT to_regclass('idempotency_keys') IS NOT NULL,
                         to_regclass('idempotency_reservations') IS NOT NULL,
                         to_regprocedure(
                             'idemgate_reserve(text, bytea, text, uuid, float8, float8, int8)')
+                            IS NOT NULL,
+                        to_regprocedure(
+                            'idemgate_write_batch(text, text[], text[], bytea[], text[], uuid[],
+                                                  float8[], float8[], int8[], int4[], jsonb[],
+                                                  bytea[])')
                             IS NOT NULL",
             ))
             .await?;
         match found {
-            Some((true, true, true)) => Ok(()),
+            Some((true, true, true, true)) => Ok(()),
             // In the words a request would get, so that both are one cause.
-            Some((keys, reservations, _)) => {
+            Some((keys, reservations, reserve, _)) => {
                 let missing = if !keys {
                     "relation \"idempotency_keys\" does not exist (SQLSTATE 42P01)"
                 } else if !reservations {
                     "relation \"idempotency_reservations\" does not exist (SQLSTATE 42P01)"
-                } else {
+                } else if !reserve {
                     "function idemgate_reserve does not exist (SQLSTATE 42883)"
+                } else {
+                    "function idemgate_write_batch does not exist (SQLSTATE 42883)"
                 };
                 Err(no_tables(missing, &self.conns.target))
             }
@@ -942,6 +1079,43 @@ impl Store for PgStore {
                 "the readiness query returned no row".into(),
             )),
         }
+    }
+
+    async fn write_batch(&self, writes: &[Write]) -> Vec<Result<Written>> {
+        let layout = match self.layout().await {
+            Ok(layout) => layout,
+            Err(e) => return writes.iter().map(|_| Err(e.clone())).collect(),
+        };
+        match layout {
+            Layout::Single => self.write_batch_call(writes).await,
+            // The function runs on the node that holds its tenant's shard: a
+            // call per tenant, each its own transaction there.
+            Layout::Citus { .. } => {
+                let mut by_tenant: Vec<(&str, Vec<usize>)> = Vec::new();
+                for (i, write) in writes.iter().enumerate() {
+                    match by_tenant.iter_mut().find(|(t, _)| *t == write.tenant()) {
+                        Some((_, items)) => items.push(i),
+                        None => by_tenant.push((write.tenant(), vec![i])),
+                    }
+                }
+                let mut answers: Vec<Option<Result<Written>>> =
+                    (0..writes.len()).map(|_| None).collect();
+                for (_, items) in by_tenant {
+                    let group: Vec<Write> = items.iter().map(|&i| writes[i].clone()).collect();
+                    for (&i, answer) in items.iter().zip(self.write_batch_call(&group).await) {
+                        answers[i] = Some(answer);
+                    }
+                }
+                answers
+                    .into_iter()
+                    .map(|a| a.unwrap_or_else(|| Err(StoreError::Other("no answer".into()))))
+                    .collect()
+            }
+        }
+    }
+
+    fn batch_writers(&self) -> usize {
+        BATCH_WRITERS
     }
 
     fn pool_stats(&self) -> Option<PoolStats> {

@@ -54,7 +54,7 @@ use uuid::fmt::Hyphenated;
 use super::lock::FileLock;
 use super::{
     Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record, Recovery,
-    Result, Store, StoreError, StoredResponse, StoredUsage,
+    Result, Store, StoreError, StoredResponse, StoredUsage, Write, Written,
 };
 
 /// The SQLite schema migrations (`migrations/sqlite`).
@@ -186,79 +186,35 @@ impl SqliteStore {
     /// The claim, under the write lock (see [`Store::reserve`]).
     async fn claim(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
         let mut tx = self.begin_write().await?;
-        let now = now_ms();
-        let id = req.reservation_id.hyphenated();
-        // Under the write lock the count cannot change before the claim: the
-        // limit is exact here.
-        let room = match req.max_in_flight {
-            None => true,
-            Some(max) => {
-                let live: i64 = sqlx::query_scalar(COUNT_IN_FLIGHT)
-                    .bind(&req.tenant)
-                    .bind(now)
-                    .bind(i64::from(max))
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(classify)?;
-                live < i64::from(max)
-            }
-        };
-        let claimed: Option<KeyRow> = if room {
-            sqlx::query_as(RESERVE)
-                .bind(&req.tenant)
-                .bind(&req.key_hash[..])
-                .bind(&req.fingerprint)
-                .bind(id)
-                .bind(now)
-                .bind(secs_ms(req.lease_seconds))
-                .bind(secs_ms(req.ttl_seconds))
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(classify)?
-        } else {
-            None
-        };
-        let (claimed, row) = match claimed {
-            Some(row) => {
-                sqlx::query(FENCE)
-                    .bind(&req.tenant)
-                    .bind(id)
-                    .bind(&req.key_hash[..])
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(classify)?;
-                (true, row)
-            }
-            None => {
-                // We hold the write lock: the row the upsert conflicted with
-                // is still there, unchanged.
-                let row: Option<KeyRow> = sqlx::query_as(SELECT_KEY)
-                    .bind(&req.tenant)
-                    .bind(&req.key_hash[..])
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .map_err(classify)?;
-                match row {
-                    Some(row) => (false, row),
-                    None if !room => {
-                        tx.commit().await.map_err(classify)?;
-                        return Ok(None);
-                    }
-                    None => {
-                        return Err(StoreError::Other(
-                            "the claim neither applied nor found the record".into(),
-                        ));
-                    }
-                }
-            }
-        };
-        let record = Record::try_from(row)?;
+        let claim = claim_in(&mut tx, req, now_ms()).await?;
         tx.commit().await.map_err(classify)?;
-        Ok(Some(Claim {
-            claimed,
-            record,
-            now: ts(now)?,
-        }))
+        Ok(claim)
+    }
+
+    /// `writes` in one write transaction, one clock reading for all: one
+    /// fsync where one by one each took its own.
+    async fn write_all(&self, writes: &[Write]) -> Result<Vec<Written>> {
+        let mut tx = self.begin_write().await?;
+        let now = now_ms();
+        let mut written = Vec::with_capacity(writes.len());
+        for write in writes {
+            written.push(match write {
+                Write::Claim(req) => Written::Claim(claim_in(&mut tx, req, now).await?),
+                Write::Complete {
+                    tenant,
+                    reservation_id,
+                    response,
+                } => Written::Complete(
+                    complete_in(&mut tx, tenant, *reservation_id, response, now).await?,
+                ),
+                Write::Release {
+                    tenant,
+                    reservation_id,
+                } => Written::Release(release_in(&mut tx, tenant, *reservation_id, now).await?),
+            });
+        }
+        tx.commit().await.map_err(classify)?;
+        Ok(written)
     }
 
     /// The key's record when no claim can apply to it now — completed, or in
@@ -400,6 +356,120 @@ async fn after_write(
         tracing::debug!(error = %e, "rollback of an abandoned write");
     }
     Ok(true)
+}
+
+/// The claim inside a write transaction, at `now` (read under the lock).
+async fn claim_in(
+    tx: &mut SqliteConnection,
+    req: &ClaimRequest,
+    now: i64,
+) -> Result<Option<Claim>> {
+    let id = req.reservation_id.hyphenated();
+    // Under the write lock the count cannot change before the claim: the
+    // limit is exact here.
+    let room = match req.max_in_flight {
+        None => true,
+        Some(max) => {
+            let live: i64 = sqlx::query_scalar(COUNT_IN_FLIGHT)
+                .bind(&req.tenant)
+                .bind(now)
+                .bind(i64::from(max))
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(classify)?;
+            live < i64::from(max)
+        }
+    };
+    let claimed: Option<KeyRow> = if room {
+        sqlx::query_as(RESERVE)
+            .bind(&req.tenant)
+            .bind(&req.key_hash[..])
+            .bind(&req.fingerprint)
+            .bind(id)
+            .bind(now)
+            .bind(secs_ms(req.lease_seconds))
+            .bind(secs_ms(req.ttl_seconds))
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(classify)?
+    } else {
+        None
+    };
+    let (claimed, row) = match claimed {
+        Some(row) => {
+            sqlx::query(FENCE)
+                .bind(&req.tenant)
+                .bind(id)
+                .bind(&req.key_hash[..])
+                .execute(&mut *tx)
+                .await
+                .map_err(classify)?;
+            (true, row)
+        }
+        None => {
+            // We hold the write lock: the row the upsert conflicted with is
+            // still there, unchanged.
+            let row: Option<KeyRow> = sqlx::query_as(SELECT_KEY)
+                .bind(&req.tenant)
+                .bind(&req.key_hash[..])
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(classify)?;
+            match row {
+                Some(row) => (false, row),
+                None if !room => return Ok(None),
+                None => {
+                    return Err(StoreError::Other(
+                        "the claim neither applied nor found the record".into(),
+                    ));
+                }
+            }
+        }
+    };
+    Ok(Some(Claim {
+        claimed,
+        record: Record::try_from(row)?,
+        now: ts(now)?,
+    }))
+}
+
+/// The commit inside a write transaction, at `now`.
+async fn complete_in(
+    tx: &mut SqliteConnection,
+    tenant: &str,
+    reservation_id: Uuid,
+    response: &StoredResponse,
+    now: i64,
+) -> Result<Option<Record>> {
+    let row: Option<KeyRow> = sqlx::query_as(COMPLETE)
+        .bind(tenant)
+        .bind(reservation_id.hyphenated())
+        .bind(now)
+        .bind(i64::from(response.status))
+        .bind(headers_json(&response.headers)?)
+        .bind(&response.body)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(classify)?;
+    row.map(Record::try_from).transpose()
+}
+
+/// The release inside a write transaction, at `now`: expiring the record at
+/// once makes the key new again (SPEC §2) and kills the id; the pruning job
+/// deletes the row later.
+async fn release_in(
+    tx: &mut SqliteConnection,
+    tenant: &str,
+    reservation_id: Uuid,
+    now: i64,
+) -> Result<Option<Vec<u8>>> {
+    sqlx::query_scalar(RELEASE)
+        .bind(tenant)
+        .bind(reservation_id.hyphenated())
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(classify)
 }
 
 /// Whether `url` names an in-memory database (`sqlite::memory:`,
@@ -709,34 +779,15 @@ impl Store for SqliteStore {
         reservation_id: Uuid,
         response: &StoredResponse,
     ) -> Result<Option<Record>> {
-        let headers = headers_json(&response.headers)?;
         let mut tx = self.begin_write().await?;
-        let row: Option<KeyRow> = sqlx::query_as(COMPLETE)
-            .bind(tenant)
-            .bind(reservation_id.hyphenated())
-            .bind(now_ms())
-            .bind(i64::from(response.status))
-            .bind(headers)
-            .bind(&response.body)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(classify)?;
-        let record = row.map(Record::try_from).transpose()?;
+        let record = complete_in(&mut tx, tenant, reservation_id, response, now_ms()).await?;
         tx.commit().await.map_err(classify)?;
         Ok(record)
     }
 
     async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
-        // Expiring the record at once makes the key new again (SPEC §2) and
-        // kills the id; the pruning job deletes the row later.
         let mut tx = self.begin_write().await?;
-        let key_hash: Option<Vec<u8>> = sqlx::query_scalar(RELEASE)
-            .bind(tenant)
-            .bind(reservation_id.hyphenated())
-            .bind(now_ms())
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(classify)?;
+        let key_hash = release_in(&mut tx, tenant, reservation_id, now_ms()).await?;
         tx.commit().await.map_err(classify)?;
         Ok(key_hash)
     }
@@ -896,6 +947,13 @@ impl Store for SqliteStore {
                 "no such table: {missing}: {NO_TABLES}"
             ))),
             None => Ok(()),
+        }
+    }
+
+    async fn write_batch(&self, writes: &[Write]) -> Vec<Result<Written>> {
+        match self.write_all(writes).await {
+            Ok(written) => written.into_iter().map(Ok).collect(),
+            Err(e) => writes.iter().map(|_| Err(e.clone())).collect(),
         }
     }
 
