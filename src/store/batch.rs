@@ -13,10 +13,12 @@
 //! * The writes of a batch had all been sent and none answered, so they ran
 //!   at the same time; any order of them is one the clients could have seen.
 //!   The store applies them in queue order, each seeing the ones before it.
-//! * A second claim of a key the batch already claims is answered here, from
-//!   the first one's record (in flight under the new holder's live lease: the
-//!   engine makes it a 409 or, with another fingerprint, a 422); when the first
-//!   did not claim, the second goes to the store alone after the batch.
+//! * A second claim of a key in one batch is answered here, from the record
+//!   the first one left, where nothing between them can have changed it (in
+//!   flight under a live lease, or completed: the engine makes it a 409, a
+//!   replay or, with another fingerprint, a 422); otherwise it goes to the
+//!   store in a transaction after the first's. Either way, no transaction
+//!   holds two claims of one key.
 //! * A write whose batch failed is written again alone, so one bad write
 //!   never fails the others, and each gets its own answer (an outage makes
 //!   that an `Unavailable` for each, so a 503).
@@ -121,6 +123,28 @@ impl Batched {
         })
     }
 
+    /// Writes `writes` as one batch, now, as a writer would have had they
+    /// queued together: for tests and tools that need a batch of known
+    /// content. The answers are in order.
+    pub async fn write_together(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
+        let mut answered = Vec::with_capacity(writes.len());
+        let mut jobs = Vec::with_capacity(writes.len());
+        for write in writes {
+            let (answer, rx) = oneshot::channel();
+            jobs.push(Job { write, answer });
+            answered.push(rx);
+        }
+        flush(&*self.store, &mut jobs).await;
+        let mut answers = Vec::with_capacity(answered.len());
+        for rx in answered {
+            answers.push(
+                rx.await
+                    .unwrap_or_else(|_| Err(StoreError::Other("no answer".into()))),
+            );
+        }
+        answers
+    }
+
     /// Queues `write` and waits for its batch.
     async fn write(&self, write: Write) -> Result<Written> {
         let (answer, answered) = oneshot::channel();
@@ -169,84 +193,145 @@ async fn write_loop(
 }
 
 /// Writes `jobs` and answers each; leaves `jobs` empty.
+///
+/// In queue order, as transactions of writes that hold no two claims of one
+/// key: the longest run from the first write not answered yet. After each,
+/// a later claim of a key whose record the run read is answered from that
+/// record where the record cannot have changed before it (see [`settled`]).
+/// So a storm of claims of one key costs one transaction, and every answer
+/// is the one the queue's order gives.
 async fn flush(store: &dyn Store, jobs: &mut Vec<Job>) {
-    if jobs.len() == 1 {
-        let job = jobs.pop().expect("one job");
-        let answer = write_one(store, &job.write).await;
-        let _ = job.answer.send(answer);
-        return;
-    }
-    // Claims of a key the batch claims already wait for the first one.
-    let mut first_claim: HashMap<(&str, &[u8; 32]), usize> = HashMap::new();
-    let mut sent = Vec::with_capacity(jobs.len());
-    let mut later = Vec::new();
-    for (i, job) in jobs.iter().enumerate() {
-        match &job.write {
-            Write::Claim(req) => match first_claim.get(&(req.tenant.as_str(), &req.key_hash)) {
-                Some(&first) => later.push((i, first)),
-                None => {
-                    first_claim.insert((req.tenant.as_str(), &req.key_hash), sent.len());
-                    sent.push(i);
-                }
-            },
-            _ => sent.push(i),
-        }
-    }
-    drop(first_claim);
     let mut answers: Vec<Option<Result<Written>>> = (0..jobs.len()).map(|_| None).collect();
-    if sent.len() == 1 {
-        answers[sent[0]] = Some(write_one(store, &jobs[sent[0]].write).await);
-    } else {
-        let writes: Vec<Write> = sent.iter().map(|&i| jobs[i].write.clone()).collect();
-        let results = store.write_batch(&writes).await;
-        let mut again = Vec::new();
-        for (&i, result) in sent.iter().zip(results) {
-            match result {
-                // No row for a claim: the limit held it back from a key with
-                // no record, or the record went away under it. The claim
-                // alone tells the two apart.
-                Ok(Written::Claim(None)) => again.push(i),
-                Ok(written) => answers[i] = Some(Ok(written)),
-                Err(e) => {
-                    tracing::debug!(error = %e, "a batched write failed: writing it alone");
-                    again.push(i);
-                }
+    // The last claim answer per key: the record as that write left it.
+    let mut read: HashMap<(&str, &[u8; 32]), (usize, Claim)> = HashMap::new();
+    let mut next = 0;
+    while next < jobs.len() {
+        // The run: from `next`, up to the first second claim of a key.
+        let mut run = Vec::new();
+        let mut keys = std::collections::HashSet::new();
+        for (i, job) in jobs.iter().enumerate().skip(next) {
+            if answers[i].is_some() {
+                continue;
+            }
+            if let Write::Claim(req) = &job.write
+                && !keys.insert((req.tenant.as_str(), &req.key_hash))
+            {
+                break;
+            }
+            run.push(i);
+        }
+        write_run(store, jobs, &run, &mut answers).await;
+        for &i in &run {
+            if let (Write::Claim(req), Some(Ok(Written::Claim(Some(claim))))) =
+                (&jobs[i].write, &answers[i])
+            {
+                read.insert((req.tenant.as_str(), &req.key_hash), (i, claim.clone()));
             }
         }
-        let pending: &[Job] = jobs;
-        let alone = futures::future::join_all(
-            again
-                .iter()
-                .map(|&i| async move { (i, written_alone(store, &pending[i].write).await) }),
-        )
-        .await;
-        for (i, answer) in alone {
-            answers[i] = Some(answer);
-        }
-    }
-    // The held-back claims: after a claim of their key, the record is the
-    // one it left; otherwise they go to the store alone.
-    let mut alone = Vec::new();
-    for (i, first) in later {
-        let first = sent[first];
-        match &answers[first] {
-            Some(Ok(Written::Claim(Some(claim)))) if claim.claimed => {
+        // Later claims of those keys, answered from what the run read.
+        for i in 0..jobs.len() {
+            if answers[i].is_some() {
+                continue;
+            }
+            let Write::Claim(req) = &jobs[i].write else {
+                continue;
+            };
+            if let Some((at, claim)) = read.get(&(req.tenant.as_str(), &req.key_hash))
+                && *at < i
+                && settled(claim, &jobs[*at + 1..i])
+            {
                 answers[i] = Some(Ok(Written::Claim(Some(Claim {
                     claimed: false,
                     record: claim.record.clone(),
                     now: claim.now,
                 }))));
             }
-            _ => alone.push(i),
         }
+        next = answers
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or(jobs.len());
     }
-    for i in alone {
-        answers[i] = Some(written_alone(store, &jobs[i].write).await);
-    }
+    drop(read);
     for (job, answer) in jobs.drain(..).zip(answers) {
         let answer = answer
             .unwrap_or_else(|| Err(StoreError::Other("a batched write got no answer".into())));
         let _ = job.answer.send(answer);
+    }
+}
+
+/// Whether a claim of the key `claim` read, placed after the writes
+/// `between`, is bound to find the same record and claim nothing: the record
+/// is alive and either completed or held under a live lease, and none of
+/// `between` completes or releases its holder (the only writes that change
+/// such a record; a claim of it leaves it as it is).
+fn settled(claim: &Claim, between: &[Job]) -> bool {
+    let record = &claim.record;
+    let holds = match record.state {
+        KeyState::Completed => true,
+        KeyState::InFlight => record.lease_expires_at.is_some_and(|end| end > claim.now),
+    };
+    record.expires_at > claim.now
+        && holds
+        && !between.iter().any(|job| match &job.write {
+            Write::Complete { reservation_id, .. } | Write::Release { reservation_id, .. } => {
+                *reservation_id == record.reservation_id
+            }
+            Write::Claim(_) => false,
+        })
+}
+
+/// Writes the jobs `run` (no two claims of one key) in one transaction,
+/// and those the transaction could not answer alone.
+async fn write_run(
+    store: &dyn Store,
+    jobs: &[Job],
+    run: &[usize],
+    answers: &mut [Option<Result<Written>>],
+) {
+    if let [i] = run {
+        answers[*i] = Some(write_one(store, &jobs[*i].write).await);
+        return;
+    }
+    let writes: Vec<Write> = run.iter().map(|&i| jobs[i].write.clone()).collect();
+    let results = store.write_batch(&writes).await;
+    let mut again = Vec::new();
+    let mut outage = false;
+    for (&i, result) in run.iter().zip(results) {
+        match result {
+            // No row for a claim without a limit: the record went away under
+            // it (pruned at that instant); alone, the claim tries again.
+            // Under a limit it is the answer: the limit held the claim back
+            // from a key with no record.
+            Ok(Written::Claim(None)) if matches!(&jobs[i].write, Write::Claim(req) if req.max_in_flight.is_none()) => {
+                again.push(i)
+            }
+            Ok(written) => answers[i] = Some(Ok(written)),
+            Err(e) => {
+                tracing::debug!(error = %e, "a batched write failed: writing it alone");
+                outage |= matches!(e, StoreError::Unavailable(_));
+                again.push(i);
+            }
+        }
+    }
+    if outage {
+        // Each alone waits for the database as long as the batch did: side
+        // by side, so the wait is the batch's, not the sum. (SQLite answers
+        // a claim of a completed key from its readers all the same.)
+        let alone = futures::future::join_all(
+            again
+                .iter()
+                .map(|&i| async move { (i, written_alone(store, &jobs[i].write).await) }),
+        )
+        .await;
+        for (i, answer) in alone {
+            answers[i] = Some(answer);
+        }
+    } else {
+        // One write the database refused: the others, in queue order.
+        for i in again {
+            answers[i] = Some(written_alone(store, &jobs[i].write).await);
+        }
     }
 }
 
