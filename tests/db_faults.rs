@@ -267,7 +267,9 @@ async fn load(app: Arc<TestApp>, stop: Arc<AtomicBool>) -> Tally {
     tally
 }
 
-/// Runs `fault` against `cluster` while eight clients reserve and commit,
+/// Runs `fault` against `cluster` while sixteen clients reserve and commit
+/// (so that claims and commits are written in batches of several: the fault
+/// lands in the middle of batches),
 /// then checks: no answer but 2xx and 503, recovery within 5 s of the fault's
 /// end, and every commit answered 200 replayed from the database afterwards
 /// (the replay cache is off, so the replay is read from the database).
@@ -284,7 +286,7 @@ where
         TestApp::with_settings(&cluster.url(), &["--replay-cache-bytes", "0"], settings).await,
     );
     let stop = Arc::new(AtomicBool::new(false));
-    let workers: Vec<_> = (0..8)
+    let workers: Vec<_> = (0..16)
         .map(|_| tokio::spawn(load(app.clone(), stop.clone())))
         .collect();
     tokio::time::sleep(Duration::from_millis(800)).await;
@@ -357,8 +359,14 @@ where
         );
         assert_eq!(replay.body["response"]["body"], format!("stored {key}"));
     }
+    let batches = app.state.engine.store().batch_stats().expect("batched");
+    assert!(
+        batches.largest >= 2,
+        "sixteen clients and no batch of two writes: {batches:?}"
+    );
     println!(
-        "{} commits acknowledged and all found after the fault; {} answers 503; recovered {recovered:?} after it",
+        "{} commits acknowledged and all found after the fault; {} answers 503; recovered \
+         {recovered:?} after it; {batches:?}",
         all.acknowledged.len(),
         all.unavailable
     );

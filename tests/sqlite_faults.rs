@@ -139,6 +139,25 @@ struct Http {
     base: String,
 }
 
+/// The most writes one transaction of the server carried so far
+/// (`idemgate_store_batch_largest`): the faults land in the middle of
+/// batches, not between lone writes.
+async fn largest_batch(http: &Http) -> u64 {
+    let text = http
+        .client
+        .get(format!("{}/metrics", http.base))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .find_map(|l| l.strip_prefix("idemgate_store_batch_largest "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 /// One answer: status, the headers that matter here, the JSON body.
 #[derive(Debug)]
 struct Answer {
@@ -699,6 +718,8 @@ async fn a_database_made_read_only_under_load_answers_503_and_recovers_by_itself
     );
     server.assert_running();
     let unavailable_during = load.unavailable();
+    let largest = largest_batch(&http).await;
+    assert!(largest >= 2, "4 clients and no batch of two writes");
 
     fault.clear();
     tally.absorb(before);
@@ -995,6 +1016,8 @@ async fn a_full_disk_under_load_answers_503_and_loses_no_acknowledged_commit() {
     );
     let felt_after = fault_at.elapsed();
     tokio::time::sleep(Duration::from_millis(1000)).await;
+    let largest = largest_batch(&http).await;
+    assert!(largest >= 2, "4 clients and no batch of two writes");
     let wal_at_limit = size(&wal);
     assert!(wal_at_limit <= limit, "the limit did not hold");
     let (ready, ready_took) = readyz(&http, &mut tally).await;
