@@ -71,7 +71,7 @@ impl Proxy {
         })?;
         let policy = layer_policy(args, routes);
         let engine = Arc::new(args.run.engine(store.clone(), args.policy.limits())?);
-        let admin = admin::router(store, args, &policy, engine.seals());
+        let admin = admin::router(engine.store().clone(), args, &policy, engine.seals());
         let guarded = IdempotencyLayer::new(engine.clone(), policy).layer(client);
         let app = Router::new()
             .fallback_service(guarded)

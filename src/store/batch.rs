@@ -293,7 +293,7 @@ async fn write_run(
         answers[*i] = Some(write_one(store, &jobs[*i].write).await);
         return;
     }
-    let writes: Vec<Write> = run.iter().map(|&i| jobs[i].write.clone()).collect();
+    let writes: Vec<&Write> = run.iter().map(|&i| &jobs[i].write).collect();
     let results = store.write_batch(&writes).await;
     let mut again = Vec::new();
     let mut outage = false;
@@ -440,7 +440,7 @@ impl Store for Batched {
         self.store.pool_stats()
     }
 
-    async fn write_batch(&self, writes: &[Write]) -> Vec<Result<Written>> {
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
         self.store.write_batch(writes).await
     }
 

@@ -426,7 +426,7 @@ pub trait Store: Send + Sync + 'static {
     /// in order; an `Err` says that write's transaction failed and nothing is
     /// known of it (the caller then writes it alone). A store without
     /// transactions of its own keeps this default, which writes one by one.
-    async fn write_batch(&self, writes: &[Write]) -> Vec<Result<Written>> {
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
         let mut answers = Vec::with_capacity(writes.len());
         for write in writes {
             answers.push(write_one(self, write).await);

@@ -377,7 +377,7 @@ const BATCH_WRITERS: usize = 2;
 
 impl PgStore {
     /// `writes` in one call of `idemgate_write_batch`: one transaction.
-    async fn write_batch_call(&self, writes: &[Write]) -> Vec<Result<Written>> {
+    async fn write_batch_call(&self, writes: &[&Write]) -> Vec<Result<Written>> {
         let n = writes.len();
         let mut ops = Vec::with_capacity(n);
         let mut tenants = Vec::with_capacity(n);
@@ -1081,7 +1081,7 @@ impl Store for PgStore {
         }
     }
 
-    async fn write_batch(&self, writes: &[Write]) -> Vec<Result<Written>> {
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
         let layout = match self.layout().await {
             Ok(layout) => layout,
             Err(e) => return writes.iter().map(|_| Err(e.clone())).collect(),
@@ -1101,7 +1101,7 @@ impl Store for PgStore {
                 let mut answers: Vec<Option<Result<Written>>> =
                     (0..writes.len()).map(|_| None).collect();
                 for (_, items) in by_tenant {
-                    let group: Vec<Write> = items.iter().map(|&i| writes[i].clone()).collect();
+                    let group: Vec<&Write> = items.iter().map(|&i| writes[i]).collect();
                     for (&i, answer) in items.iter().zip(self.write_batch_call(&group).await) {
                         answers[i] = Some(answer);
                     }

@@ -193,7 +193,7 @@ impl SqliteStore {
 
     /// `writes` in one write transaction, one clock reading for all: one
     /// fsync where one by one each took its own.
-    async fn write_all(&self, writes: &[Write]) -> Result<Vec<Written>> {
+    async fn write_all(&self, writes: &[&Write]) -> Result<Vec<Written>> {
         let mut tx = self.begin_write().await?;
         let now = now_ms();
         let mut written = Vec::with_capacity(writes.len());
@@ -950,7 +950,7 @@ impl Store for SqliteStore {
         }
     }
 
-    async fn write_batch(&self, writes: &[Write]) -> Vec<Result<Written>> {
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
         match self.write_all(writes).await {
             Ok(written) => written.into_iter().map(Ok).collect(),
             Err(e) => writes.iter().map(|_| Err(e.clone())).collect(),
