@@ -400,7 +400,8 @@ async fn storm_through_batches(backend: Backend) {
         executions.iter().all(|&n| n <= 1),
         "executions per key: {executions:?}"
     );
-    for (key, (payload, want)) in committed.lock().unwrap().iter() {
+    let committed = committed.lock().unwrap().clone();
+    for (key, (payload, want)) in &committed {
         let req = storm_request(*key, payload);
         for engine in &engines {
             match engine.reserve(&req).await.expect("reserve") {
