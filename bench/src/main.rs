@@ -5,6 +5,7 @@
 mod ab;
 mod http;
 mod load;
+mod metrics;
 mod origin;
 mod procs;
 mod report;

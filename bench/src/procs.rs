@@ -16,6 +16,8 @@ use crate::http::Conn;
 pub struct Proc {
     name: String,
     child: Child,
+    /// Where its Prometheus `/metrics` answers, for an idemgate process.
+    metrics: Option<SocketAddr>,
 }
 
 /// A port nobody listens on right now.
@@ -57,7 +59,13 @@ impl Proc {
         Ok(Proc {
             name: name.to_owned(),
             child,
+            metrics: None,
         })
+    }
+
+    /// Where its `/metrics` answers, if it has one.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics
     }
 
     /// Its process id.
@@ -136,7 +144,9 @@ pub enum Door {
 
 /// Starts `bin serve` or `bin proxy` on free ports over `database_url`, with
 /// the pruning job off and warnings only (`extra` may override), waits for
-/// its `/readyz`, and returns it with the address its door listens on.
+/// its `/readyz`, and returns it with the address its door listens on. Its
+/// `/metrics` is on that address for `serve`, on the admin listener for
+/// `proxy` (where the door forwards every path to the origin).
 pub async fn idemgate(
     name: &str,
     bin: &Path,
@@ -156,7 +166,7 @@ pub async fn idemgate(
     ];
     env.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
     let upstream;
-    let (args, ready): (Vec<&str>, SocketAddr) = match door {
+    let (args, ops): (Vec<&str>, SocketAddr) = match door {
         Door::Serve => (vec!["serve"], addr),
         Door::Proxy(origin) => {
             upstream = format!("http://{origin}");
@@ -164,7 +174,8 @@ pub async fn idemgate(
         }
     };
     let mut proc = Proc::spawn(name, bin, &args, &env, None, log)?;
-    proc.wait_ready(ready, Some("/readyz")).await?;
+    proc.metrics = Some(ops);
+    proc.wait_ready(ops, Some("/readyz")).await?;
     Ok((proc, addr))
 }
 

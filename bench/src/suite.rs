@@ -15,8 +15,13 @@ use sqlx::{ConnectOptions, PgPool};
 
 use crate::http::Conn;
 use crate::load::{self, Sample, Worker};
+use crate::metrics::{self, Batches};
 use crate::procs::{self, Door, Proc};
-use crate::workers::{self, ApiPair, ApiReplay, Keys, ProxyPost, RawPair, RawSelect};
+use crate::workers::{self, ApiPair, ApiReplay, FloorPair, Keys, ProxyPost, RawPair, RawSelect};
+
+/// The concurrency levels of the proxy scenario: one client alone, then up to
+/// where group commit has writes to share.
+pub const PROXY_CONCURRENCY: [usize; 4] = [1, 8, 16, 32];
 
 /// How the suite runs.
 #[derive(Debug, Clone, clap::Args)]
@@ -96,6 +101,9 @@ pub struct Results {
     pub rss_kib: BTreeMap<String, Vec<u64>>,
     /// CPU time of the process under test per operation, microseconds.
     pub cpu_us: BTreeMap<String, Vec<f64>>,
+    /// How an idemgate process batched its writes over a measurement of new
+    /// keys (warm-up included), read from its `/metrics` at the end.
+    pub batches: BTreeMap<String, Vec<Batches>>,
     pub notes: Vec<String>,
 }
 
@@ -132,6 +140,29 @@ impl Results {
         }
         self.record(label, sample);
         self.rss(label, proc);
+    }
+
+    /// Reads how `proc` batched its writes so far and records it under
+    /// `label`: called after a measurement of new keys, before anything else
+    /// writes through that process.
+    async fn record_batches(&mut self, label: &str, proc: &Proc) -> anyhow::Result<()> {
+        let addr = proc.metrics_addr().context("the process has no /metrics")?;
+        let b = metrics::batches(addr)
+            .await
+            .with_context(|| format!("batch sizes of {label}"))?;
+        println!(
+            "    {label}: {:.2} writes per transaction, largest {}",
+            b.mean().unwrap_or(f64::NAN),
+            b.largest
+        );
+        if b.refused > 0.0 {
+            self.notes.push(format!(
+                "{label}: {} writes refused with 503 (the write queue was full)",
+                b.refused
+            ));
+        }
+        self.batches.entry(label.to_owned()).or_default().push(b);
+        Ok(())
     }
 
     fn rss(&mut self, label: &str, proc: &Proc) {
@@ -213,19 +244,30 @@ impl Env {
         .await
     }
 
-    /// `idemgate proxy` in front of `upstream`, ready.
-    async fn proxy(&self, upstream: SocketAddr) -> anyhow::Result<(Proc, SocketAddr)> {
+    /// `idemgate proxy` on `database_url` in front of `upstream`, ready.
+    async fn proxy(
+        &self,
+        upstream: SocketAddr,
+        database_url: &str,
+    ) -> anyhow::Result<(Proc, SocketAddr)> {
         let log = self.log("idemgate-proxy");
         let door = Door::Proxy(upstream);
         procs::idemgate(
             "idemgate proxy",
             &self.idemgate,
             &door,
-            &self.bench_url,
+            database_url,
             &[],
             &log,
         )
         .await
+    }
+
+    /// The URL of a new SQLite file in the work directory, so that no
+    /// measurement starts on rows (or a WAL) another one left.
+    fn sqlite_url(&self, kind: &str) -> String {
+        let file = format!("{kind}-{}.db", self.fresh_prefix());
+        format!("sqlite://{}", self.work.join(file).display())
     }
 
     /// idempotent-proxy-server on Redis in front of `upstream`, ready.
@@ -304,6 +346,13 @@ fn raw_pairs(env: &Env, c: usize) -> Vec<RawPair> {
         .collect()
 }
 
+fn floor_pairs(env: &Env, c: usize) -> Vec<FloorPair> {
+    let prefix = env.fresh_prefix();
+    (0..c)
+        .map(|w| FloorPair::new(env.pool.clone(), &prefix, w))
+        .collect()
+}
+
 fn api_pairs(env: &Env, addr: SocketAddr, c: usize) -> Vec<ApiPair> {
     let prefix = env.fresh_prefix();
     (0..c).map(|w| ApiPair::new(addr, &prefix, w)).collect()
@@ -321,30 +370,51 @@ fn posts(addr: SocketAddr, path: &str, keys: &Keys, c: usize) -> Vec<ProxyPost> 
         .collect()
 }
 
-/// Scenarios 1 and 2: the raw-SQL bound, then the reservation API.
+/// What scenarios 1 and 2 measure at each concurrency.
+#[derive(Clone, Copy)]
+enum PairKind {
+    /// idemgate's own reserve and commit statements through a pool.
+    Raw,
+    /// The two plainest statements a reservation could be.
+    Floor,
+    /// The reservation API.
+    Api,
+}
+
+/// Scenarios 1 and 2: the raw-SQL bound and the minimal-SQL floor, then the
+/// reservation API.
 async fn sql_and_api(env: &Env, run: usize, res: &mut Results) -> anyhow::Result<()> {
+    use PairKind::{Api, Floor, Raw};
     for c in [8, 32] {
-        // Alternate which goes first, so that a slow drift of the machine
-        // (a checkpoint, another tenant) does not always fall on one side.
-        for api_turn in if run % 2 == 1 {
-            [false, true]
+        // Alternate the order, so that a slow drift of the machine (a
+        // checkpoint, another tenant) does not always fall on one side; the
+        // floor stays next to the API either way.
+        let order = if run % 2 == 1 {
+            [Raw, Floor, Api]
         } else {
-            [true, false]
-        } {
+            [Api, Floor, Raw]
+        };
+        for kind in order {
             env.truncate().await?;
-            if !api_turn {
-                res.record(
+            match kind {
+                Raw => res.record(
                     &format!("raw-pair c={c}"),
                     measure(env, raw_pairs(env, c)).await?,
-                );
-                continue;
+                ),
+                Floor => res.record(
+                    &format!("floor-pair c={c}"),
+                    measure(env, floor_pairs(env, c)).await?,
+                ),
+                Api => {
+                    let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
+                    let label = format!("api-pair c={c}");
+                    let before = proc.cpu_ticks();
+                    let sample = measure(env, api_pairs(env, addr, c)).await?;
+                    res.record_with_cpu(&label, sample, &proc, before);
+                    res.record_batches(&label, &proc).await?;
+                    proc.stop().await;
+                }
             }
-            let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
-            let label = format!("api-pair c={c}");
-            let before = proc.cpu_ticks();
-            let sample = measure(env, api_pairs(env, addr, c)).await?;
-            res.record_with_cpu(&label, sample, &proc, before);
-            proc.stop().await;
         }
     }
     Ok(())
@@ -369,9 +439,10 @@ async fn replays(env: &Env, res: &mut Results) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Scenario 4: the proxy, beside the origin alone and idempotent-proxy.
+/// Scenario 4: the proxy on PostgreSQL and on SQLite, beside the origin
+/// alone and idempotent-proxy.
 async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Result<()> {
-    for c in [1, 8] {
+    for c in PROXY_CONCURRENCY {
         if c == 1 {
             env.truncate().await?;
             res.record("raw-pair c=1", measure(env, raw_pairs(env, 1)).await?);
@@ -383,18 +454,23 @@ async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Resu
         );
 
         env.truncate().await?;
-        let (proc, addr) = env.proxy(origin).await?;
+        // idempotent-proxy between the two idemgate doors, so that each
+        // ratio to it is taken from neighbouring measurements.
+        let (proc, addr) = env.proxy(origin, &env.bench_url).await?;
         proxy_door(env, "idemgate", proc, addr, "/v1/charges", c, res).await?;
         if let Some(bin) = &env.ipx {
             let (proc, addr) = env.ipx(bin, origin).await?;
             proxy_door(env, "ipx", proc, addr, "/URL_ORIGIN", c, res).await?;
         }
+        let (proc, addr) = env.proxy(origin, &env.sqlite_url("proxy")).await?;
+        proxy_door(env, "idemgate-sqlite", proc, addr, "/v1/charges", c, res).await?;
     }
     Ok(())
 }
 
 /// New keys, then replays, through one proxy process (`{name}-new`,
-/// `{name}-replay`); stops it after.
+/// `{name}-replay`); stops it after. An idemgate door's batch sizes are read
+/// between the two, while only new keys have written through it.
 async fn proxy_door(
     env: &Env,
     name: &str,
@@ -405,9 +481,13 @@ async fn proxy_door(
     res: &mut Results,
 ) -> anyhow::Result<()> {
     let fresh = Keys::Fresh(env.fresh_prefix());
+    let label = format!("{name}-new c={c}");
     let before = proc.cpu_ticks();
     let sample = measure(env, posts(addr, path, &fresh, c)).await?;
-    res.record_with_cpu(&format!("{name}-new c={c}"), sample, &proc, before);
+    res.record_with_cpu(&label, sample, &proc, before);
+    if proc.metrics_addr().is_some() {
+        res.record_batches(&label, &proc).await?;
+    }
     let keys = populate_proxy(addr, path, &env.fresh_prefix(), env.args.replay_keys).await?;
     let before = proc.cpu_ticks();
     let sample = measure(env, posts(addr, path, &Keys::Replay(keys), c)).await?;
@@ -527,17 +607,15 @@ async fn prune(env: &Env, res: &mut Results) -> anyhow::Result<()> {
 /// Scenario 6: scenarios 2 and 3 on the embedded SQLite store.
 async fn sqlite(env: &Env, res: &mut Results) -> anyhow::Result<()> {
     for c in [8, 32] {
-        let url = |name: &str| format!("sqlite://{}", env.work.join(name).display());
-        let file = format!("pairs-{}.db", env.fresh_prefix());
-        let (proc, addr) = env.serve(&url(&file), &[]).await?;
+        let (proc, addr) = env.serve(&env.sqlite_url("pairs"), &[]).await?;
         let label = format!("sqlite-pair c={c}");
         let before = proc.cpu_ticks();
         let sample = measure(env, api_pairs(env, addr, c)).await?;
         res.record_with_cpu(&label, sample, &proc, before);
+        res.record_batches(&label, &proc).await?;
         proc.stop().await;
 
-        let file = format!("replays-{}.db", env.fresh_prefix());
-        let (proc, addr) = env.serve(&url(&file), &[]).await?;
+        let (proc, addr) = env.serve(&env.sqlite_url("replays"), &[]).await?;
         let keys = populate_api(addr, &env.fresh_prefix(), env.args.replay_keys).await?;
         let label = format!("sqlite-replay c={c}");
         let before = proc.cpu_ticks();
@@ -574,6 +652,7 @@ async fn citus_beside_single(env: &Env, run: usize, res: &mut Results) -> anyhow
             let before = proc.cpu_ticks();
             let sample = measure(env, api_pairs(env, addr, c)).await?;
             res.record_with_cpu(&label, sample, &proc, before);
+            res.record_batches(&label, &proc).await?;
             let keys = populate_api(addr, &env.fresh_prefix(), env.args.replay_keys).await?;
             let label = format!("{name}-replay c={c}");
             let before = proc.cpu_ticks();

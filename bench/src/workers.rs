@@ -224,6 +224,62 @@ impl Worker for RawPair {
     }
 }
 
+/// The least SQL a reservation can be: one autocommit INSERT of the claim and
+/// one autocommit UPDATE storing the response, with no fingerprint, no
+/// reservation-id table, no takeover and no per-tenant limit. A floor that no
+/// real idempotency layer reaches, so that the API's rate can be read against
+/// the cheapest thing the database can do per key, not only against
+/// idemgate's own statements.
+pub struct FloorPair {
+    pool: PgPool,
+    prefix: String,
+    worker: usize,
+}
+
+impl FloorPair {
+    pub fn new(pool: PgPool, prefix: &str, worker: usize) -> FloorPair {
+        FloorPair {
+            pool,
+            prefix: prefix.to_owned(),
+            worker,
+        }
+    }
+}
+
+/// The claim of [`FloorPair`]: a new in-flight row, or nothing if the key exists.
+const FLOOR_CLAIM: &str = "INSERT INTO idempotency_keys
+        (tenant, key_hash, state, reservation_id, lease_expires_at, attempt, created_at, expires_at)
+     VALUES ($1, $2, 'in_flight', $3, now() + interval '30 seconds', 1, now(), now() + interval '1 day')
+     ON CONFLICT DO NOTHING";
+
+/// The commit of [`FloorPair`]: the response stored on the row by its key.
+const FLOOR_COMPLETE: &str = "UPDATE idempotency_keys
+        SET state = 'completed', response_status = 201, response_headers = '[]'::jsonb,
+            response_body = $3, completed_at = now(), lease_expires_at = NULL
+      WHERE tenant = $1 AND key_hash = $2";
+
+impl Worker for FloorPair {
+    async fn call(&mut self, seq: u64) -> anyhow::Result<()> {
+        let key = key(&self.prefix, self.worker, seq);
+        let hash = Sha256::digest(key.as_bytes());
+        let claimed = sqlx::query(FLOOR_CLAIM)
+            .bind("floor")
+            .bind(&hash[..])
+            .bind(Uuid::new_v4())
+            .execute(&self.pool)
+            .await?;
+        anyhow::ensure!(claimed.rows_affected() == 1, "the key was not new");
+        let completed = sqlx::query(FLOOR_COMPLETE)
+            .bind("floor")
+            .bind(&hash[..])
+            .bind(STORED_BODY)
+            .execute(&self.pool)
+            .await?;
+        anyhow::ensure!(completed.rows_affected() == 1, "the commit matched no row");
+        Ok(())
+    }
+}
+
 /// A single-row SELECT by primary key through a sqlx pool: what a replay
 /// would cost if it read the database and did nothing else.
 pub struct RawSelect {
