@@ -101,6 +101,109 @@ async fn the_migrations_distribute_both_tables_and_the_claim_by_tenant() {
     .await
     .unwrap();
     assert_eq!(function, (Some(0), Some(tables[0].3)));
+    let batch_function: (Option<i32>, Option<i32>) = sqlx::query_as(
+        "SELECT distribution_argument_index, colocationid FROM pg_dist_object
+          WHERE objid = 'idemgate_write_batch(text, text[], text[], bytea[], text[], uuid[],
+                         float8[], float8[], int8[], int4[], jsonb[], bytea[])'::regprocedure",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(batch_function, (Some(0), Some(tables[0].3)));
+}
+
+/// A batch of claims and commits of tenants whose shards are on different
+/// workers: split by tenant, each part on its own worker, every answer as
+/// one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
+    use idemgate::store::{Batched, ClaimRequest, StoredResponse, Write, Written};
+    if !citus::available("a_batch_spanning_tenants_on_two_workers_answers_each_write") {
+        return;
+    }
+    let db = fresh_schema().await;
+    migrate(&db.url);
+    let mut conn = connect(&db.url).await;
+    // Two tenants whose shards are placed on different workers.
+    let mut by_node: std::collections::BTreeMap<i32, String> = Default::default();
+    for i in 0..64 {
+        let tenant = format!("spread-{i}");
+        let node: i32 = sqlx::query_scalar(
+            "SELECT p.nodeport FROM pg_dist_shard_placement p
+              WHERE p.shardid = get_shard_id_for_distribution_column('idempotency_keys', $1)",
+        )
+        .bind(&tenant)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        by_node.entry(node).or_insert(tenant);
+    }
+    assert!(
+        by_node.len() >= 2,
+        "every tenant tried on one node: {by_node:?}"
+    );
+    let tenants: Vec<String> = by_node.into_values().take(2).collect();
+    let store = PgStore::connect_lazy(&db.url, &Default::default()).unwrap();
+    let batched = Batched::new(Arc::new(store));
+    let claim = |tenant: &str, key: u8, fingerprint: &str| ClaimRequest {
+        tenant: tenant.to_owned(),
+        key_hash: [key; 32],
+        fingerprint: Some(fingerprint.to_owned()),
+        reservation_id: uuid::Uuid::new_v4(),
+        lease_seconds: 60,
+        ttl_seconds: 3600,
+        max_in_flight: None,
+    };
+    let writes = vec![
+        Write::Claim(claim(&tenants[0], 1, "a")),
+        Write::Claim(claim(&tenants[1], 1, "a")),
+        Write::Claim(claim(&tenants[0], 1, "b")),
+        Write::Claim(claim(&tenants[1], 2, "a")),
+    ];
+    let answers = batched.write_together(writes).await;
+    let claims: Vec<_> = answers
+        .into_iter()
+        .map(|a| match a.expect("answered") {
+            Written::Claim(Some(c)) => c,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert!(claims[0].claimed && claims[1].claimed && claims[3].claimed);
+    assert!(!claims[2].claimed, "the second claim of a key in the batch");
+    assert_eq!(
+        claims[2].record.reservation_id,
+        claims[0].record.reservation_id
+    );
+    assert_eq!(claims[2].record.fingerprint.as_deref(), Some("a"));
+    let response = |tag: &str| StoredResponse {
+        status: 201,
+        headers: vec![("x-tag".into(), tag.into())],
+        body: tag.as_bytes().to_vec(),
+    };
+    let commits = [0, 1, 3].map(|i| Write::Complete {
+        tenant: claims[i].record.tenant.clone(),
+        reservation_id: claims[i].record.reservation_id,
+        response: response(&format!("r{i}")),
+    });
+    for (i, answer) in [0, 1, 3]
+        .iter()
+        .zip(batched.write_together(commits.to_vec()).await)
+    {
+        match answer.expect("answered") {
+            Written::Complete(Some(record)) => {
+                assert_eq!(record.response, Some(response(&format!("r{i}"))));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    for i in [0, 1, 3] {
+        let found = batched
+            .find_by_reservation(&claims[i].record.tenant, claims[i].record.reservation_id)
+            .await
+            .unwrap()
+            .expect("the record");
+        assert_eq!(found.record.response, Some(response(&format!("r{i}"))));
+    }
 }
 
 /// Binds the sample values of each statement of `sql::per_request`.
