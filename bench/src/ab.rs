@@ -64,7 +64,10 @@ async fn start(
         "proxy-new" => Door::Proxy(origin),
         other => anyhow::bail!("--kind: expected api-pair or proxy-new, got {other:?}"),
     };
-    let (proc, addr) = procs::idemgate(name, bin, &door, &args.database_url, &[], log).await?;
+    // The schema is the newer binary's (see `run`); the older one serves it
+    // as it is, as in a rolling upgrade.
+    let extra = [("IDEMGATE_NO_MIGRATE", "true".to_owned())];
+    let (proc, addr) = procs::idemgate(name, bin, &door, &args.database_url, &extra, log).await?;
     Ok(Side {
         name,
         proc,
@@ -128,6 +131,13 @@ pub async fn run(args: AbArgs) -> anyhow::Result<()> {
         &work.join("origin.log"),
     )?;
     origin.wait_ready(origin_addr, None).await?;
+    // The newer binary's migrations, once: the older one would refuse a
+    // database with a migration it does not know.
+    let migrated = std::process::Command::new(&args.after)
+        .arg("migrate")
+        .env("DATABASE_URL", &args.database_url)
+        .status()?;
+    anyhow::ensure!(migrated.success(), "`{} migrate` failed", args.after.display());
     let mut a = start(
         "before",
         &args.before,
