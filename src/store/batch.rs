@@ -5,8 +5,9 @@
 //! puts a queue in front of a store: a writer takes whatever queued while its
 //! previous batch was being written and hands it to [`Store::write_batch`] as
 //! one transaction. The batches clock themselves, with no timer: a write that
-//! finds the writer idle goes at once, alone (nothing waits for company), and
-//! under load each flush carries everything that arrived during the last one.
+//! finds nothing being written goes at once, alone, in its own task (nothing
+//! waits for company), and under load each flush carries everything that
+//! arrived during the last one.
 //!
 //! What one by one would have answered, each write still gets:
 //!
@@ -35,7 +36,7 @@ use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use uuid::Uuid;
 
 use super::{
@@ -55,6 +56,9 @@ const MAX_BATCH: usize = 256;
 pub struct Batched {
     store: Arc<dyn Store>,
     bound: usize,
+    /// One permit per transaction of writes in the database at once
+    /// ([`Store::batch_writers`]); the queued writes gather behind them.
+    writers: Arc<Semaphore>,
     /// The queue, with its writers started on first use (they need a
     /// runtime; the store may be built outside one).
     queue: OnceLock<mpsc::Sender<Job>>,
@@ -92,10 +96,11 @@ impl Batched {
     /// Batches the writes of `store`, refusing writes past `bound` waiting.
     pub fn with_queue_bound(store: Arc<dyn Store>, bound: usize) -> Batched {
         Batched {
-            store,
             bound: bound.max(1),
+            writers: Arc::new(Semaphore::new(store.batch_writers().max(1))),
             queue: OnceLock::new(),
             stats: Arc::default(),
+            store,
         }
     }
 
@@ -111,14 +116,12 @@ impl Batched {
     fn queue(&self) -> &mpsc::Sender<Job> {
         self.queue.get_or_init(|| {
             let (tx, rx) = mpsc::channel(self.bound);
-            let rx = Arc::new(tokio::sync::Mutex::new(rx));
-            for _ in 0..self.store.batch_writers().max(1) {
-                tokio::spawn(write_loop(
-                    self.store.clone(),
-                    rx.clone(),
-                    self.stats.clone(),
-                ));
-            }
+            tokio::spawn(write_loop(
+                self.store.clone(),
+                rx,
+                self.writers.clone(),
+                self.stats.clone(),
+            ));
             tx
         })
     }
@@ -134,7 +137,10 @@ impl Batched {
             jobs.push(Job { write, answer });
             answered.push(rx);
         }
-        flush(&*self.store, &mut jobs).await;
+        {
+            let _writer = self.writers.acquire().await;
+            flush(&*self.store, &mut jobs).await;
+        }
         let mut answers = Vec::with_capacity(answered.len());
         for rx in answered {
             answers.push(
@@ -145,10 +151,22 @@ impl Batched {
         answers
     }
 
-    /// Queues `write` and waits for its batch.
+    /// Writes `write` at once when nothing else is being written or waits
+    /// to, in this task (no hand-over to the writer and back: a lone write
+    /// costs what it did before batches); otherwise queues it and waits for
+    /// its batch.
     async fn write(&self, write: Write) -> Result<Written> {
+        let queue = self.queue();
+        if queue.capacity() == queue.max_capacity()
+            && let Ok(_writer) = self.writers.try_acquire()
+        {
+            self.stats.batches.fetch_add(1, Ordering::Relaxed);
+            self.stats.writes.fetch_add(1, Ordering::Relaxed);
+            self.stats.largest.fetch_max(1, Ordering::Relaxed);
+            return write_one(&*self.store, &write).await;
+        }
         let (answer, answered) = oneshot::channel();
-        match self.queue().try_send(Job { write, answer }) {
+        match queue.try_send(Job { write, answer }) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -169,26 +187,41 @@ impl Batched {
     }
 }
 
-/// One writer: takes what queued while it wrote the last batch, writes it,
-/// answers, and goes again. Ends when the [`Batched`] is dropped.
+/// The writer: takes what queued while the transactions in the database
+/// were written, and as soon as one of them is done, writes it as the next
+/// one, in a task of its own (so that a request that goes away never cuts a
+/// batch of other requests' writes short). Ends when the [`Batched`] is
+/// dropped.
 async fn write_loop(
     store: Arc<dyn Store>,
-    queue: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
+    mut queue: mpsc::Receiver<Job>,
+    writers: Arc<Semaphore>,
     stats: Arc<Counters>,
 ) {
-    let mut jobs = Vec::with_capacity(MAX_BATCH);
     loop {
-        {
-            let mut queue = queue.lock().await;
-            if queue.recv_many(&mut jobs, MAX_BATCH).await == 0 {
-                return;
+        let mut jobs = Vec::with_capacity(MAX_BATCH);
+        if queue.recv_many(&mut jobs, MAX_BATCH).await == 0 {
+            return;
+        }
+        let Ok(writer) = writers.clone().acquire_owned().await else {
+            return;
+        };
+        // What queued while waiting for a writer comes along.
+        while jobs.len() < MAX_BATCH {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
             }
         }
         let n = jobs.len() as u64;
         stats.batches.fetch_add(1, Ordering::Relaxed);
         stats.writes.fetch_add(n, Ordering::Relaxed);
         stats.largest.fetch_max(n, Ordering::Relaxed);
-        flush(&*store, &mut jobs).await;
+        let store = store.clone();
+        tokio::spawn(async move {
+            flush(&*store, &mut jobs).await;
+            drop(writer);
+        });
     }
 }
 

@@ -434,9 +434,10 @@ pub trait Store: Send + Sync + 'static {
         answers
     }
 
-    /// How many batches the store writes at once: one for a store with one
-    /// writer (SQLite); more where transactions run side by side and the
-    /// database shares one flush among them (PostgreSQL).
+    /// How many transactions of batched writes the store runs at once: one
+    /// where there is one writer anyway (SQLite); more where a transaction
+    /// that waits (on a row lock another process holds) must not hold up
+    /// every other write of the process (PostgreSQL).
     fn batch_writers(&self) -> usize {
         1
     }

@@ -370,12 +370,11 @@ impl PgStore {
     }
 }
 
-/// Batches written at once, per process. One: two writers split what queued
-/// into batches half as large, for no more throughput (proxied new keys at
-/// c = 8: 0.98 × with one, and 0.88 × the CPU per key; reservation pairs at
-/// c = 32: 1.06 ×). Several processes still write side by side, and
-/// PostgreSQL flushes their commits together.
-const BATCH_WRITERS: usize = 1;
+/// Transactions of batched writes at once, per process: two, so that one
+/// waiting on a row lock (a claim of a key another process's transaction
+/// holds) or on a slow statement does not hold up every other write; the
+/// other gathers what queued meanwhile.
+const BATCH_WRITERS: usize = 2;
 
 impl PgStore {
     /// `writes` in one call of `idemgate_write_batch`: one transaction.
