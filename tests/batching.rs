@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use common::backend::Backend;
 use idemgate::engine::{CommitOutcome, Engine, Limits, ReserveOutcome, ReserveRequest};
 use idemgate::store::{
-    Batched, ClaimRequest, KeyState, Store, StoreError, StoredResponse, Write, Written,
+    Batched, ClaimRequest, KeyState, Store, StoreError, StoredResponse, Write, Written, write_one,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -198,21 +198,6 @@ fn seen(answer: Result<Written, StoreError>) -> Seen {
     }
 }
 
-async fn one_by_one(store: &dyn Store, write: &Write) -> Result<Written, StoreError> {
-    Ok(match write {
-        Write::Claim(req) => Written::Claim(store.reserve(req).await?),
-        Write::Complete {
-            tenant,
-            reservation_id,
-            response,
-        } => Written::Complete(store.complete(tenant, *reservation_id, response).await?),
-        Write::Release {
-            tenant,
-            reservation_id,
-        } => Written::Release(store.release(tenant, *reservation_id).await?),
-    })
-}
-
 /// The property on one kind of backend: two databases, one written one by
 /// one, the other in batches cut at random.
 fn batches_answer_as_one_by_one(make: fn() -> std::pin::Pin<Box<dyn Future<Output = Backend>>>) {
@@ -243,7 +228,7 @@ fn batches_answer_as_one_by_one(make: fn() -> std::pin::Pin<Box<dyn Future<Outpu
         rt.block_on(async {
             let mut want = Vec::new();
             for write in &writes {
-                want.push(seen(one_by_one(&*alone, write).await));
+                want.push(seen(write_one(&*alone, write).await));
             }
             // A commit or release names a reservation its client was given:
             // one answered in an earlier batch, never in its own.

@@ -137,7 +137,11 @@ pub async fn run(args: AbArgs) -> anyhow::Result<()> {
         .arg("migrate")
         .env("DATABASE_URL", &args.database_url)
         .status()?;
-    anyhow::ensure!(migrated.success(), "`{} migrate` failed", args.after.display());
+    anyhow::ensure!(
+        migrated.success(),
+        "`{} migrate` failed",
+        args.after.display()
+    );
     let mut a = start(
         "before",
         &args.before,

@@ -448,8 +448,9 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-/// `write` on its own, through the one-by-one operation.
-pub(crate) async fn write_one<S: Store + ?Sized>(store: &S, write: &Write) -> Result<Written> {
+/// `write` on its own, through the one-by-one operation of `store`
+/// ([`Store::reserve`], [`Store::complete`] or [`Store::release`]).
+pub async fn write_one<S: Store + ?Sized>(store: &S, write: &Write) -> Result<Written> {
     Ok(match write {
         Write::Claim(req) => Written::Claim(store.reserve(req).await?),
         Write::Complete {
