@@ -396,16 +396,9 @@ async fn claim_in(
         None
     };
     let (claimed, row) = match claimed {
-        Some(row) => {
-            sqlx::query(FENCE)
-                .bind(&req.tenant)
-                .bind(id)
-                .bind(&req.key_hash[..])
-                .execute(&mut *tx)
-                .await
-                .map_err(classify)?;
-            (true, row)
-        }
+        // The reservation id's row came with it (a trigger: migration
+        // `20261203000001_write_batch_trigger.sql`).
+        Some(row) => (true, row),
         None => {
             // We hold the write lock: the row the upsert conflicted with is
             // still there, unchanged.
@@ -684,9 +677,6 @@ const COUNT_IN_FLIGHT: &str = "SELECT count(*) FROM (
         SELECT 1 FROM idempotency_keys
          WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2 AND expires_at > ?2
          LIMIT ?3)";
-
-const FENCE: &str =
-    "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash) VALUES (?1, ?2, ?3)";
 
 const SELECT_KEY: &str = concat!(
     "SELECT ",
@@ -1145,13 +1135,16 @@ mod tests {
 
     /// A write of 100 kB, about 25 pages.
     async fn write_past(tx: &mut WriteTx) -> sqlx::Result<()> {
-        sqlx::query(FENCE)
-            .bind("t")
-            .bind(Uuid::new_v4().hyphenated())
-            .bind(vec![0u8; 100_000])
-            .execute(&mut **tx)
-            .await
-            .map(|_| ())
+        sqlx::query(
+            "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
+             VALUES (?1, ?2, ?3)",
+        )
+        .bind("t")
+        .bind(Uuid::new_v4().hyphenated())
+        .bind(vec![0u8; 100_000])
+        .execute(&mut **tx)
+        .await
+        .map(|_| ())
     }
 
     #[tokio::test]
