@@ -36,7 +36,7 @@ use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, SemaphorePermit, mpsc, oneshot};
 use uuid::Uuid;
 
 use super::{
@@ -77,6 +77,16 @@ struct Counters {
     writes: AtomicU64,
     largest: AtomicU64,
     refused: AtomicU64,
+}
+
+impl Counters {
+    /// One transaction of `writes` writes.
+    fn count(&self, writes: usize) {
+        let n = writes as u64;
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.writes.fetch_add(n, Ordering::Relaxed);
+        self.largest.fetch_max(n, Ordering::Relaxed);
+    }
 }
 
 impl std::fmt::Debug for Batched {
@@ -139,6 +149,7 @@ impl Batched {
         }
         {
             let _writer = self.writers.acquire().await;
+            self.stats.count(jobs.len());
             flush(&*self.store, &mut jobs).await;
         }
         let mut answers = Vec::with_capacity(answered.len());
@@ -151,22 +162,24 @@ impl Batched {
         answers
     }
 
-    /// Writes `write` at once when nothing else is being written or waits
-    /// to, in this task (no hand-over to the writer and back: a lone write
-    /// costs what it did before batches); otherwise queues it and waits for
-    /// its batch.
-    async fn write(&self, write: Write) -> Result<Written> {
+    /// Leave to write alone, now, in the calling task, when nothing else is
+    /// being written or waits to: no hand-over to the writer and back, and
+    /// no copy of the write, so a lone write costs what it did before
+    /// batches. Held until the write is done.
+    fn alone(&self) -> Option<SemaphorePermit<'_>> {
         let queue = self.queue();
-        if queue.capacity() == queue.max_capacity()
-            && let Ok(_writer) = self.writers.try_acquire()
-        {
-            self.stats.batches.fetch_add(1, Ordering::Relaxed);
-            self.stats.writes.fetch_add(1, Ordering::Relaxed);
-            self.stats.largest.fetch_max(1, Ordering::Relaxed);
-            return write_one(&*self.store, &write).await;
+        if queue.capacity() != queue.max_capacity() {
+            return None;
         }
+        let permit = self.writers.try_acquire().ok()?;
+        self.stats.count(1);
+        Some(permit)
+    }
+
+    /// Queues `write` and waits for its batch.
+    async fn queued(&self, write: Write) -> Result<Written> {
         let (answer, answered) = oneshot::channel();
-        match queue.try_send(Job { write, answer }) {
+        match self.queue().try_send(Job { write, answer }) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -213,10 +226,7 @@ async fn write_loop(
                 Err(_) => break,
             }
         }
-        let n = jobs.len() as u64;
-        stats.batches.fetch_add(1, Ordering::Relaxed);
-        stats.writes.fetch_add(n, Ordering::Relaxed);
-        stats.largest.fetch_max(n, Ordering::Relaxed);
+        stats.count(jobs.len());
         let store = store.clone();
         tokio::spawn(async move {
             flush(&*store, &mut jobs).await;
@@ -389,7 +399,10 @@ async fn written_alone(store: &dyn Store, write: &Write) -> Result<Written> {
 #[async_trait]
 impl Store for Batched {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
-        match self.write(Write::Claim(req.clone())).await? {
+        if let Some(_alone) = self.alone() {
+            return self.store.reserve(req).await;
+        }
+        match self.queued(Write::Claim(req.clone())).await? {
             Written::Claim(claim) => Ok(claim),
             _ => Err(mismatched()),
         }
@@ -401,23 +414,29 @@ impl Store for Batched {
         reservation_id: Uuid,
         response: &StoredResponse,
     ) -> Result<Option<Record>> {
+        if let Some(_alone) = self.alone() {
+            return self.store.complete(tenant, reservation_id, response).await;
+        }
         let write = Write::Complete {
             tenant: tenant.to_owned(),
             reservation_id,
             response: response.clone(),
         };
-        match self.write(write).await? {
+        match self.queued(write).await? {
             Written::Complete(record) => Ok(record),
             _ => Err(mismatched()),
         }
     }
 
     async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        if let Some(_alone) = self.alone() {
+            return self.store.release(tenant, reservation_id).await;
+        }
         let write = Write::Release {
             tenant: tenant.to_owned(),
             reservation_id,
         };
-        match self.write(write).await? {
+        match self.queued(write).await? {
             Written::Release(key_hash) => Ok(key_hash),
             _ => Err(mismatched()),
         }
