@@ -16,18 +16,16 @@
 //! start's origin on 3000).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use anyhow::Context as _;
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use idemgate::IdempotencyLayer;
-use idemgate::engine::{Engine, Limits};
-use idemgate::layer::LayerPolicy;
 use idemgate::store::SqliteStore;
+use idemgate::{Engine, IdempotencyLayer, LayerPolicy, Limits};
 use serde_json::{Value, json};
 
 /// The side effect: every executed charge increments the counter.
@@ -48,21 +46,26 @@ async fn count_charges(State(charges): State<Arc<AtomicU64>>) -> Json<Value> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    idemgate::telemetry::init_tracing(false);
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
     let file = std::env::temp_dir().join("idemgate-example.db");
     let url = format!("sqlite://{}", file.display());
-    let store = SqliteStore::open(&url).await?;
+    let store = Arc::new(SqliteStore::open(&url).await?);
     store.migrate().await?;
-    let engine = Arc::new(Engine::new(Arc::new(store), Limits::default()));
+    let engine = Arc::new(Engine::new(store.clone(), Limits::default()));
+    // Expired keys are deleted by the application's own pruning job.
+    tokio::spawn(idemgate::prune::run(store, Duration::from_secs(60)));
 
     // POST and PATCH are guarded; a key is optional unless `require_key`.
-    let policy = LayerPolicy {
-        require_key: true,
-        ..LayerPolicy::default()
-    };
+    // The tenant is the SHA-256 of `Authorization` by default; behind an
+    // authentication layer, `tenant_from` reads the principal it put in the
+    // request's extensions instead.
+    let policy = LayerPolicy::default().require_key(true);
+    let layer = IdempotencyLayer::new(engine, policy);
     let app = Router::new()
         .route("/charges", post(create_charge).get(count_charges))
-        .layer(IdempotencyLayer::new(engine, policy))
+        .layer(layer.clone())
         .with_state(Arc::new(AtomicU64::new(0)));
 
     let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:3001".into());
@@ -71,7 +74,15 @@ async fn main() -> anyhow::Result<()> {
     })?;
     tracing::info!(%listen, store = %url, "example app listening: POST /charges with an Idempotency-Key");
     axum::serve(listener, app)
-        .with_graceful_shutdown(idemgate::api::shutdown_signal())
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
         .await?;
+    // Calls that outlived their client's answer, and commits waiting for the
+    // store, get a few seconds to land before the process exits.
+    let left = layer.finish_deferred(Duration::from_secs(10)).await;
+    if left > 0 {
+        tracing::warn!(left, "exiting with deferred work still running");
+    }
     Ok(())
 }

@@ -51,7 +51,7 @@ async fn main() -> anyhow::Result<()> {
     })?;
     eprintln!("origin listening on {listen}: POST /charges charges, GET /charges counts");
     axum::serve(listener, app)
-        .with_graceful_shutdown(idemgate::api::shutdown_signal())
+        .with_graceful_shutdown(idemgate::server::serve::shutdown_signal())
         .await?;
     Ok(())
 }

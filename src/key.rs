@@ -21,17 +21,7 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 
 /// Which shape of key the server requires, beyond the generic rules.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-    utoipa::ToSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KeyFormat {
     /// Any key that satisfies the generic rules.
@@ -178,7 +168,7 @@ pub fn parse_value(raw: &[u8], policy: &KeyPolicy) -> Result<IdempotencyKey, Key
     }
     if policy.format == KeyFormat::Uuid && !is_hyphenated_uuid(&key) {
         return Err(invalid(
-            "the key must be a UUID in hyphenated form, e.g. \"8e03978e-40d5-43e8-bc93-6894a57f9324\" (IDEMGATE_KEY_FORMAT=uuid)",
+            "the key must be a UUID in hyphenated form, e.g. \"8e03978e-40d5-43e8-bc93-6894a57f9324\" (this server takes UUID keys only)",
         ));
     }
     Ok(IdempotencyKey::new(key))

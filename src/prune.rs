@@ -1,4 +1,4 @@
-//! The TTL job (SPEC §8): deletes expired records in small batches, so it
+//! The TTL job: deletes expired records in small batches, so it
 //! never holds many locks at once and never waits on live traffic.
 
 use std::sync::Arc;

@@ -58,7 +58,7 @@ struct Entry {
 }
 
 /// A bounded, per-tenant cache of completed records (see the
-/// [module documentation](self)).
+/// engine's documentation).
 pub struct ReplayCache {
     cache: Cache<CacheKey, Arc<Entry>>,
     max_bytes: u64,

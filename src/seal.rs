@@ -1,4 +1,4 @@
-//! Stored responses sealed at rest (SPEC §8: `IDEMGATE_SEAL_KEY`,
+//! Stored responses sealed at rest (`IDEMGATE_SEAL_KEY`,
 //! AES-256-GCM), so that a database dump reveals no response header or body.
 //!
 //! No schema change: a sealed response keeps its status in the clear and
@@ -25,7 +25,7 @@ use base64::Engine as _;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-use crate::store::StoredResponse;
+use crate::store::{Record, StoreError, StoredResponse};
 
 /// The name of the marker header of a sealed response.
 pub const SEALED_HEADER: &str = "@idemgate-sealed";
@@ -324,6 +324,54 @@ impl Sealer {
         let plain = self.open_blob(&blob, &aad)?;
         serde_json::from_slice(&plain).map_err(|_| OpenError::Corrupt)
     }
+}
+
+/// Replaces a sealed response and sealed recovery data in `record` by
+/// what they hold. A record that cannot be opened is a store error: it is
+/// never replayed nor handed on.
+pub(crate) fn open_record(sealer: Option<&Sealer>, record: &mut Record) -> Result<(), StoreError> {
+    let opened = open_response(sealer, record).and_then(|()| open_recovery(sealer, record));
+    opened.map_err(|why| {
+        tracing::error!(
+            tenant = %record.tenant,
+            key.hash = %crate::key::hash_prefix(&record.key_hash),
+            error = %why,
+            "a stored record cannot be opened; answering 500 instead of using it"
+        );
+        StoreError::Other(format!("sealed record: {why}"))
+    })
+}
+
+fn open_response(sealer: Option<&Sealer>, record: &mut Record) -> Result<(), OpenError> {
+    let Some(response) = record.response.as_mut() else {
+        return Ok(());
+    };
+    if !is_sealed(response) {
+        return Ok(());
+    }
+    let sealer = sealer.ok_or(OpenError::NoKey)?;
+    *response = sealer.open(&record.tenant, record.reservation_id, response)?;
+    Ok(())
+}
+
+fn open_recovery(sealer: Option<&Sealer>, record: &mut Record) -> Result<(), OpenError> {
+    let Some(recovery) = record.recovery.as_mut() else {
+        return Ok(());
+    };
+    let Some(data) = recovery.data.as_mut() else {
+        return Ok(());
+    };
+    if !is_sealed_recovery(data) {
+        return Ok(());
+    }
+    let sealer = sealer.ok_or(OpenError::NoKey)?;
+    *data = sealer.open_recovery(
+        &record.tenant,
+        &record.key_hash,
+        &recovery.recovery_point,
+        data,
+    )?;
+    Ok(())
 }
 
 #[cfg(test)]

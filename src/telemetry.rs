@@ -1,59 +1,15 @@
-//! Logs (tracing, human or JSON) and the Prometheus metrics of SPEC §10. No
-//! key, token or body ever goes into a log line or a label.
+//! The metric series every door records, through the `metrics` facade: into
+//! whatever recorder the application installed (the `server` feature's
+//! Prometheus exporter in the binary). No key, token or body ever goes into a
+//! log line or a label.
 
-use std::io::IsTerminal as _;
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tracing_subscriber::EnvFilter;
-
+#[cfg(feature = "server")]
 use crate::store::{BatchStats, PoolStats};
 
-/// Installs the global tracing subscriber, writing to standard error: human
-/// by default, JSON when asked, level from `RUST_LOG` (default `info`). Human
-/// lines are coloured only when standard error is a terminal (and `NO_COLOR`
-/// is unset), so a file or a pipe gets no escape sequences.
-pub fn init_tracing(json: bool) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
-    let ansi = !json && !no_color && std::io::stderr().is_terminal();
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    // A second init (tests, embedding) keeps the first subscriber.
-    let _ = if json {
-        builder.json().flatten_event(true).try_init()
-    } else {
-        builder.try_init()
-    };
-}
-
-/// The process-wide Prometheus recorder, installed on first use.
-pub fn metrics_handle() -> &'static PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE.get_or_init(|| {
-        let builder = PrometheusBuilder::new()
-            .set_buckets_for_metric(
-                Matcher::Full("idemgate_request_duration_seconds".into()),
-                &[
-                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0,
-                ],
-            )
-            .unwrap_or_else(|_| PrometheusBuilder::new());
-        let recorder = builder.build_recorder();
-        let handle = recorder.handle();
-        // Another recorder may already be global (an embedding application's);
-        // ours then still renders what it was given directly.
-        let _ = metrics::set_global_recorder(recorder);
-        describe();
-        handle
-    })
-}
-
-fn describe() {
+/// Describes every series to the installed recorder (help text and unit).
+pub(crate) fn describe() {
     metrics::describe_counter!(
         "idemgate_requests_total",
         "Requests by door (mode) and idempotency outcome."
@@ -92,7 +48,7 @@ fn describe() {
     );
 }
 
-/// The outcomes of SPEC §10.
+/// The outcome of a request, the `outcome` label of `idemgate_requests_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// A new key was reserved.
@@ -153,6 +109,7 @@ impl Outcome {
 /// dashboard or an alert on `rate()` works before the first request of each
 /// kind. A no-op until a recorder is installed.
 pub fn register_door(mode: &'static str, outcomes: &[Outcome]) {
+    describe();
     for outcome in outcomes {
         let labels = [("mode", mode), ("outcome", outcome.as_str())];
         metrics::counter!("idemgate_requests_total", &labels).increment(0);
@@ -177,6 +134,7 @@ pub fn record_replay_cache_hit() {
 }
 
 /// Publishes how the store batched its writes.
+#[cfg(feature = "server")]
 pub fn record_batches(stats: BatchStats) {
     metrics::counter!("idemgate_store_batches_total").absolute(stats.batches);
     metrics::counter!("idemgate_store_batched_writes_total").absolute(stats.writes);
@@ -185,6 +143,7 @@ pub fn record_batches(stats: BatchStats) {
 }
 
 /// Publishes the pool gauges.
+#[cfg(feature = "server")]
 pub fn record_pool(stats: PoolStats) {
     let idle = f64::from(stats.idle);
     let active = f64::from(stats.size.saturating_sub(stats.idle));

@@ -1,7 +1,7 @@
 //! The header handling of the layer and the proxy on arbitrary header lines:
 //! which response headers are stored for replay
-//! (`idemgate::layer::headers::storable`) and which request headers reach
-//! the upstream (`idemgate::proxy::headers::to_upstream`, what `ProxyClient`
+//! (`storable`) and which request headers reach
+//! the upstream (`to_upstream`, what `ProxyClient`
 //! applies to every forwarded request). Never a panic; nothing hop-by-hop survives;
 //! every stored line can be rebuilt by the replay.
 #![no_main]
@@ -9,10 +9,8 @@
 use std::net::IpAddr;
 
 use http::{HeaderMap, HeaderName, HeaderValue, header};
-use idemgate::headers::prefer_wait;
+use idemgate::fuzzing::{prefer_wait, storable, to_upstream};
 use idemgate::key::{KeyPolicy, from_headers};
-use idemgate::layer::headers::storable;
-use idemgate::proxy::headers::to_upstream;
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 

@@ -7,32 +7,26 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::response::{IntoResponse, Response};
-use futures::future::BoxFuture;
+use axum::response::Response;
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-use tower::BoxError;
 use tracing::Instrument;
 
 use super::encoding;
 use super::holder::{Holder, Settled, timed_out};
-use super::layer::Shared;
-use super::policy::LayerPolicy;
-use crate::api::problem::ApiError;
+use super::policy::{LayerPolicy, Tenant};
+use super::shared::{Inner, Shared};
 use crate::engine::{ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
 use crate::headers::{mark_replayed, prefer_wait, set_expires};
 use crate::key::{self, KeyError};
+use crate::problem::ApiError;
 use crate::store::Record;
 use crate::telemetry::{self, Outcome};
-
-/// The inner service, polled ready, waiting for its one request.
-pub(crate) type Inner =
-    Box<dyn FnOnce(Request<Body>) -> BoxFuture<'static, Result<Response, BoxError>> + Send>;
 
 /// The tenant of requests that carry no tenant header.
 const ANONYMOUS: &str = "anonymous";
@@ -41,7 +35,7 @@ const ANONYMOUS: &str = "anonymous";
 pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>) -> Response {
     let started = Instant::now();
     let policy = &shared.policy;
-    let mode = policy.mode.as_str();
+    let mode = policy.door.as_str();
 
     // === request_filter ===
     let guard = policy.guard(req.method(), req.uri().path());
@@ -60,15 +54,15 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
             };
             telemetry::record(mode, outcome, started.elapsed());
             tracing::info!(mode, outcome = outcome.as_str(), "idempotency key refused");
-            return ApiError::from(e).into_response();
+            return policy.problem(ApiError::from(e));
         }
     };
-    let tenant = tenant_of(req.headers(), policy);
     let (parts, body) = req.into_parts();
-    let body = crate::api::BodyIdleTimeout::apply(&parts.extensions, body);
-    let body = match read_body(&parts.headers, body, policy.max_body_bytes).await {
+    let tenant = tenant_of(&parts, policy);
+    let body = crate::body::BodyIdleTimeout::apply(&parts.extensions, body);
+    let body = match read_body(&parts.headers, body, policy).await {
         Ok(body) => body,
-        Err(e) => return e.into_response(),
+        Err(e) => return policy.problem(e),
     };
     let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let content_type = parts
@@ -98,15 +92,14 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
         .await;
     let decided = started.elapsed();
     let key_hash = key.hash_prefix();
-    let (outcome, settled, res) = match decision {
+    let decision = match decision {
         // Logged by the conversion (503) or the response (500).
-        Err(e) => return ApiError::from(e).into_response(),
-        Ok(ReserveOutcome::Reserved(reservation)) => {
-            let outcome = if reservation.attempt > 1 {
-                Outcome::Takeover
-            } else {
-                Outcome::Created
-            };
+        Err(e) => return policy.problem(ApiError::from(e)),
+        Ok(decision) => decision,
+    };
+    let outcome = decision.outcome();
+    let (outcome, settled, res) = match decision {
+        ReserveOutcome::Reserved(reservation) => {
             let holder = Holder {
                 shared: shared.clone(),
                 tenant: tenant.clone(),
@@ -128,34 +121,19 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
                 Ok((settled, res)) => (outcome, Some(settled), res),
                 Err(_) => {
                     let e = ApiError::Internal("the request task ended without an answer".into());
-                    (outcome, None, e.into_response())
+                    (outcome, None, policy.problem(e))
                 }
             }
         }
-        Ok(ReserveOutcome::Completed(record)) => {
-            let res = encoding::for_retry(&parts.headers, replay(&record)).await;
-            (Outcome::Replayed, None, res)
+        ReserveOutcome::Completed(record) => {
+            let res = encoding::for_retry(&parts.headers, replay(policy, &record)).await;
+            (outcome, None, res)
         }
-        Ok(ReserveOutcome::InFlight {
-            retry_after,
-            lease_expires_at,
-        }) => (
-            Outcome::Conflict,
-            None,
-            ApiError::InFlight {
-                retry_after,
-                lease_expires_at,
-            }
-            .into_response(),
-        ),
-        Ok(ReserveOutcome::Mismatch) => {
-            (Outcome::Mismatch, None, ApiError::KeyReused.into_response())
+        refused => {
+            let e = ApiError::refusing(&refused)
+                .unwrap_or_else(|| ApiError::Internal("a decision without an answer".into()));
+            (outcome, None, policy.problem(e))
         }
-        Ok(ReserveOutcome::OverLimit { limit, retry_after }) => (
-            Outcome::Limited,
-            None,
-            ApiError::TenantLimit { limit, retry_after }.into_response(),
-        ),
     };
 
     // === logging ===
@@ -181,7 +159,7 @@ async fn passthrough(
     started: Instant,
 ) -> Response {
     telemetry::record(
-        policy.mode.as_str(),
+        policy.door.as_str(),
         Outcome::Passthrough,
         started.elapsed(),
     );
@@ -195,34 +173,48 @@ async fn passthrough(
     };
     match answer {
         Ok(res) => res,
-        Err(e) => ApiError::Internal(format!("the inner service failed: {e}")).into_response(),
+        Err(e) => policy.problem(ApiError::Internal(format!("the inner service failed: {e}"))),
     }
 }
 
-/// The hex SHA-256 of the tenant header's value(s), or the anonymous tenant.
-fn tenant_of(headers: &HeaderMap, policy: &LayerPolicy) -> String {
-    let Some(name) = &policy.tenant_header else {
-        return ANONYMOUS.to_owned();
-    };
-    let mut values = headers.get_all(name).iter().peekable();
-    if values.peek().is_none() {
-        return ANONYMOUS.to_owned();
-    }
+/// The request's tenant under `policy`: the hex SHA-256 of the tenant
+/// header's value(s) or of the id the policy's function returns, or the
+/// anonymous tenant.
+fn tenant_of(parts: &http::request::Parts, policy: &LayerPolicy) -> String {
     let mut hasher = Sha256::new();
-    for (i, value) in values.enumerate() {
-        if i > 0 {
-            hasher.update(b"\n");
+    match &policy.tenant {
+        Tenant::Single => return ANONYMOUS.to_owned(),
+        Tenant::Header(name) => {
+            let mut values = parts.headers.get_all(name).iter().peekable();
+            if values.peek().is_none() {
+                return ANONYMOUS.to_owned();
+            }
+            for (i, value) in values.enumerate() {
+                if i > 0 {
+                    hasher.update(b"\n");
+                }
+                hasher.update(value.as_bytes());
+            }
         }
-        hasher.update(value.as_bytes());
+        Tenant::From(of) => match of(parts) {
+            Some(id) => hasher.update(id.as_bytes()),
+            None => return ANONYMOUS.to_owned(),
+        },
     }
     hex::encode(hasher.finalize())
 }
 
 /// The whole request body, or `413` once it passes `limit`.
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    policy: &LayerPolicy,
+) -> Result<Bytes, ApiError> {
+    let limit = policy.max_body_bytes;
     let too_large = || {
         ApiError::PayloadTooLarge(format!(
-            "the request body is over the limit of {limit} bytes (IDEMGATE_MAX_BODY_BYTES)"
+            "the request body is over the limit of {limit} bytes{}",
+            policy.door.setting("IDEMGATE_MAX_BODY_BYTES")
         ))
     };
     let declared = headers
@@ -235,9 +227,7 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Byte
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
-        Err(e) if crate::api::problem::body_timed_out(e.as_ref()) => {
-            Err(crate::api::problem::body_timeout())
-        }
+        Err(e) if crate::body::timed_out(e.as_ref()) => Err(crate::problem::body_timeout()),
         Err(e) => {
             tracing::debug!(error = %e, "the request body could not be read");
             Err(ApiError::InvalidRequest(
@@ -248,13 +238,17 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Byte
 }
 
 /// The stored response, replayed.
-fn replay(record: &Record) -> Response {
+fn replay(policy: &LayerPolicy, record: &Record) -> Response {
     let Some(stored) = &record.response else {
-        return ApiError::Internal("a completed key has no stored response".into()).into_response();
+        return policy.problem(ApiError::Internal(
+            "a completed key has no stored response".into(),
+        ));
     };
     let Ok(status) = StatusCode::from_u16(stored.status) else {
-        return ApiError::Internal(format!("stored status {} is not valid", stored.status))
-            .into_response();
+        return policy.problem(ApiError::Internal(format!(
+            "stored status {} is not valid",
+            stored.status
+        )));
     };
     let mut res = Response::new(Body::from(stored.body.clone()));
     *res.status_mut() = status;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use futures::StreamExt;
 use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
@@ -15,13 +15,12 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::flow::Inner;
 use super::headers::{IDEMPOTENCY_BODY_OMITTED, storable};
-use super::layer::Shared;
-use super::policy::{LayerPolicy, Mode};
+use super::policy::{Door, LayerPolicy};
+use super::shared::{Inner, Shared};
 use super::{NotExecuted, OutcomeUnknown};
-use crate::api::problem::ApiError;
 use crate::engine::{CommitOutcome, Engine};
+use crate::problem::ApiError;
 use crate::store::{StoreError, StoredResponse};
 
 /// Longest pause between two background commit attempts.
@@ -111,9 +110,9 @@ impl Holder {
     /// settles the key — after the client's answer, when the call outlives
     /// [`LayerPolicy::answer_timeout`](super::LayerPolicy::answer_timeout).
     /// Counted as background work until it ends, so a shutdown waits for
-    /// it ([`Engine::finish_deferred`]).
+    /// it ([`IdempotencyLayer::finish_deferred`](super::IdempotencyLayer::finish_deferred)).
     pub async fn run(mut self, inner: Inner, req: http::Request<Body>, reply: Reply) {
-        let _held = self.shared.engine.hold_deferred();
+        let _held = self.shared.deferred.hold();
         let mut reply = Some(reply);
         let call = produce(self.shared.clone(), inner, req);
         let Some(produced) = self.keeping_the_lease(call, &mut reply).await else {
@@ -182,7 +181,7 @@ impl Holder {
                         Ok(Err(refusal)) => {
                             tracing::warn!(
                                 key.hash = %self.key_hash,
-                                reason = refusal.detail(),
+                                reason = ?refusal,
                                 "the lease could not be extended; the call runs on, but its response may not be stored"
                             );
                             beating = false;
@@ -219,7 +218,7 @@ impl Holder {
             Produced::Failed(e) => {
                 // Whether the effect happened is unknown: keep the key in flight.
                 let e = ApiError::Internal(format!("the inner service failed: {e}"));
-                (Settled::InFlight, e.into_response())
+                (Settled::InFlight, policy.problem(e))
             }
             Produced::NotExecuted(res) => {
                 self.release().await;
@@ -250,16 +249,16 @@ impl Holder {
                 (settled, Response::from_parts(parts, body))
             }
             Produced::BodyFailed(why) => {
-                let e = match policy.mode {
-                    Mode::Proxy => {
+                let e = match policy.door {
+                    Door::Proxy => {
                         tracing::warn!(key.hash = %self.key_hash, error = %why, "upstream response failed; the key stays in flight until its lease ends");
                         ApiError::UpstreamUnavailable(
                             "the upstream's response broke off; whether it acted is unknown".into(),
                         )
                     }
-                    Mode::Layer => ApiError::Internal(format!("the response body failed: {why}")),
+                    Door::Layer => ApiError::Internal(format!("the response body failed: {why}")),
                 };
-                (Settled::InFlight, e.into_response())
+                (Settled::InFlight, policy.problem(e))
             }
         }
     }
@@ -274,7 +273,7 @@ impl Holder {
         {
             Ok(Ok(())) => {}
             Ok(Err(refusal)) => {
-                tracing::debug!(key.hash = %self.key_hash, reason = refusal.detail(), "release refused");
+                tracing::debug!(key.hash = %self.key_hash, reason = ?refusal, "release refused");
             }
             Err(e) => tracing::warn!(
                 key.hash = %self.key_hash,
@@ -299,7 +298,7 @@ impl Holder {
             Ok(CommitOutcome::Refused(refusal)) => {
                 tracing::warn!(
                     key.hash = %self.key_hash,
-                    reason = refusal.detail(),
+                    reason = ?refusal,
                     "the response was not stored"
                 );
                 Settled::NotStored
@@ -311,7 +310,7 @@ impl Holder {
                     "store unavailable at commit: returning the response, retrying the commit in the background"
                 );
                 // Counted until it lands or gives up: a shutdown waits for it.
-                let held = engine.hold_deferred();
+                let held = self.shared.deferred.hold();
                 let retry = retry_commit(
                     engine.clone(),
                     self.tenant.clone(),
@@ -358,7 +357,7 @@ async fn retry_commit(
                 return;
             }
             Ok(CommitOutcome::Refused(refusal)) => {
-                tracing::warn!(key.hash = %key_hash, reason = refusal.detail(), "the deferred commit was refused");
+                tracing::warn!(key.hash = %key_hash, reason = ?refusal, "the deferred commit was refused");
                 return;
             }
             Err(StoreError::Unavailable(_)) => {}
@@ -400,9 +399,10 @@ async fn produce(shared: Arc<Shared>, inner: Inner, req: http::Request<Body>) ->
 /// at the abandon bound).
 pub(crate) fn timed_out(policy: &LayerPolicy, after: Duration, runs_on: bool) -> Response {
     let secs = after.as_secs();
-    let setting = match (policy.mode, runs_on) {
-        (Mode::Proxy, true) => " (IDEMGATE_UPSTREAM_TIMEOUT)",
-        _ => "",
+    let setting = if runs_on {
+        policy.door.setting("IDEMGATE_UPSTREAM_TIMEOUT")
+    } else {
+        ""
     };
     let detail = if runs_on {
         format!(
@@ -413,7 +413,7 @@ pub(crate) fn timed_out(policy: &LayerPolicy, after: Duration, runs_on: bool) ->
     } else {
         format!("the upstream did not answer within {secs} s{setting}; whether it acted is unknown")
     };
-    ApiError::UpstreamTimeout(detail).into_response()
+    policy.problem(ApiError::UpstreamTimeout(detail))
 }
 
 /// Resolves at `at`, or never.

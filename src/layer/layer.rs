@@ -6,21 +6,16 @@ use tower::Layer;
 
 use super::policy::LayerPolicy;
 use super::service::Idempotency;
+use super::shared::Shared;
 use crate::engine::Engine;
 
-/// Applies [`Idempotency`] to a service: SPEC §6 for any
-/// `tower::Service<http::Request<axum::body::Body>>`.
+/// Applies [`Idempotency`] to a service: the `Idempotency-Key` behaviour for
+/// any `tower::Service<http::Request<axum::body::Body>>`.
 ///
 /// See the [module documentation](crate::layer) for an example.
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     pub(crate) shared: Arc<Shared>,
-}
-
-/// What every clone of the service shares.
-pub(crate) struct Shared {
-    pub engine: Arc<Engine>,
-    pub policy: LayerPolicy,
 }
 
 // === impl IdempotencyLayer ===
@@ -30,11 +25,8 @@ impl IdempotencyLayer {
     /// cache serves the layer's replays: build it with
     /// [`Engine::with_replay_cache`] to change its bound or turn it off.
     pub fn new(engine: Arc<Engine>, policy: LayerPolicy) -> IdempotencyLayer {
-        // Every series of this door, at 0 from the start (with whatever
-        // metrics recorder the application installed).
-        crate::telemetry::register_door(policy.mode.as_str(), &crate::telemetry::Outcome::ALL);
         IdempotencyLayer {
-            shared: Arc::new(Shared { engine, policy }),
+            shared: Shared::new(engine, policy),
         }
     }
 
@@ -46,6 +38,24 @@ impl IdempotencyLayer {
     /// The engine it decides through.
     pub fn engine(&self) -> &Arc<Engine> {
         &self.shared.engine
+    }
+
+    /// Work of this layer's services that outlives its client's answer, right
+    /// now: calls still running (their client may have hung up or had its
+    /// `504` at the answer timeout), and commits of responses given while the
+    /// store was away, retrying in the background.
+    pub fn deferred_work(&self) -> usize {
+        self.shared.deferred.pending()
+    }
+
+    /// Waits until all deferred work has ended (every call answered and
+    /// settled, every background commit landed or given up), or until
+    /// `within` has passed; returns how much is still running. Call it at
+    /// shutdown once the listener has drained, so that a call whose client
+    /// already had its answer is not cut off, nor its response left
+    /// unstored.
+    pub async fn finish_deferred(&self, within: std::time::Duration) -> usize {
+        self.shared.deferred.finish(within).await
     }
 }
 

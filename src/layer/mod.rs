@@ -1,6 +1,6 @@
-//! The in-process middleware of SPEC §7: a tower [`Layer`](tower::Layer) that
-//! gives any `tower::Service<http::Request<axum::body::Body>>` the
-//! `Idempotency-Key` behaviour of the proxy (SPEC §6), over the one
+//! The in-process door: a tower [`Layer`](tower::Layer) that gives any
+//! `tower::Service<http::Request<axum::body::Body>>` the `Idempotency-Key`
+//! behaviour of `idemgate proxy`, over the one
 //! [`Engine`](crate::engine::Engine).
 //!
 //! A guarded request (`POST` and `PATCH` by default) that carries a key runs
@@ -27,6 +27,20 @@
 //! sets another bound, or turns it off with 0, before the engine goes into
 //! the layer.
 //!
+//! The tenant a key belongs to comes from the request: by default the SHA-256
+//! of its `Authorization` header, or whatever [`LayerPolicy::tenant_from`]
+//! makes of the principal an authentication layer put in its extensions.
+//!
+//! # Shutting down
+//!
+//! Some work outlives its client's answer: a call that runs on after its
+//! client got `504` at [`LayerPolicy::answer_timeout`], a commit retried in
+//! the background while the store is away. Once the server has stopped
+//! taking requests, wait for it with
+//! [`IdempotencyLayer::finish_deferred`]; a process that exits first leaves
+//! those keys in flight until their leases end (never executed twice, but
+//! the retry waits, and a late answer is lost).
+//!
 //! The inner service can steer the key through response extensions:
 //! [`NotExecuted`] releases it (the effect never started), [`OutcomeUnknown`]
 //! leaves it in flight until its lease ends (the effect may have happened).
@@ -36,9 +50,8 @@
 //!
 //! use axum::{Router, body::Body, routing::post};
 //! use http::Request;
-//! use idemgate::engine::{Engine, Limits};
 //! use idemgate::store::SqliteStore;
-//! use idemgate::{IdempotencyLayer, layer::LayerPolicy};
+//! use idemgate::{Engine, IdempotencyLayer, LayerPolicy, Limits};
 //! use tower::ServiceExt;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -74,10 +87,11 @@
 //! # }
 //! ```
 
+mod deferred;
 mod encoding;
 mod flow;
 mod future;
-pub mod headers;
+pub(crate) mod headers;
 mod holder;
 #[expect(
     clippy::module_inception,
@@ -87,13 +101,14 @@ mod layer;
 mod path;
 mod policy;
 mod service;
+mod shared;
 
 pub use future::ResponseFuture;
 pub use headers::{
     IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_EXPIRES, IDEMPOTENT_REPLAYED, strip_connection_headers,
 };
 pub use layer::IdempotencyLayer;
-pub use policy::{LayerPolicy, Mode, Route};
+pub use policy::{LayerPolicy, Route, Tenant, TenantFn};
 pub use service::Idempotency;
 
 /// Response extension: the request never reached the origin (the proxy sets

@@ -1,6 +1,8 @@
 //! What the layer guards and how: [`LayerPolicy`], with per-route
 //! [`Route`] rules over its global defaults.
 
+use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::Duration;
 
 use globset::GlobMatcher;
@@ -11,70 +13,115 @@ use crate::engine::Limits;
 use crate::fingerprint::FingerprintPolicy;
 use crate::key::KeyPolicy;
 
-/// Which door a request came through: the `mode` label of the metrics.
+/// Which door a request came through. The proxy is the layer over a hyper
+/// client; what differs is its metric label and how it words two answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Mode {
+pub(crate) enum Door {
     /// The in-process tower layer.
     #[default]
     Layer,
-    /// `idemgate proxy`: the layer over a hyper client.
+    /// `idemgate proxy`.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))]
     Proxy,
 }
 
-impl Mode {
-    /// The metric label.
-    pub fn as_str(self) -> &'static str {
+impl Door {
+    /// The `mode` label of the metrics.
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
-            Mode::Layer => "layer",
-            Mode::Proxy => "proxy",
+            Door::Layer => "layer",
+            Door::Proxy => "proxy",
+        }
+    }
+
+    /// ` (SETTING)` after a sentence that a setting of the binary governs;
+    /// nothing for an embedding application, which never set it.
+    pub(crate) fn setting(self, name: &'static str) -> &'static str {
+        match (self, name) {
+            (Door::Proxy, "IDEMGATE_MAX_BODY_BYTES") => " (IDEMGATE_MAX_BODY_BYTES)",
+            (Door::Proxy, "IDEMGATE_UPSTREAM_TIMEOUT") => " (IDEMGATE_UPSTREAM_TIMEOUT)",
+            _ => "",
         }
     }
 }
 
-/// The policy of SPEC §6, shared by the layer and the proxy.
+/// Whose keys a request's key is among: keys are scoped by tenant, so two
+/// callers never see each other's records.
+#[derive(Clone)]
+pub enum Tenant {
+    /// Every request in one tenant.
+    Single,
+    /// The SHA-256 of this header's value(s); requests without it share one
+    /// anonymous tenant. A credential that changes between a timeout and the
+    /// retry (an OAuth token refreshed) lands the retry in another tenant,
+    /// where it executes again: name a header that a gateway sets from the
+    /// authenticated caller, or use [`Tenant::From`].
+    Header(HeaderName),
+    /// What the function makes of the request's head: its extensions hold
+    /// what an authentication layer in front put there (the principal).
+    /// `None` puts the request in the anonymous tenant. The tenant is stored
+    /// as the SHA-256 of the returned id.
+    From(TenantFn),
+}
+
+/// A function from a request's head to its tenant's id (see [`Tenant::From`]).
+pub type TenantFn = Arc<dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync>;
+
+impl std::fmt::Debug for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tenant::Single => f.write_str("Single"),
+            Tenant::Header(name) => f.debug_tuple("Header").field(name).finish(),
+            Tenant::From(_) => f.write_str("From(..)"),
+        }
+    }
+}
+
+/// What the layer guards and how; the proxy runs under one too.
 ///
-/// Build it with struct-update syntax over [`LayerPolicy::default`], which
-/// holds the documented defaults:
+/// Start from [`LayerPolicy::default`], which holds the documented defaults,
+/// and change what differs with the chainable setters (the fields can be
+/// read, and assigned, but the struct cannot be built literally: a new
+/// setting is then no breaking change):
 ///
 /// ```
+/// use std::time::Duration;
+///
 /// use idemgate::layer::LayerPolicy;
 ///
-/// let policy = LayerPolicy {
-///     require_key: true,
-///     ..LayerPolicy::default()
-/// };
+/// let policy = LayerPolicy::default()
+///     .require_key(true)
+///     .ttl(Duration::from_secs(3600));
 /// assert_eq!(policy.key_header.as_str(), "idempotency-key");
 /// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct LayerPolicy {
-    /// The metric label.
-    pub mode: Mode,
-    /// Guarded methods (`IDEMGATE_METHODS`, default `POST`, `PATCH`); the
-    /// others pass straight through.
+    /// Which door enforces it.
+    pub(crate) door: Door,
+    /// Guarded methods (default `POST`, `PATCH`); the others pass straight
+    /// through.
     pub methods: Vec<Method>,
     /// Answer `400 key-missing` to a guarded request without a key, instead
-    /// of passing it through unguarded (`IDEMGATE_REQUIRE_KEY`).
+    /// of passing it through unguarded.
     pub require_key: bool,
-    /// The header that carries the key (`IDEMGATE_KEY_HEADER`, default
-    /// `Idempotency-Key`).
+    /// The header that carries the key (default `Idempotency-Key`).
     pub key_header: HeaderName,
     /// How keys are validated.
     pub key_policy: KeyPolicy,
-    /// The header whose value names the tenant (`IDEMGATE_TENANT_HEADER`,
-    /// default `Authorization`): keys are scoped by the SHA-256 of its value,
-    /// and requests without it share one anonymous tenant. `None`: one tenant.
-    pub tenant_header: Option<HeaderName>,
+    /// Whose keys a request's key is among (default: the SHA-256 of
+    /// `Authorization`; see [`Tenant::Header`] for what that costs).
+    pub tenant: Tenant,
     /// What goes into the fingerprint.
     pub fingerprint_policy: FingerprintPolicy,
     /// Statuses that mean the origin did not act: the response is returned
-    /// but not stored, and the key is released (`IDEMGATE_RELEASE_STATUSES`).
+    /// but not stored, and the key is released (default 408, 425, 429, 503).
     pub release_statuses: Vec<u16>,
     /// Response headers never stored for replay, besides the hop-by-hop ones
-    /// (`IDEMGATE_STORE_HEADERS_DENY`, default `Set-Cookie`,
-    /// `WWW-Authenticate`).
+    /// (default `Set-Cookie`, `WWW-Authenticate`).
     pub store_headers_deny: Vec<HeaderName>,
-    /// Largest request body accepted and response body stored
-    /// (`IDEMGATE_MAX_BODY_BYTES`).
+    /// Largest request body accepted and response body stored (default
+    /// 1 MiB).
     pub max_body_bytes: usize,
     /// How long a request holds its key without news from its holder. The
     /// holder extends it every third of its length while the inner service
@@ -101,18 +148,21 @@ pub struct LayerPolicy {
     pub ttl: Duration,
     /// Per-route rules, first match wins.
     pub routes: Vec<Route>,
+    /// What every problem `type` starts with, the slug after it (default
+    /// [`DEFAULT_PROBLEM_BASE`](crate::DEFAULT_PROBLEM_BASE)).
+    pub problem_base: Cow<'static, str>,
 }
 
 impl Default for LayerPolicy {
     fn default() -> Self {
         let limits = Limits::default();
         LayerPolicy {
-            mode: Mode::Layer,
+            door: Door::Layer,
             methods: vec![Method::POST, Method::PATCH],
             require_key: false,
             key_header: HeaderName::from_static("idempotency-key"),
             key_policy: KeyPolicy::default(),
-            tenant_header: Some(http::header::AUTHORIZATION),
+            tenant: Tenant::Header(http::header::AUTHORIZATION),
             fingerprint_policy: FingerprintPolicy::default(),
             release_statuses: vec![408, 425, 429, 503],
             store_headers_deny: vec![http::header::SET_COOKIE, http::header::WWW_AUTHENTICATE],
@@ -122,7 +172,88 @@ impl Default for LayerPolicy {
             abandon_after: None,
             ttl: limits.default_ttl,
             routes: Vec::new(),
+            problem_base: Cow::Borrowed(crate::problem::DEFAULT_PROBLEM_BASE),
         }
+    }
+}
+
+/// A chainable setter for each field.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty;)*) => {
+        impl LayerPolicy {
+            $(
+                $(#[$doc])*
+                #[must_use]
+                pub fn $name(mut self, $name: $ty) -> LayerPolicy {
+                    self.$name = $name;
+                    self
+                }
+            )*
+        }
+    };
+}
+
+setters! {
+    /// Sets [`methods`](#structfield.methods).
+    methods: Vec<Method>;
+    /// Sets [`require_key`](#structfield.require_key).
+    require_key: bool;
+    /// Sets [`key_header`](#structfield.key_header).
+    key_header: HeaderName;
+    /// Sets [`key_policy`](#structfield.key_policy).
+    key_policy: KeyPolicy;
+    /// Sets [`tenant`](#structfield.tenant).
+    tenant: Tenant;
+    /// Sets [`fingerprint_policy`](#structfield.fingerprint_policy).
+    fingerprint_policy: FingerprintPolicy;
+    /// Sets [`release_statuses`](#structfield.release_statuses).
+    release_statuses: Vec<u16>;
+    /// Sets [`store_headers_deny`](#structfield.store_headers_deny).
+    store_headers_deny: Vec<HeaderName>;
+    /// Sets [`max_body_bytes`](#structfield.max_body_bytes).
+    max_body_bytes: usize;
+    /// Sets [`lease`](#structfield.lease).
+    lease: Duration;
+    /// Sets [`answer_timeout`](#structfield.answer_timeout).
+    answer_timeout: Option<Duration>;
+    /// Sets [`abandon_after`](#structfield.abandon_after).
+    abandon_after: Option<Duration>;
+    /// Sets [`ttl`](#structfield.ttl).
+    ttl: Duration;
+    /// Sets [`routes`](#structfield.routes).
+    routes: Vec<Route>;
+    /// Sets [`problem_base`](#structfield.problem_base).
+    problem_base: Cow<'static, str>;
+}
+
+impl LayerPolicy {
+    /// The tenant from the header `name` (`None`: one tenant for all).
+    #[must_use]
+    pub fn tenant_header(self, name: Option<HeaderName>) -> LayerPolicy {
+        self.tenant(name.map_or(Tenant::Single, Tenant::Header))
+    }
+
+    /// The tenant from the caller's identity: `of` reads the request's head,
+    /// typically the principal an authentication layer put in its
+    /// extensions (see [`Tenant::From`]).
+    #[must_use]
+    pub fn tenant_from(
+        self,
+        of: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> LayerPolicy {
+        self.tenant(Tenant::From(Arc::new(of)))
+    }
+
+    /// The same policy, enforced by the proxy.
+    #[cfg(feature = "server")]
+    pub(crate) fn for_proxy(mut self) -> LayerPolicy {
+        self.door = Door::Proxy;
+        self
+    }
+
+    /// `e` as this policy's response.
+    pub(crate) fn problem(&self, e: crate::problem::ApiError) -> axum::response::Response {
+        e.into_response_at(&self.problem_base)
     }
 }
 
@@ -256,10 +387,7 @@ mod tests {
         strict.ttl = Some(Duration::from_secs(5));
         let mut put = Route::new("/payments/").unwrap();
         put.methods = Some(vec![Method::PUT]);
-        let policy = LayerPolicy {
-            routes: vec![strict, put],
-            ..LayerPolicy::default()
-        };
+        let policy = LayerPolicy::default().routes(vec![strict, put]);
         let g = policy.guard(&Method::POST, "/payments/1");
         assert!(g.guarded && g.require_key);
         assert_eq!(g.ttl, Duration::from_secs(5));
@@ -275,10 +403,7 @@ mod tests {
         let mut pay = Route::new("/pay").unwrap();
         pay.require_key = Some(true);
         pay.methods = Some(vec![Method::POST]);
-        let policy = LayerPolicy {
-            routes: vec![pay],
-            ..LayerPolicy::default()
-        };
+        let policy = LayerPolicy::default().routes(vec![pay]);
         for path in [
             "/pay",
             "//pay",

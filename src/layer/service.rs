@@ -5,19 +5,18 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
-use axum::response::IntoResponse;
 use http::{Request, Response};
-use tower::{BoxError, Layer, Service};
+use tower::{BoxError, Service};
 
-use super::flow::{self, Inner};
+use super::flow;
 use super::future::ResponseFuture;
-use super::layer::{IdempotencyLayer, Shared};
 use super::policy::LayerPolicy;
-use crate::api::problem::ApiError;
+use super::shared::{Inner, Shared};
 use crate::engine::Engine;
+use crate::problem::ApiError;
 
-/// Enforces SPEC §6 in front of `S`: guarded requests with a key execute at
-/// most once; retries get the stored response.
+/// Guards `S`: a guarded request with a key executes at most once; its
+/// retries get the stored response.
 ///
 /// It never fails: every refusal is a problem+json response, and an error of
 /// `S` becomes a `500 internal`.
@@ -34,7 +33,7 @@ pub struct Idempotency<S> {
 impl<S> Idempotency<S> {
     /// Wraps `inner`, deciding through `engine` under `policy`.
     pub fn new(inner: S, engine: Arc<Engine>, policy: LayerPolicy) -> Idempotency<S> {
-        IdempotencyLayer::new(engine, policy).layer(inner)
+        Idempotency::from_shared(inner, Shared::new(engine, policy))
     }
 
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Idempotency<S> {
@@ -43,11 +42,6 @@ impl<S> Idempotency<S> {
             shared,
             broken: None,
         }
-    }
-
-    /// A layer that wraps services in `Idempotency`.
-    pub fn layer(engine: Arc<Engine>, policy: LayerPolicy) -> IdempotencyLayer {
-        IdempotencyLayer::new(engine, policy)
     }
 
     /// The wrapped service.
@@ -98,7 +92,7 @@ where
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         if let Some(why) = self.broken.take() {
             let res = ApiError::Internal(format!("the inner service is not ready: {why}"));
-            return ResponseFuture::ready(res.into_response());
+            return ResponseFuture::ready(self.shared.policy.problem(res));
         }
         // The clone-in-call pattern: the service that was polled ready is the
         // one that takes the request.

@@ -98,7 +98,7 @@ impl std::fmt::Debug for Batched {
 // === impl Batched ===
 
 impl Batched {
-    /// Batches the writes of `store`, with a queue of [`QUEUE_BOUND`].
+    /// Batches the writes of `store`, with a queue of 4096 writes.
     pub fn new(store: Arc<dyn Store>) -> Batched {
         Batched::with_queue_bound(store, QUEUE_BOUND)
     }

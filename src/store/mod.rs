@@ -2,10 +2,10 @@
 //! implementations. SQL lives only below this module.
 
 mod batch;
-pub mod citus;
-mod lock;
+#[cfg(feature = "postgres")]
 pub mod postgres;
-pub mod sqlite;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -16,11 +16,13 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 pub use batch::Batched;
-pub use postgres::PgStore;
+#[cfg(feature = "postgres")]
+pub use postgres::{PgSettings, PgStore};
+#[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
 
-/// The state of a key's record (SPEC §2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+/// The state of a key's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KeyState {
     /// Reserved: a holder owns the effect and has not committed its result yet.
@@ -31,6 +33,7 @@ pub enum KeyState {
 
 impl KeyState {
     /// Reads the spelling stored in the database.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     pub(crate) fn parse(stored: &str) -> Result<KeyState> {
         match stored {
             "in_flight" => Ok(KeyState::InFlight),
@@ -62,6 +65,7 @@ pub struct StoredResponse {
 impl StoredResponse {
     /// Rebuilds a stored response from its columns (headers as a JSON array
     /// of `[name, value]` pairs); `None` while the key is in flight.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     pub(crate) fn from_columns(
         status: Option<i64>,
         headers: Option<serde_json::Value>,
@@ -86,14 +90,12 @@ impl StoredResponse {
 
 /// Progress recorded by a holder inside a multi-step effect, handed to whoever
 /// takes the key over after a crash.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Recovery {
     /// The name of the last step that completed (1 to 255 characters).
-    #[schema(min_length = 1, max_length = 255)]
     pub recovery_point: String,
     /// Whatever the holder needs to resume from that step: any JSON value.
     #[serde(default)]
-    #[schema(value_type = Value, required = false)]
     pub data: Option<serde_json::Value>,
 }
 

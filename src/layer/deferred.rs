@@ -1,0 +1,61 @@
+//! Work that outlives its client's answer — a call that runs on past the
+//! answer timeout, a commit retried in the background while the store is
+//! away — counted, so that a shutdown can wait for it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// The count of deferred work, and a wake-up when it falls.
+#[derive(Default, Clone)]
+pub(crate) struct Deferred(Arc<Count>);
+
+#[derive(Default)]
+struct Count {
+    pending: AtomicUsize,
+    fell: Notify,
+}
+
+/// Held by one piece of deferred work for as long as it runs.
+pub(crate) struct Held(Arc<Count>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+        self.0.fell.notify_waiters();
+    }
+}
+
+impl Deferred {
+    /// Counts one piece of work until the guard drops.
+    pub(crate) fn hold(&self) -> Held {
+        self.0.pending.fetch_add(1, Ordering::AcqRel);
+        Held(self.0.clone())
+    }
+
+    /// Work running right now.
+    pub(crate) fn pending(&self) -> usize {
+        self.0.pending.load(Ordering::Acquire)
+    }
+
+    /// Waits until no work is left or `within` has passed; returns how much
+    /// is still running.
+    pub(crate) async fn finish(&self, within: Duration) -> usize {
+        let deadline = Instant::now() + within;
+        loop {
+            // Created before the count is read: a guard dropped in between
+            // still wakes it.
+            let fell = self.0.fell.notified();
+            let pending = self.pending();
+            if pending == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, fell).await.is_err() {
+                return self.pending();
+            }
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! The reservation API's own extractors: JSON bodies and bearer-token tenants
+//! whose rejections are problem+json, never axum's plain text.
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::StatusCode;
+use axum::http::header::AUTHORIZATION;
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+
+use super::AppState;
+use crate::problem::ApiError;
+
+/// A JSON body. An empty body reads as `{}`, so a reservation needs no body
+/// at all; the `Content-Type` is not insisted on, so `curl -d` works as is.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let (parts, body) = req.into_parts();
+        let body = crate::body::BodyIdleTimeout::apply(&parts.extensions, body);
+        let bytes = Bytes::from_request(Request::from_parts(parts, body), state)
+            .await
+            .map_err(|e: BytesRejection| {
+                if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    ApiError::PayloadTooLarge("the request body is over the limit".into())
+                } else if crate::body::timed_out(&e) {
+                    crate::problem::body_timeout()
+                } else {
+                    ApiError::InvalidRequest(format!("could not read the request body: {e}"))
+                }
+            })?;
+        // No body, or a JSON `null`, means "no fields": every field of these
+        // bodies is optional or checked by its handler.
+        // Every body here is an object. serde would also read a struct from
+        // an array of its fields in order, which the document does not allow.
+        let text: &[u8] = match bytes.trim_ascii() {
+            b"" | b"null" => b"{}",
+            [b'{', ..] => &bytes,
+            _ => {
+                return Err(ApiError::InvalidRequest(
+                    "the request body must be a JSON object".into(),
+                ));
+            }
+        };
+        serde_json::from_slice(text)
+            .map(ApiJson)
+            .map_err(|e| ApiError::InvalidRequest(format!("invalid JSON body: {e}")))
+    }
+}
+
+/// The tenant a request acts for: the one its bearer token belongs to.
+#[derive(Debug, Clone)]
+pub struct Tenant(pub String);
+
+/// The tenant of an open, single-tenant server.
+pub const DEFAULT_TENANT: &str = "default";
+
+impl FromRequestParts<AppState> for Tenant {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let tokens = &state.tokens;
+        if tokens.is_empty() {
+            return Ok(Tenant(DEFAULT_TENANT.into()));
+        }
+        let mut values = parts.headers.get_all(AUTHORIZATION).iter();
+        let (Some(value), None) = (values.next(), values.next()) else {
+            return Err(ApiError::Unauthorized(
+                "send one Authorization: Bearer <token> header",
+            ));
+        };
+        let token = value
+            .to_str()
+            .ok()
+            .and_then(|v| {
+                let (scheme, token) = v.trim().split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+            })
+            .ok_or(ApiError::Unauthorized(
+                "the Authorization header must be Bearer <token>",
+            ))?;
+        tokens
+            .tenant_for(token)
+            .map(|t| Tenant(t.to_owned()))
+            .ok_or(ApiError::Unauthorized("the bearer token is not valid"))
+    }
+}

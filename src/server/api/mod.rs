@@ -1,0 +1,247 @@
+//! The reservation/commit HTTP door: routes, state and the OpenAPI document.
+
+pub mod docs;
+pub mod extract;
+pub mod ops;
+pub mod reservations;
+pub mod views;
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::engine::Engine;
+use crate::fingerprint::FingerprintPolicy;
+use crate::key::KeyPolicy;
+use crate::problem;
+use crate::server::auth::Tokens;
+
+/// Everything a handler needs, built once at start-up.
+pub struct App {
+    /// The idempotency engine.
+    pub engine: Engine,
+    /// Bearer tokens; empty means open, single-tenant.
+    pub tokens: Tokens,
+    /// Key rules.
+    pub key_policy: KeyPolicy,
+    /// Fingerprint rules.
+    pub fingerprint_policy: FingerprintPolicy,
+    /// Largest stored response body.
+    pub max_body_bytes: usize,
+    /// Methods the proxy and layer guard (published in the policy).
+    pub methods: Vec<String>,
+}
+
+/// The shared, cheap-to-clone application state.
+#[derive(Clone)]
+pub struct AppState(pub Arc<App>);
+
+impl Deref for AppState {
+    type Target = App;
+
+    fn deref(&self) -> &App {
+        &self.0
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "idemgate",
+        description = "Server-side HTTP idempotency keys (draft-ietf-httpapi-idempotency-key-header-07). \
+            Reserve a key before a side effect and commit its response after it; retries get the stored \
+            response (Idempotent-Replayed: true), a concurrent duplicate gets 409 request-in-flight, a key \
+            reused with another payload gets 422 key-reused. Every reserve, replay and commit carries \
+            Idempotency-Expires, the HTTP-date until which the key is remembered; GET /v1/policy publishes \
+            the key format, lease and TTL bounds. Errors are application/problem+json whose type is \
+            https://idemgate.dev/problems/<slug>.",
+        license(name = "Apache-2.0")
+    ),
+    modifiers(&BearerAuth),
+    tags(
+        (name = "reservations", description = "Reserve, commit, release, extend, checkpoint"),
+        (name = "operations", description = "Health, readiness, metrics and the published policy"),
+    )
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        if let Some(components) = openapi.components.as_mut() {
+            components.add_security_scheme(
+                "bearer",
+                SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
+            );
+        }
+    }
+}
+
+fn openapi_router() -> OpenApiRouter<AppState> {
+    let mut router = OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(reservations::create_reservation))
+        .routes(routes!(reservations::get_reservation))
+        .routes(routes!(reservations::commit_reservation))
+        .routes(routes!(reservations::release_reservation))
+        .routes(routes!(reservations::extend_reservation))
+        .routes(routes!(reservations::checkpoint_reservation))
+        .routes(routes!(ops::get_policy))
+        .routes(routes!(ops::get_healthz))
+        .routes(routes!(ops::get_readyz))
+        .routes(routes!(ops::get_metrics));
+    // The handlers' paths are only in the document once routed, after the
+    // `ApiDoc` modifiers have run.
+    optional_bodies(router.get_openapi_mut());
+    router
+}
+
+/// Declares each request body given as `Option<T>` as an optional body of
+/// schema `T`, the way generators read one that may be left out.
+///
+/// utoipa renders `Option<T>` as a body of schema `oneOf [T, null]` with no
+/// `required`: openapi-python-client then sends its "unset" marker as the
+/// JSON body of a call that leaves the body out, and crashes. The server
+/// reads an absent body, or `null`, as `{}` (see [`extract::ApiJson`]), so
+/// leaving it out is what such a body means.
+fn optional_bodies(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::schema::{Schema, SchemaType, Type};
+    use utoipa::openapi::{RefOr, Required};
+
+    for item in doc.paths.paths.values_mut() {
+        let operations = [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ];
+        for body in
+            operations
+                .into_iter()
+                .flatten()
+                .filter_map(|op| match op.request_body.as_mut() {
+                    Some(RefOr::T(body)) => Some(body),
+                    _ => None,
+                })
+        {
+            let mut optional = false;
+            for content in body.content.values_mut() {
+                let RefOr::T(content) = content else { continue };
+                let Some(RefOr::T(Schema::OneOf(one_of))) = &content.schema else {
+                    continue;
+                };
+                if let [inner, RefOr::T(Schema::Object(null))] = one_of.items.as_slice()
+                    && null.schema_type == SchemaType::Type(Type::Null)
+                {
+                    content.schema = Some(inner.clone());
+                    optional = true;
+                }
+            }
+            if optional {
+                body.required = Some(Required::False);
+            }
+        }
+    }
+}
+
+/// The OpenAPI document, as generated from the handlers.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    openapi_router().split_for_parts().1
+}
+
+/// The document as committed under `openapi/openapi.json`.
+pub fn openapi_json() -> String {
+    let mut text = openapi().to_pretty_json().unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+/// The reservation API's router over `state`.
+pub fn router(state: AppState) -> Router {
+    // Counters recorded before the recorder exists would be lost.
+    crate::server::exporter::metrics_handle();
+    reservations::register_metrics();
+    let (routes, api) = openapi_router().split_for_parts();
+    // The JSON envelope of a stored body may be larger than the body itself
+    // (base64, escapes); the exact limit is checked on the decoded bytes.
+    let envelope_limit = state
+        .max_body_bytes
+        .saturating_mul(4)
+        .saturating_add(64 * 1024);
+    routes
+        .route(
+            "/openapi.json",
+            axum::routing::get(move || std::future::ready(axum::Json(api.clone()))),
+        )
+        .merge(docs::router())
+        .fallback(|| async { problem::ApiError::NotFound("no such endpoint; see /docs".into()) })
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(envelope_limit))
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                refuse_declared_oversize(req, next, envelope_limit)
+            },
+        ))
+        .layer(crate::server::serve::trace_layer())
+        .with_state(state)
+}
+
+/// A path that exists, asked with a method it does not take: a problem like
+/// every other error (axum adds the `Allow` header).
+async fn method_not_allowed(method: http::Method) -> problem::ApiError {
+    problem::ApiError::MethodNotAllowed(format!(
+        "this endpoint does not take {method}; the Allow header lists what it takes"
+    ))
+}
+
+/// Answers `413 payload-too-large` at once when the declared
+/// `Content-Length` is over `limit`: the body limit alone would only trip
+/// after reading that much, and a client that declares a terabyte and sends
+/// a byte would hold its request open until it gave up.
+async fn refuse_declared_oversize(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+    limit: usize,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|len| len > u64::try_from(limit).unwrap_or(u64::MAX)) {
+        return problem::ApiError::PayloadTooLarge(format!(
+            "the declared Content-Length is over the limit of {limit} bytes"
+        ))
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// The operational endpoints alone — `/healthz`, `/readyz`, `/metrics` and
+/// `/v1/policy` — for the proxy's admin listener, so that they never shadow
+/// an upstream path.
+pub fn admin_router(state: AppState) -> Router {
+    crate::server::exporter::metrics_handle();
+    Router::new()
+        .route("/healthz", axum::routing::get(ops::get_healthz))
+        .route("/readyz", axum::routing::get(ops::get_readyz))
+        .route("/metrics", axum::routing::get(ops::get_metrics))
+        .route("/v1/policy", axum::routing::get(ops::get_policy))
+        .fallback(|| async {
+            problem::ApiError::NotFound(
+                "no such endpoint: the admin listener serves /healthz, /readyz, /metrics and /v1/policy"
+                    .into(),
+            )
+        })
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(crate::server::serve::trace_layer())
+        .with_state(state)
+}

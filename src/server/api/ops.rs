@@ -1,0 +1,211 @@
+//! Operational endpoints and the published policy: no token needed.
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::views::KeyFormat;
+use super::views::RetryAfterSeconds;
+use crate::fingerprint;
+use crate::problem::{ApiError, DEFAULT_PROBLEM_BASE, Problem};
+use crate::telemetry;
+
+/// How long readiness waits for the database.
+const READY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Liveness: the process is up.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    /// `ok`.
+    pub status: &'static str,
+}
+
+/// The published idempotency policy: what a client may rely on.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Policy {
+    /// The request header that carries the key.
+    pub header: &'static str,
+    /// The IETF draft implemented.
+    pub specification: &'static str,
+    /// Key rules.
+    pub key: KeyRules,
+    /// Lease bounds, in seconds: how long a holder owns a key before another
+    /// caller may take it over.
+    pub lease_seconds: Bounds,
+    /// Key lifetime bounds, in seconds, counted from the first reservation.
+    pub ttl_seconds: Bounds,
+    /// The response header that carries each key's expiry (an HTTP-date).
+    pub expiry_header: &'static str,
+    /// Longest `Prefer: wait=N` honoured, in seconds.
+    pub max_wait_seconds: u64,
+    /// How requests are fingerprinted.
+    pub fingerprint: FingerprintRules,
+    /// Methods the proxy and the layer guard.
+    pub guarded_methods: Vec<String>,
+    /// How keys are scoped.
+    pub tenant_scoping: &'static str,
+    /// Limits on stored responses.
+    pub stored_response: StoredResponseRules,
+    /// How much of the store one tenant may hold.
+    pub tenant_limits: TenantLimitRules,
+    /// The base of every problem `type` URI; the slug follows.
+    pub problem_base: &'static str,
+}
+
+/// Key rules.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct KeyRules {
+    /// `any` or `uuid`.
+    pub format: KeyFormat,
+    /// Shortest key.
+    pub min_length: usize,
+    /// Longest key.
+    pub max_length: usize,
+    /// Whether bare (unquoted) keys are refused.
+    pub strict: bool,
+    /// The accepted syntax.
+    pub syntax: &'static str,
+}
+
+/// A default and a maximum.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Bounds {
+    /// Used when the caller names none.
+    pub default: u64,
+    /// The most a caller may ask for.
+    pub max: u64,
+}
+
+/// Fingerprint rules.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FingerprintRules {
+    /// The method.
+    pub method: &'static str,
+    /// JSON Pointers left out of JSON bodies.
+    pub ignored_pointers: Vec<String>,
+}
+
+/// Limits on stored responses.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StoredResponseRules {
+    /// Largest stored body, in bytes.
+    pub max_body_bytes: usize,
+    /// Which statuses are stored (the reservation API stores what it is given).
+    pub statuses: &'static str,
+    /// Whether stored responses are sealed at rest (AES-256-GCM,
+    /// `IDEMGATE_SEAL_KEY`), with the recovery data of checkpoints.
+    pub sealed_at_rest: bool,
+}
+
+/// How much of the store one tenant may hold; over a limit, new keys are
+/// answered `429 tenant-limit` with `Retry-After`, and replays go on.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TenantLimitRules {
+    /// Most keys in flight at once (`null`: no limit).
+    pub max_in_flight_keys: Option<u32>,
+    /// Most bytes of stored responses kept until they expire (`null`: no
+    /// limit).
+    pub max_stored_bytes: Option<u64>,
+}
+
+/// Process up.
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "The process is up.", body = Health)))]
+pub async fn get_healthz() -> axum::Json<Health> {
+    axum::Json(Health { status: "ok" })
+}
+
+/// Database reachable.
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses(
+        (status = 200, description = "The database answers.", body = Health),
+        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
+    ))]
+pub async fn get_readyz(State(state): State<AppState>) -> Result<axum::Json<Health>, ApiError> {
+    match tokio::time::timeout(READY_TIMEOUT, state.engine.store().ping()).await {
+        Ok(Ok(())) => Ok(axum::Json(Health { status: "ok" })),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err(ApiError::StoreUnavailable),
+    }
+}
+
+/// Prometheus metrics.
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text format.", body = String, content_type = "text/plain")))]
+pub async fn get_metrics(State(state): State<AppState>) -> impl IntoResponse {
+    if let Some(stats) = state.engine.store().pool_stats() {
+        telemetry::record_pool(stats);
+    }
+    if let Some(stats) = state.engine.store().batch_stats() {
+        telemetry::record_batches(stats);
+    }
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        crate::server::exporter::metrics_handle().render(),
+    )
+}
+
+/// The published idempotency policy.
+#[utoipa::path(get, path = "/v1/policy", tag = "operations",
+    responses((status = 200, description = "The policy.", body = Policy)))]
+pub async fn get_policy(State(state): State<AppState>) -> axum::Json<Policy> {
+    axum::Json(policy(&state))
+}
+
+/// The policy this server enforces.
+pub fn policy(state: &AppState) -> Policy {
+    let limits = state.engine.limits();
+    Policy {
+        header: "Idempotency-Key",
+        specification: "draft-ietf-httpapi-idempotency-key-header-07",
+        key: KeyRules {
+            format: state.key_policy.format.into(),
+            min_length: 1,
+            max_length: state.key_policy.max_len,
+            strict: state.key_policy.strict,
+            syntax: if state.key_policy.strict {
+                "an RFC 8941 sf-string of printable ASCII"
+            } else {
+                "an RFC 8941 sf-string of printable ASCII, or a bare token of visible ASCII"
+            },
+        },
+        lease_seconds: Bounds {
+            default: limits.default_lease.as_secs(),
+            max: limits.max_lease.as_secs(),
+        },
+        ttl_seconds: Bounds {
+            default: limits.default_ttl.as_secs(),
+            max: limits.max_ttl.as_secs(),
+        },
+        expiry_header: "Idempotency-Expires",
+        max_wait_seconds: limits.max_wait.as_secs(),
+        fingerprint: FingerprintRules {
+            method: fingerprint::METHOD,
+            ignored_pointers: state
+                .fingerprint_policy
+                .ignore
+                .iter()
+                .map(|p| p.as_str().to_owned())
+                .collect(),
+        },
+        guarded_methods: state.methods.clone(),
+        tenant_scoping: "keys are scoped by tenant: (tenant, SHA-256(key)); the bearer token names the tenant",
+        stored_response: StoredResponseRules {
+            max_body_bytes: state.max_body_bytes,
+            statuses: "every status the caller commits is stored and replayed",
+            sealed_at_rest: state.engine.seals(),
+        },
+        tenant_limits: TenantLimitRules {
+            max_in_flight_keys: state.engine.tenant_limits().max_in_flight,
+            max_stored_bytes: state.engine.tenant_limits().max_stored_bytes,
+        },
+        problem_base: DEFAULT_PROBLEM_BASE,
+    }
+}

@@ -1,0 +1,431 @@
+//! The reservation API's request bodies and response views (its OpenAPI
+//! schemas), and how records become those views.
+
+use std::fmt;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use chrono::{DateTime, Utc};
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::headers::set_expires;
+use crate::store::{self, Record, StoredResponse};
+
+/// Body of `POST /v1/reservations`; every field is optional.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReserveBody {
+    /// An opaque fingerprint the caller computed (at most 512 characters).
+    #[schema(min_length = 1, max_length = 512)]
+    pub fingerprint: Option<String>,
+    /// The request, for idemgate to fingerprint.
+    pub request: Option<RequestDescription>,
+    /// Lease in seconds (1..=max, default 30).
+    #[schema(minimum = 1)]
+    pub lease_seconds: Option<u32>,
+    /// Seconds the key is remembered, from now (1..=max, default 86400).
+    #[schema(minimum = 1)]
+    pub ttl_seconds: Option<u32>,
+}
+
+/// A request to fingerprint.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RequestDescription {
+    /// HTTP method.
+    pub method: String,
+    /// Path with its query.
+    pub path: String,
+    /// JSON body (any JSON value), canonicalised (RFC 8785) with the ignored
+    /// pointers left out.
+    #[serde(default)]
+    #[schema(value_type = Value, required = false)]
+    pub body: Option<serde_json::Value>,
+}
+
+/// The `state` of a reserve's `201`: always `reserved`, where its `200`
+/// replay says `completed`.
+// A type of its own rather than a string: the document then names the one
+// value allowed, and a generated client can tell the two answers of a reserve
+// apart by `state` (a TypeScript union narrows on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReservedState {
+    /// The caller holds the key.
+    Reserved,
+}
+
+/// The `state` of a completed key's view: always `completed`, where a
+/// reserve's `201` says `reserved`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CompletedState {
+    /// The key's response is stored.
+    Completed,
+}
+
+/// `201`: the caller holds the key and owns the effect.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReservedView {
+    /// Always `reserved`: tells this answer from a [`CompletedView`].
+    pub state: ReservedState,
+    /// Fencing token for commit, release, extend and checkpoint.
+    pub reservation_id: Uuid,
+    /// 1 for a new key; more after a takeover.
+    pub attempt: i32,
+    /// When the lease ends; extend it for long work.
+    pub lease_expires_at: DateTime<Utc>,
+    /// When the key is forgotten.
+    pub expires_at: DateTime<Utc>,
+    /// On a takeover: the previous holder's last recovery point, to
+    /// reconcile before mutating again.
+    pub recovery: Option<Recovery>,
+}
+
+/// A stored response.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ResponseView {
+    /// HTTP status.
+    pub status: u16,
+    /// Header lines as `[name, value]` pairs.
+    #[schema(schema_with = header_lines)]
+    pub headers: Vec<(String, String)>,
+    /// The body, when it is UTF-8 text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    /// The body in base64, when it is not UTF-8.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body_base64: Option<String>,
+}
+
+/// `200`: the key was completed; this is its stored response.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CompletedView {
+    /// Always `completed`: tells this answer from a [`ReservedView`].
+    pub state: CompletedState,
+    /// The stored response.
+    pub response: ResponseView,
+    /// When it was stored.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// When the key is forgotten.
+    pub expires_at: DateTime<Utc>,
+}
+
+/// The schema of a `Retry-After` header: whole seconds, never 0 (a client
+/// told 0 would retry at once, in a loop). The header itself is written with
+/// each problem that carries `retry_after_seconds`.
+pub struct RetryAfterSeconds;
+
+impl utoipa::PartialSchema for RetryAfterSeconds {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::Integer)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+            .minimum(Some(1))
+            .into()
+    }
+}
+
+/// The schema of the `Idempotent-Replayed` header: only ever `true`. The
+/// header itself is written by `mark_replayed`.
+pub struct Replayed;
+
+impl utoipa::PartialSchema for Replayed {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .enum_values(Some(["true"]))
+            .into()
+    }
+}
+
+/// Body of `POST /v1/reservations/{id}/commit`: the response to store.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CommitBody {
+    /// HTTP status (100..=599).
+    #[schema(minimum = 100, maximum = 599)]
+    pub status: u16,
+    /// Header lines as `[name, value]` pairs.
+    #[serde(default, deserialize_with = "header_pairs")]
+    #[schema(schema_with = header_lines)]
+    pub headers: Vec<(String, String)>,
+    /// The body as text.
+    pub body: Option<String>,
+    /// The body as base64, for bytes that are not text.
+    pub body_base64: Option<String>,
+}
+
+/// Body of `POST /v1/reservations/{id}/extend`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendBody {
+    /// New lease, counted from now (default: the default lease).
+    #[schema(minimum = 1)]
+    pub lease_seconds: Option<u32>,
+}
+
+/// `200` of extend.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ExtendedView {
+    /// The reservation.
+    pub reservation_id: Uuid,
+    /// The new end of the lease.
+    pub lease_expires_at: DateTime<Utc>,
+}
+
+/// The public view of a record: never the raw key.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RecordView {
+    /// The reservation id asked about.
+    pub reservation_id: Uuid,
+    /// True while this id holds a live reservation of the key.
+    pub live: bool,
+    /// `in_flight` or `completed`.
+    pub state: KeyState,
+    /// 1 for the first holder, more after takeovers.
+    pub attempt: i32,
+    /// The first 12 hex digits of SHA-256(key).
+    pub key_hash_prefix: String,
+    /// The request fingerprint, if known.
+    pub fingerprint: Option<String>,
+    /// When the current lease ends (in flight).
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// The last recovery point.
+    pub recovery: Option<Recovery>,
+    /// The stored response (completed).
+    pub response: Option<ResponseView>,
+    /// When the key was first reserved.
+    pub created_at: DateTime<Utc>,
+    /// When the response was stored.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// When the key is forgotten.
+    pub expires_at: DateTime<Utc>,
+}
+
+// === views of records ===
+
+pub(super) fn response_view(response: &StoredResponse) -> ResponseView {
+    let (body, body_base64) = match std::str::from_utf8(&response.body) {
+        Ok(text) => (Some(text.to_owned()), None),
+        Err(_) => (None, Some(BASE64.encode(&response.body))),
+    };
+    ResponseView {
+        status: response.status,
+        headers: response.headers.clone(),
+        body,
+        body_base64,
+    }
+}
+
+/// `200` with the completed record and `Idempotency-Expires`.
+pub(super) fn completed_response(record: &Record) -> Response {
+    let empty = StoredResponse {
+        status: 0,
+        headers: Vec::new(),
+        body: Vec::new(),
+    };
+    let view = CompletedView {
+        state: CompletedState::Completed,
+        response: response_view(record.response.as_ref().unwrap_or(&empty)),
+        completed_at: record.completed_at,
+        expires_at: record.expires_at,
+    };
+    let mut res = (StatusCode::OK, axum::Json(view)).into_response();
+    set_expires(res.headers_mut(), record.expires_at);
+    res
+}
+
+/// The public view of `record` as seen through reservation `id`.
+pub(super) fn record_view(id: Uuid, record: &Record, live: bool) -> RecordView {
+    RecordView {
+        reservation_id: id,
+        live,
+        state: record.state.into(),
+        attempt: record.attempt,
+        key_hash_prefix: crate::key::hash_prefix(&record.key_hash),
+        fingerprint: record.fingerprint.clone(),
+        lease_expires_at: record.lease_expires_at,
+        recovery: record.recovery.clone().map(Recovery::from),
+        response: record.response.as_ref().map(response_view),
+        created_at: record.created_at,
+        completed_at: record.completed_at,
+        expires_at: record.expires_at,
+    }
+}
+
+/// The schema of header lines: an array of `[name, value]` pairs, each
+/// exactly two strings.
+///
+/// A pair is a tuple (`prefixItems`), so that generators type it as
+/// `[string, string]` rather than `string[]`. `maxItems` forbids a third
+/// item, so `items` could be `false` and mean the same; it is
+/// `{"type": "string"}` because openapi-python-client refuses a whole
+/// document that holds a boolean schema.
+fn header_lines() -> utoipa::openapi::schema::Array {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    let string = || ObjectBuilder::new().schema_type(Type::String).build();
+    let pair = ArrayBuilder::new()
+        .prefix_items([string(), string()])
+        .items(string())
+        .min_items(Some(2))
+        .max_items(Some(2));
+    ArrayBuilder::new()
+        .items(pair)
+        .description(Some("Header lines as `[name, value]` pairs."))
+        .build()
+}
+
+/// Reads the header lines of a commit, each exactly `[name, value]`; any
+/// other line is refused with its index, where serde's own reading of a pair
+/// said only `trailing characters` or `invalid length`, naming neither the
+/// field nor the line.
+fn header_pairs<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Vec<(String, String)>, D::Error> {
+    struct Lines;
+
+    impl<'de> Visitor<'de> for Lines {
+        type Value = Vec<(String, String)>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an array of [name, value] pairs")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut lines = Vec::new();
+            // Each line is read whole as a JSON value first, so that a wrong
+            // one is named by its index whatever shape it has.
+            while let Some(line) = seq.next_element::<serde_json::Value>()? {
+                let pair = serde_json::from_value::<(String, String)>(line).map_err(|_| {
+                    de::Error::custom(format!(
+                        "headers[{}] must be [name, value] (two strings)",
+                        lines.len()
+                    ))
+                })?;
+                lines.push(pair);
+            }
+            Ok(lines)
+        }
+    }
+
+    deserializer.deserialize_seq(Lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn commit(json: &str) -> Result<CommitBody, String> {
+        serde_json::from_str(json).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn header_lines_read_as_pairs_or_not_at_all() {
+        let body = commit(r#"{"status":200,"headers":[["a","1"],["b",""]]}"#).unwrap();
+        assert_eq!(
+            body.headers,
+            [("a".into(), "1".into()), ("b".into(), String::new())]
+        );
+        assert!(commit(r#"{"status":200}"#).unwrap().headers.is_empty());
+        assert!(
+            commit(r#"{"status":200,"headers":[]}"#)
+                .unwrap()
+                .headers
+                .is_empty()
+        );
+        for (json, index) in [
+            (r#"{"status":200,"headers":[["a","1","2"]]}"#, 0),
+            (r#"{"status":200,"headers":[["a","1"],["b"]]}"#, 1),
+            (
+                r#"{"status":200,"headers":[["a","1"],["b","2"],[1,"3"]]}"#,
+                2,
+            ),
+        ] {
+            let error = commit(json).unwrap_err();
+            assert!(
+                error.starts_with(&format!("headers[{index}] must be [name, value]")),
+                "{json}: {error}"
+            );
+        }
+        assert!(commit(r#"{"status":200,"headers":{"a":"1"}}"#).is_err());
+    }
+}
+
+// === the wire forms of the engine's and the store's types ===
+
+/// The state of a key's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyState {
+    /// Reserved: a holder owns the effect and has not committed its result yet.
+    InFlight,
+    /// The result is stored and is replayed to every retry.
+    Completed,
+}
+
+impl From<store::KeyState> for KeyState {
+    fn from(state: store::KeyState) -> KeyState {
+        match state {
+            store::KeyState::InFlight => KeyState::InFlight,
+            store::KeyState::Completed => KeyState::Completed,
+        }
+    }
+}
+
+/// Progress recorded by a holder inside a multi-step effect, handed to whoever
+/// takes the key over after a crash.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Recovery {
+    /// The name of the last step that completed (1 to 255 characters).
+    #[schema(min_length = 1, max_length = 255)]
+    pub recovery_point: String,
+    /// Whatever the holder needs to resume from that step: any JSON value.
+    #[serde(default)]
+    #[schema(value_type = Value, required = false)]
+    pub data: Option<serde_json::Value>,
+}
+
+impl From<store::Recovery> for Recovery {
+    fn from(r: store::Recovery) -> Recovery {
+        Recovery {
+            recovery_point: r.recovery_point,
+            data: r.data,
+        }
+    }
+}
+
+impl From<Recovery> for store::Recovery {
+    fn from(r: Recovery) -> store::Recovery {
+        store::Recovery {
+            recovery_point: r.recovery_point,
+            data: r.data,
+        }
+    }
+}
+
+/// Which shape of key the server requires, beyond the generic rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyFormat {
+    /// Any key that satisfies the generic rules.
+    Any,
+    /// The key must be a UUID in its hyphenated form (`8e03978e-40d5-43e8-bc93-6894a57f9324`).
+    Uuid,
+}
+
+impl From<crate::key::KeyFormat> for KeyFormat {
+    fn from(format: crate::key::KeyFormat) -> KeyFormat {
+        match format {
+            crate::key::KeyFormat::Any => KeyFormat::Any,
+            crate::key::KeyFormat::Uuid => KeyFormat::Uuid,
+        }
+    }
+}

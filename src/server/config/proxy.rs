@@ -1,0 +1,223 @@
+//! Settings of `idemgate proxy`.
+
+use std::net::SocketAddr;
+
+use clap::Args;
+
+use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style};
+
+/// Settings of `idemgate proxy`.
+#[derive(Debug, Clone, Args)]
+#[command(mut_args = boolean_style)]
+pub struct ProxyArgs {
+    /// The origin every request is forwarded to: http://HOST:PORT, optionally
+    /// with a base path. Required.
+    #[arg(long, env = "IDEMGATE_UPSTREAM", value_name = "URL")]
+    pub upstream: Option<String>,
+
+    /// Address the proxy listens on.
+    #[arg(
+        long,
+        env = "IDEMGATE_LISTEN",
+        value_name = "HOST:PORT",
+        default_value = "127.0.0.1:8081"
+    )]
+    pub listen: SocketAddr,
+
+    /// Address of the admin listener: /healthz, /readyz, /metrics,
+    /// /v1/policy (never mixed into the upstream's paths).
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_LISTEN",
+        value_name = "HOST:PORT",
+        default_value = "127.0.0.1:9090"
+    )]
+    pub admin_listen: SocketAddr,
+
+    /// Seconds a client waits for the upstream's answer once its request is
+    /// sent (then 504 upstream-timeout). A guarded call is not abandoned at
+    /// the timeout: it runs on, its key's lease kept alive, and its late
+    /// answer is stored for the retry. The key's lease is this plus 5,
+    /// extended every third of that while the call runs.
+    #[arg(
+        long,
+        env = "IDEMGATE_UPSTREAM_TIMEOUT",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
+    pub upstream_timeout: u64,
+
+    /// Seconds after which a guarded upstream call that has still not
+    /// answered is abandoned: its outcome is unknown, and its key stays in
+    /// flight until its lease ends, then may be taken over. Until then the
+    /// lease is kept alive, so a slow origin never runs a key twice. The
+    /// default outlasts the request timeouts origins commonly have
+    /// themselves (30 to 120 s), at the cost of a connection and a task per
+    /// call still running.
+    #[arg(
+        long,
+        env = "IDEMGATE_UPSTREAM_ABANDON_AFTER",
+        value_name = "SECONDS",
+        default_value_t = 300
+    )]
+    pub upstream_abandon_after: u64,
+
+    /// Seconds to wait for a connection to the upstream (502
+    /// upstream-unavailable after that; the key is released).
+    #[arg(
+        long,
+        env = "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT",
+        value_name = "SECONDS",
+        default_value_t = 5
+    )]
+    pub upstream_connect_timeout: u64,
+
+    /// Send the client's Host header to the upstream (true), so that the
+    /// origin builds its absolute URLs (Location, links) with the name its
+    /// clients use; false sends the upstream URL's host:port instead, for an
+    /// origin that routes by its own name. X-Forwarded-Host carries the
+    /// client's either way.
+    #[arg(long, env = "IDEMGATE_PRESERVE_HOST", default_value_t = true)]
+    pub preserve_host: bool,
+
+    /// Answer 400 key-missing to a guarded request without a key, instead of
+    /// passing it through unguarded.
+    #[arg(long, env = "IDEMGATE_REQUIRE_KEY")]
+    pub require_key: bool,
+
+    /// The request header that carries the key.
+    #[arg(long, env = "IDEMGATE_KEY_HEADER", default_value = "Idempotency-Key",
+          value_parser = parse_header_name)]
+    pub key_header: Header,
+
+    /// The request header whose value names the tenant (hashed); requests
+    /// without it share one anonymous tenant.
+    #[arg(long, env = "IDEMGATE_TENANT_HEADER", default_value = "Authorization",
+          value_parser = parse_header_name)]
+    pub tenant_header: Header,
+
+    /// Response statuses returned but not stored: the key is released, since
+    /// the origin did not act.
+    #[arg(long, env = "IDEMGATE_RELEASE_STATUSES", value_name = "STATUS", value_delimiter = ',',
+          default_value = "408,425,429,503", value_parser = clap::value_parser!(u16).range(100..=599))]
+    pub release_statuses: Vec<u16>,
+
+    /// Response headers never stored for replay (hop-by-hop headers never
+    /// are), comma-separated.
+    #[arg(long, env = "IDEMGATE_STORE_HEADERS_DENY", value_delimiter = ',',
+          default_value = "set-cookie,www-authenticate", value_parser = parse_header_name)]
+    pub store_headers_deny: Vec<Header>,
+
+    #[command(flatten)]
+    pub run: RunArgs,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+}
+
+/// A header name as set: the name, and its spelling for what the proxy
+/// publishes (`X-Idempotency-Key` rather than the name's lowercase).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// The name.
+    pub name: http::HeaderName,
+    /// As the operator spelled it.
+    pub spelled: String,
+}
+
+fn parse_header_name(s: &str) -> Result<Header, String> {
+    let spelled = s.trim();
+    http::HeaderName::from_bytes(spelled.as_bytes())
+        .map(|name| Header {
+            name,
+            spelled: spelled.to_owned(),
+        })
+        .map_err(|_| format!("{s:?} is not a valid header name"))
+}
+
+// === impl ProxyArgs ===
+
+impl ProxyArgs {
+    /// Refuses settings the proxy must not start with.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.upstream_uri()?;
+        if self.upstream_timeout == 0 {
+            return Err(ConfigError {
+                setting: "upstream_timeout",
+                problem: "must be at least 1 second".into(),
+            });
+        }
+        if self.upstream_abandon_after < self.upstream_timeout {
+            return Err(ConfigError {
+                setting: "IDEMGATE_UPSTREAM_ABANDON_AFTER",
+                problem: format!(
+                    "{} s is shorter than IDEMGATE_UPSTREAM_TIMEOUT ({} s): a call must be \
+                     allowed to run at least as long as its client waits for it",
+                    self.upstream_abandon_after, self.upstream_timeout
+                ),
+            });
+        }
+        if self.upstream_connect_timeout == 0 {
+            return Err(ConfigError {
+                setting: "upstream_connect_timeout",
+                problem: "must be at least 1 second".into(),
+            });
+        }
+        if self.listen == self.admin_listen && self.listen.port() != 0 {
+            return Err(ConfigError {
+                setting: "admin_listen",
+                problem: "is also the proxy's address ({listen}); the admin endpoints need a \
+                          listener of their own"
+                    .into(),
+            });
+        }
+        self.policy.validate()
+    }
+
+    /// The upstream as a URI: `http`, a host, and a path without query.
+    pub fn upstream_uri(&self) -> Result<http::Uri, ConfigError> {
+        let bad = |problem: String| ConfigError {
+            setting: "upstream",
+            problem,
+        };
+        let Some(raw) = self.upstream.as_deref().map(str::trim) else {
+            return Err(bad(
+                "required: the origin to forward to, e.g. --upstream http://127.0.0.1:3000".into(),
+            ));
+        };
+        // Checked first: no message shows the value, but the command line's
+        // names it (masking a password), and an embedded user is no better.
+        let authority = raw.split_once("://").map_or(raw, |(_, rest)| rest);
+        let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
+        if authority.contains('@') {
+            return Err(bad(
+                "credentials in the upstream URL are not supported (they would end up in logs); \
+                 the clients' own Authorization headers pass through to the origin"
+                    .into(),
+            ));
+        }
+        let uri: http::Uri = raw.parse().map_err(|e| bad(format!("not a URL: {e}")))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "scheme {other:?} is not supported; use http://HOST:PORT (terminate TLS in \
+                     front of the origin or run idemgate beside it)"
+                )));
+            }
+            None => {
+                return Err(bad("no scheme; use http://HOST:PORT".into()));
+            }
+        }
+        if uri.host().is_none_or(str::is_empty) {
+            return Err(bad("names no host".into()));
+        }
+        if uri.query().is_some() {
+            return Err(bad("has a query; give a base URL only".into()));
+        }
+        Ok(uri)
+    }
+}

@@ -1,0 +1,105 @@
+//! The `idemgate` binary (feature `server`): its command line, the
+//! reservation API door, the reverse proxy door, the listeners they are
+//! served on, and the Prometheus exporter.
+//!
+//! [`run`] is the whole binary. The modules below it are public only so that
+//! the binary and this crate's tests reach them: they are the doors'
+//! internals, hidden from the documentation and not an interface to build on.
+
+#[doc(hidden)]
+pub mod api;
+#[doc(hidden)]
+pub mod auth;
+#[doc(hidden)]
+pub mod cli;
+#[doc(hidden)]
+pub mod config;
+#[doc(hidden)]
+pub mod exporter;
+#[doc(hidden)]
+pub mod proxy;
+#[doc(hidden)]
+pub mod serve;
+#[doc(hidden)]
+pub mod wiring;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+
+use cli::{CliError, Command, ERROR_PREFIX};
+use config::{LogFormat, StoreArgs};
+
+/// Runs the `idemgate` command line `argv` (program name first) to its end:
+/// parses it, then serves, proxies, migrates, prunes or writes the OpenAPI
+/// document. A refused setting is reported as it was set (flag, variable or
+/// file key), with exit status 2.
+pub async fn run(argv: Vec<OsString>) -> ExitCode {
+    let (cli, sources) = match cli::parse(argv) {
+        Ok(parsed) => parsed,
+        Err(CliError::Clap(e)) => e.exit(),
+        // A usage error, as clap's own exit with.
+        Err(CliError::Config(message)) => {
+            eprintln!("{ERROR_PREFIX}{message}");
+            return ExitCode::from(2);
+        }
+    };
+    let json = cli.log_format == LogFormat::Json;
+    exporter::init_tracing(json);
+    let result = match cli.command {
+        Command::Serve(args) => wiring::serve(*args).await,
+        Command::Proxy(args) => proxy::run(*args, cli.config).await,
+        Command::Migrate(args) => migrate(args, json).await,
+        Command::Prune(args) => prune_once(args, json).await,
+        Command::Openapi { output } => openapi(output, json),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if json => {
+            tracing::error!(error = sources.explain(&e), "idemgate stopped");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("{ERROR_PREFIX}{}", sources.explain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What a one-shot command did: a log line with JSON logs, so that every
+/// line on stderr parses; a plain one otherwise.
+fn report(json: bool, what: &str) {
+    if json {
+        tracing::info!("{what}");
+    } else {
+        eprintln!("idemgate: {what}");
+    }
+}
+
+async fn migrate(args: StoreArgs, json: bool) -> anyhow::Result<()> {
+    wiring::open_store(&args, true).await?;
+    report(json, "migrations applied");
+    Ok(())
+}
+
+async fn prune_once(args: StoreArgs, json: bool) -> anyhow::Result<()> {
+    let store = wiring::open_store(&args, true).await?;
+    let n = crate::prune::prune_once(store.as_ref()).await?;
+    report(json, &format!("pruned {n} expired key(s)"));
+    Ok(())
+}
+
+fn openapi(output: Option<PathBuf>, json: bool) -> anyhow::Result<()> {
+    let text = api::openapi_json();
+    match output {
+        Some(path) => {
+            std::fs::write(&path, text)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            report(json, &format!("wrote {}", path.display()));
+        }
+        None => print!("{text}"),
+    }
+    Ok(())
+}

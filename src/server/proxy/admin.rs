@@ -1,0 +1,122 @@
+//! The admin listener: the reservation API's operational endpoints, with
+//! `/v1/policy` describing the proxy (its key header, what it stores, its
+//! routes) rather than the reservation API.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+
+use crate::engine::Engine;
+use crate::layer::{LayerPolicy, Tenant};
+use crate::server::api::{self, App, AppState};
+use crate::server::auth::Tokens;
+use crate::server::config::ProxyArgs;
+use crate::store::Store;
+
+/// The admin router over `store`.
+/// `sealed` says whether the proxy's engine seals what it stores.
+pub fn router(
+    store: Arc<dyn Store>,
+    args: &ProxyArgs,
+    policy: &LayerPolicy,
+    sealed: bool,
+) -> Router {
+    let state = AppState(Arc::new(App {
+        // It reserves nothing (the admin router has no reservation routes),
+        // so it needs no replay cache.
+        engine: Engine::new(store, args.policy.limits())
+            .with_replay_cache(0)
+            .with_tenant_limits(args.run.tenant_limits()),
+        tokens: Tokens::default(),
+        key_policy: args.policy.key_policy(),
+        fingerprint_policy: args.policy.fingerprint_policy(),
+        max_body_bytes: args.policy.max_body_bytes,
+        methods: args
+            .policy
+            .methods
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+    }));
+    let patch = Arc::new(policy_patch(args, policy, sealed));
+    api::admin_router(state).layer(axum::middleware::from_fn_with_state(patch, publish))
+}
+
+/// What the proxy publishes over the reservation API's policy.
+fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
+    let statuses: Vec<String> = policy.release_statuses.iter().map(u16::to_string).collect();
+    let tenant = match &policy.tenant {
+        Tenant::Header(h) => format!(
+            "keys are scoped by tenant: (SHA-256 of the {h} header, SHA-256(key)); requests \
+             without it share one anonymous tenant"
+        ),
+        Tenant::Single | Tenant::From(_) => "one tenant: (SHA-256(key))".to_owned(),
+    };
+    json!({
+        "header": args.key_header.spelled,
+        "tenant_scoping": tenant,
+        "lease_seconds": { "default": policy.lease.as_secs() },
+        "stored_response": {
+            "statuses": format!(
+                "every status is stored and replayed except {}, which release the key",
+                statuses.join(", ")
+            ),
+            "headers_not_stored": policy
+                .store_headers_deny
+                .iter()
+                .map(|h| h.as_str())
+                .chain(["hop-by-hop headers"])
+                .collect::<Vec<_>>(),
+            "sealed_at_rest": sealed,
+            "over_the_limit": "passed through; replayed with its status and headers, an empty body and Idempotency-Body-Omitted: true",
+        },
+        "proxy": {
+            "require_key": policy.require_key,
+            "release_statuses": policy.release_statuses,
+            "upstream_timeout_seconds": args.upstream_timeout,
+            "upstream_abandon_after_seconds": args.upstream_abandon_after,
+            "routes": policy.routes.iter().map(|r| json!({
+                "path": r.path(),
+                "methods": r.methods.as_ref().map(|m| m.iter().map(|m| m.as_str()).collect::<Vec<_>>()),
+                "require_key": r.require_key,
+                "ttl_seconds": r.ttl.map(|t| t.as_secs()),
+            })).collect::<Vec<_>>(),
+        },
+    })
+}
+
+/// Merges the proxy's values into the `/v1/policy` document.
+async fn publish(State(patch): State<Arc<Value>>, req: Request, next: Next) -> Response {
+    let is_policy = req.uri().path() == "/v1/policy";
+    let res = next.run(req).await;
+    if !is_policy || !res.status().is_success() {
+        return res;
+    }
+    let (parts, body) = res.into_parts();
+    let Ok(bytes) = body.collect().await.map(|b| b.to_bytes()) else {
+        return Response::from_parts(parts, Body::empty());
+    };
+    let Ok(mut doc) = serde_json::from_slice::<Value>(&bytes) else {
+        return Response::from_parts(parts, Body::from(bytes));
+    };
+    merge(&mut doc, &patch);
+    axum::Json(doc).into_response()
+}
+
+/// JSON merge patch (RFC 7396) without deletions.
+fn merge(doc: &mut Value, patch: &Value) {
+    match (doc, patch) {
+        (Value::Object(doc), Value::Object(patch)) => {
+            for (k, v) in patch {
+                merge(doc.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (doc, patch) => *doc = patch.clone(),
+    }
+}

@@ -1,0 +1,248 @@
+//! [`ProxyClient`]: the service under the layer — a pooled keep-alive hyper
+//! client to the upstream. It never fails: a connect failure is its own
+//! `502` (marked [`NotExecuted`]), a connection that breaks after the
+//! request was sent its own `502` (marked [`OutcomeUnknown`]). It waits for
+//! the upstream as long as its caller polls it: the layer answers the
+//! client at the upstream timeout and decides how long a call runs on.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::response::{IntoResponse, Response};
+use futures::future::BoxFuture;
+use http::uri::{Authority, Scheme};
+use http::{Request, Uri, Version, header};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tower::Service;
+
+use super::headers::to_upstream;
+use crate::layer::{NotExecuted, OutcomeUnknown, strip_connection_headers};
+use crate::problem::ApiError;
+
+/// How long an idle upstream connection stays in the pool.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Forwards requests to one upstream.
+#[derive(Clone)]
+pub struct ProxyClient {
+    client: Client<HttpConnector, Body>,
+    upstream: Arc<Upstream>,
+    /// Send the client's `Host` upstream instead of the upstream's own.
+    preserve_host: bool,
+}
+
+/// Where requests go.
+#[derive(Debug)]
+struct Upstream {
+    scheme: Scheme,
+    authority: Authority,
+    /// The upstream URL's path without its trailing `/`, prefixed to every
+    /// request's path.
+    base_path: String,
+}
+
+// === impl ProxyClient ===
+
+impl ProxyClient {
+    /// A client for `upstream` (an `http://` URL, checked by
+    /// [`ProxyArgs::upstream_uri`](crate::server::config::ProxyArgs::upstream_uri)).
+    ///
+    /// # Errors
+    /// When `upstream` has no scheme or authority.
+    /// With `preserve_host`, the upstream gets the `Host` the client sent;
+    /// without, the upstream's own authority.
+    pub fn new(
+        upstream: &Uri,
+        connect_timeout: Duration,
+        preserve_host: bool,
+    ) -> Result<ProxyClient, String> {
+        let scheme = upstream
+            .scheme()
+            .cloned()
+            .ok_or("the upstream has no scheme")?;
+        let authority = upstream
+            .authority()
+            .cloned()
+            .ok_or("the upstream has no host")?;
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build(connector);
+        Ok(ProxyClient {
+            client,
+            upstream: Arc::new(Upstream {
+                scheme,
+                authority,
+                base_path: upstream.path().trim_end_matches('/').to_owned(),
+            }),
+            preserve_host,
+        })
+    }
+
+    /// Sends `req` upstream and returns the upstream's answer, or the proxy's
+    /// own 4xx/5xx.
+    async fn forward(self, req: Request<Body>) -> Response {
+        let req = match self.upstream_request_filter(req) {
+            Ok(req) => req,
+            Err(res) => return res,
+        };
+        match self.client.request(req).await {
+            Ok(res) => response_filter(res.map(Body::new)),
+            Err(e) if e.is_connect() => {
+                tracing::warn!(upstream = %self.upstream.authority, error = %chain(&e), "upstream unreachable");
+                let mut res = ApiError::UpstreamUnavailable(
+                    "the upstream could not be reached; the request was not sent".into(),
+                )
+                .into_response();
+                res.extensions_mut().insert(NotExecuted);
+                res
+            }
+            Err(e) => {
+                tracing::warn!(upstream = %self.upstream.authority, error = %chain(&e), "upstream request failed after it was sent");
+                let mut res = ApiError::UpstreamUnavailable(
+                    "the upstream connection failed after the request was sent; whether it acted is unknown"
+                        .into(),
+                )
+                .into_response();
+                res.extensions_mut().insert(OutcomeUnknown);
+                res
+            }
+        }
+    }
+
+    /// The request as the upstream gets it: hop-by-hop headers stripped,
+    /// `X-Forwarded-*` added, the target rewritten to the upstream, and
+    /// `Host` the client's or the upstream's.
+    #[expect(clippy::result_large_err, reason = "the error is the response itself")]
+    fn upstream_request_filter(&self, req: Request<Body>) -> Result<Request<Body>, Response> {
+        let (mut parts, body) = req.into_parts();
+        let client = parts
+            .extensions
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|ConnectInfo(addr)| addr.ip());
+        let host = parts.headers.get(header::HOST).cloned().or_else(|| {
+            let authority = parts.uri.authority()?;
+            http::HeaderValue::from_str(authority.as_str()).ok()
+        });
+        to_upstream(&mut parts.headers, client, host.clone());
+        if self.preserve_host
+            && let Some(host) = host
+        {
+            // hyper adds the upstream's authority only when Host is absent.
+            parts.headers.insert(header::HOST, host);
+        }
+        parts.uri = match self.target(&parts.uri) {
+            Ok(uri) => uri,
+            Err(why) => {
+                let mut res =
+                    ApiError::InvalidRequest(format!("cannot forward this request target: {why}"))
+                        .into_response();
+                res.extensions_mut().insert(NotExecuted);
+                return Err(res);
+            }
+        };
+        // The pool speaks HTTP/1.1 to the upstream, whatever the client spoke.
+        parts.version = Version::HTTP_11;
+        Ok(Request::from_parts(parts, body))
+    }
+
+    /// The upstream URI for a request's target.
+    fn target(&self, uri: &Uri) -> Result<Uri, String> {
+        let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
+        if !path_and_query.starts_with('/') {
+            return Err("only origin-form targets (/path?query) are proxied".into());
+        }
+        let up = &self.upstream;
+        Uri::builder()
+            .scheme(up.scheme.clone())
+            .authority(up.authority.clone())
+            .path_and_query(format!("{}{path_and_query}", up.base_path))
+            .build()
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The upstream's response as the client gets it: hop-by-hop headers
+/// stripped.
+fn response_filter(mut res: Response) -> Response {
+    strip_connection_headers(res.headers_mut());
+    res
+}
+
+/// An error with its sources, for the log.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+impl Service<Request<Body>> for ProxyClient {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The pool has no readiness of its own: connections are made per call.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { Ok(this.forward(req).await) })
+    }
+}
+
+impl std::fmt::Debug for ProxyClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyClient")
+            .field("upstream", &self.upstream)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client(upstream: &str) -> ProxyClient {
+        let uri: Uri = upstream.parse().unwrap();
+        ProxyClient::new(&uri, Duration::from_secs(1), false).unwrap()
+    }
+
+    #[test]
+    fn targets_keep_the_path_and_query_under_the_base_path() {
+        let plain = client("http://127.0.0.1:3000");
+        let uri: Uri = "/v1/charges?b=2&a=1".parse().unwrap();
+        assert_eq!(
+            plain.target(&uri).unwrap().to_string(),
+            "http://127.0.0.1:3000/v1/charges?b=2&a=1"
+        );
+        let based = client("http://origin.internal:8080/api/");
+        assert_eq!(
+            based.target(&uri).unwrap().to_string(),
+            "http://origin.internal:8080/api/v1/charges?b=2&a=1"
+        );
+        let absolute: Uri = "http://elsewhere/x".parse().unwrap();
+        assert_eq!(
+            plain.target(&absolute).unwrap().to_string(),
+            "http://127.0.0.1:3000/x",
+            "an absolute-form target goes to the upstream all the same"
+        );
+        let star: Uri = "*".parse().unwrap();
+        assert!(plain.target(&star).is_err());
+    }
+}

@@ -1,0 +1,192 @@
+//! The reverse proxy (`idemgate proxy --upstream URL`): the
+//! [tower layer](crate::layer) over a hyper client, so the proxy and the
+//! in-process middleware are one code path.
+//!
+//! Per request, in pingora's phases: the layer's `request_filter` decides
+//! whether the request is guarded and reserves its key; the client's
+//! `upstream_request_filter` strips hop-by-hop headers, adds
+//! `X-Forwarded-*` and rewrites the target; its `response_filter` strips
+//! hop-by-hop headers from the answer; the layer stores or releases, and
+//! logs. The operational endpoints live on a separate admin listener.
+
+mod admin;
+pub mod client;
+pub mod headers;
+pub mod routes;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use tokio::net::TcpListener;
+use tower::Layer;
+
+pub use client::ProxyClient;
+
+use crate::engine::Engine;
+use crate::layer::{IdempotencyLayer, LayerPolicy, Route, Tenant};
+use crate::server::config::{ConfigError, ProxyArgs};
+use crate::server::{serve, wiring};
+use crate::store::Store;
+use crate::telemetry;
+
+/// The proxy's lease exceeds its upstream timeout by this much; it is
+/// extended every third of its length while the upstream call runs.
+pub const LEASE_MARGIN: Duration = Duration::from_secs(5);
+
+/// A built proxy: the forwarding router and the admin router.
+pub struct Proxy {
+    /// Every path, forwarded to the upstream through the layer.
+    pub app: Router,
+    /// `/healthz`, `/readyz`, `/metrics`, `/v1/policy`.
+    pub admin: Router,
+    /// The engine the layer decides through.
+    pub engine: Arc<Engine>,
+    /// The layer, which a shutdown asks for its deferred work.
+    pub layer: IdempotencyLayer,
+}
+
+// === impl Proxy ===
+
+impl Proxy {
+    /// Builds the proxy of `args` over `store`, with per-route `routes`.
+    ///
+    /// # Errors
+    /// A bad upstream URL (`--upstream` / `IDEMGATE_UPSTREAM`).
+    pub fn build(
+        args: &ProxyArgs,
+        routes: Vec<Route>,
+        store: Arc<dyn Store>,
+    ) -> Result<Proxy, ConfigError> {
+        crate::server::exporter::metrics_handle();
+        let upstream = args.upstream_uri()?;
+        let client = ProxyClient::new(
+            &upstream,
+            Duration::from_secs(args.upstream_connect_timeout),
+            args.preserve_host,
+        )
+        .map_err(|problem| ConfigError {
+            setting: "upstream",
+            problem,
+        })?;
+        let policy = layer_policy(args, routes);
+        let engine = Arc::new(wiring::engine(
+            &args.run,
+            store.clone(),
+            args.policy.limits(),
+        )?);
+        let admin = admin::router(engine.store().clone(), args, &policy, engine.seals());
+        let layer = IdempotencyLayer::new(engine.clone(), policy);
+        let app = Router::new()
+            .fallback_service(layer.layer(client))
+            .layer(serve::trace_layer());
+        Ok(Proxy {
+            app,
+            admin,
+            engine,
+            layer,
+        })
+    }
+}
+
+/// The layer's policy from the proxy's settings.
+pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
+    let upstream_timeout = Duration::from_secs(args.upstream_timeout);
+    LayerPolicy::default()
+        .for_proxy()
+        .methods(args.policy.methods.clone())
+        .require_key(args.require_key)
+        .key_header(args.key_header.name.clone())
+        .key_policy(args.policy.key_policy())
+        .tenant(Tenant::Header(args.tenant_header.name.clone()))
+        .fingerprint_policy(args.policy.fingerprint_policy())
+        .release_statuses(args.release_statuses.clone())
+        .store_headers_deny(
+            args.store_headers_deny
+                .iter()
+                .map(|h| h.name.clone())
+                .collect(),
+        )
+        .max_body_bytes(args.policy.max_body_bytes)
+        .lease(upstream_timeout + LEASE_MARGIN)
+        .answer_timeout(Some(upstream_timeout))
+        .abandon_after(Some(Duration::from_secs(args.upstream_abandon_after)))
+        .ttl(Duration::from_secs(u64::from(args.policy.default_ttl)))
+        .routes(routes)
+}
+
+/// `idemgate proxy`: runs until SIGTERM or ctrl-c. `config` is the
+/// `--config` file, whose `[[routes]]` it reads.
+pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()> {
+    args.validate()?;
+    let routes = match &config {
+        Some(path) => routes::from_file(path, args.policy.max_ttl)?,
+        None => Vec::new(),
+    };
+    let store = wiring::open_store(&args.store, !args.run.no_migrate).await?;
+    let proxy = Proxy::build(&args, routes, store.clone())?;
+    let listener = TcpListener::bind(args.listen).await.context(ConfigError {
+        setting: "listen",
+        problem: "cannot listen there".into(),
+    })?;
+    let admin = TcpListener::bind(args.admin_listen)
+        .await
+        .context(ConfigError {
+            setting: "admin_listen",
+            problem: "cannot listen there".into(),
+        })?;
+    let pruner = wiring::spawn_pruner(&args.run, store);
+    telemetry::record_pruned(0);
+    tracing::info!(
+        listen = %listener.local_addr()?,
+        admin = %admin.local_addr()?,
+        upstream = args.upstream.as_deref().unwrap_or_default(),
+        "idemgate proxy is listening"
+    );
+
+    // One signal stops both listeners.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let signalled = Arc::new(std::sync::OnceLock::new());
+    let signalled_at = signalled.clone();
+    tokio::spawn(async move {
+        serve::shutdown_signal().await;
+        let _ = signalled_at.set(tokio::time::Instant::now());
+        let _ = stop.send(true);
+    });
+    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let serving = args.run.serving();
+    let served = tokio::try_join!(
+        serve::serve(listener, proxy.app, serving, until_stopped(stopped.clone())),
+        serve::serve(admin, proxy.admin, serving, until_stopped(stopped)),
+    );
+    if let Some(p) = pruner {
+        p.abort();
+    }
+    served?;
+    // Calls whose client already had its answer (or its 504), and commits
+    // waiting for the store: the rest of the grace is theirs.
+    let pending = proxy.layer.deferred_work();
+    if pending > 0 {
+        let spent = signalled.get().map_or(Duration::ZERO, |at| at.elapsed());
+        let left = args.run.grace().saturating_sub(spent);
+        tracing::info!(
+            pending,
+            within_seconds = left.as_secs(),
+            "waiting for upstream calls still running and commits deferred while the store was away"
+        );
+        let lost = proxy.layer.finish_deferred(left).await;
+        if lost > 0 {
+            tracing::warn!(
+                lost,
+                "the grace ended first: these calls or commits were cut off, and their keys stay \
+                 in flight until their leases end"
+            );
+        }
+    }
+    tracing::info!("idemgate proxy stopped");
+    Ok(())
+}

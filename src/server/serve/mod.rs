@@ -1,0 +1,154 @@
+//! Serving a router: the accept loop with its per-connection timers
+//! (`conn`), graceful shutdown, and the request tracing every listener
+//! shares. Both HTTP doors (the reservation API and the proxy) are served
+//! through it.
+
+mod conn;
+
+use std::future::Future;
+use std::time::Duration;
+
+use axum::Router;
+use tokio::net::TcpListener;
+use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
+use tower_http::trace::{DefaultOnFailure, TraceLayer};
+
+use crate::body::BodyIdleTimeout;
+
+/// How a listener treats its connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Serving {
+    /// How long in-flight requests get to finish after the shutdown signal.
+    pub grace: Duration,
+    /// How long a client has to send a request's headers (a slower one's
+    /// connection is closed), and at most between two pieces of its body (a
+    /// slower one gets `408 request-timeout`): slow clients cannot hold
+    /// connections open. A fresh connection's clock starts at the accept, a
+    /// kept-alive one's at the first byte of its next request.
+    pub header_read_timeout: Duration,
+    /// How long a connection may wait idle, its last response sent, for its
+    /// next request before it is closed.
+    pub keep_alive_timeout: Duration,
+}
+
+/// Request tracing for every listener. A 5xx is logged at WARN, not
+/// tower-http's ERROR: the error itself is logged where it happens (a 500 at
+/// ERROR with its cause, a lost upstream or store at WARN), and during an
+/// outage every request, and every `/readyz` probe, is a 503.
+pub fn trace_layer() -> TraceLayer<SharedClassifier<ServerErrorsAsFailures>> {
+    TraceLayer::new_for_http().on_failure(DefaultOnFailure::new().level(tracing::Level::WARN))
+}
+
+/// Largest request head (request line and headers) a client may send; a
+/// bigger one is answered `431 Request Header Fields Too Large`.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Serves `app` on `listener` until `shutdown` resolves; then closes the
+/// listener at once, lets in-flight requests finish for up to `grace`, and
+/// returns.
+///
+/// hyper's connection builder is used directly rather than `axum::serve`,
+/// which has no timeouts, so that a client that trickles its headers cannot
+/// hold its connection for ever. Those timers are ours (`conn`), not
+/// hyper's: hyper's header read timeout also runs while a kept-alive
+/// connection waits for its next request, and so closed every idle
+/// connection after it.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    serving: Serving,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    // Off: `conn` times heads and idle connections apart.
+    http.header_read_timeout(None)
+        .max_header_size(MAX_HEAD_BYTES);
+    let timeouts = conn::Timeouts {
+        header_read: serving.header_read_timeout,
+        keep_alive: serving.keep_alive_timeout,
+    };
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: say so, breathe,
+                    // go on serving the connections already open.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        // The peer address goes into every request (ConnectInfo): the proxy
+        // forwards it as X-Forwarded-For. Whoever reads a body whole reads it
+        // under the idle timeout (`BodyIdleTimeout`). The connection is busy
+        // from the service call until hyper drops the response body, and
+        // only then does its keep-alive clock start.
+        let idle = BodyIdleTimeout(serving.header_read_timeout);
+        let tracker = conn::Tracker::new();
+        let io = conn::TimedIo::new(stream, tracker.clone(), timeouts);
+        let app = app.clone();
+        let service = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            let busy = tracker.request();
+            req.extensions_mut()
+                .insert(axum::extract::ConnectInfo(peer));
+            req.extensions_mut().insert(idle);
+            let call = tower::ServiceExt::oneshot(app.clone(), req.map(axum::body::Body::new));
+            async move {
+                let res = call.await?;
+                Ok::<_, std::convert::Infallible>(
+                    res.map(|body| conn::TrackedBody::new(body, busy)),
+                )
+            }
+        });
+        let conn = http.serve_connection(
+            hyper_util::rt::TokioIo::new(io),
+            hyper_util::service::TowerToHyperService::new(service),
+        );
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    tracing::info!(
+        grace_seconds = serving.grace.as_secs(),
+        "shutting down: finishing in-flight requests"
+    );
+    if tokio::time::timeout(serving.grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown grace elapsed with requests still running");
+    }
+    Ok(())
+}
+
+/// Resolves on SIGTERM or ctrl-c.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

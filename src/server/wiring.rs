@@ -1,0 +1,176 @@
+//! Wiring for the subcommands: open the store, build the engine and the
+//! API's state from the settings, run the server and the pruning job.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+
+use crate::engine::{Engine, Limits};
+use crate::server::api::{self, App, AppState};
+use crate::server::config::{ConfigError, RunArgs, ServeArgs, StoreArgs};
+use crate::server::serve;
+use crate::store::Store;
+
+/// Opens the store `DATABASE_URL` names, applying migrations unless told not to.
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres")),
+    allow(unused_variables)
+)]
+pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<dyn Store>> {
+    let url = args.database_url.trim();
+    // `sqlite:rel.db` and `sqlite::memory:` are SQLite URLs too (sqlx reads
+    // them), so the scheme ends at the first colon.
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    match scheme {
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            use crate::store::{PgSettings, PgStore};
+            let settings = PgSettings {
+                max_connections: args.db_max_connections.max(1),
+                acquire_timeout: Duration::from_secs(args.db_acquire_timeout.max(1)),
+                statement_timeout: Duration::from_secs(args.db_statement_timeout.max(1)),
+            };
+            let store = PgStore::connect_lazy(url, &settings).map_err(|e| ConfigError {
+                setting: "database_url",
+                problem: format!("not a usable PostgreSQL URL: {}", e.reason()),
+            })?;
+            if migrate {
+                // The store's message names the cause and what to do about it.
+                store.migrate().await.map_err(|e| {
+                    anyhow::anyhow!(
+                        "could not apply migrations to the PostgreSQL database named by \
+                         DATABASE_URL (`serve` and `proxy` skip this step with --no-migrate): {}",
+                        e.reason()
+                    )
+                })?;
+            }
+            Ok(Arc::new(store))
+        }
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            let store = crate::store::SqliteStore::open(url)
+                .await
+                .map_err(|e| ConfigError {
+                    setting: "database_url",
+                    problem: format!("cannot open the SQLite database: {}", e.reason()),
+                })?;
+            if migrate {
+                store.migrate().await.map_err(|e| {
+                    anyhow::anyhow!(
+                        "could not apply migrations to the SQLite database {url} \
+                         (`serve` and `proxy` skip this step with --no-migrate): {}",
+                        e.reason()
+                    )
+                })?;
+            }
+            tracing::info!(database = %url, "embedded SQLite store: one idemgate process per file");
+            Ok(Arc::new(store))
+        }
+        #[cfg(not(feature = "postgres"))]
+        "postgres" | "postgresql" => Err(ConfigError {
+            setting: "database_url",
+            problem: "this idemgate was built without PostgreSQL (its `postgres` feature)".into(),
+        }
+        .into()),
+        #[cfg(not(feature = "sqlite"))]
+        "sqlite" => Err(ConfigError {
+            setting: "database_url",
+            problem: "this idemgate was built without SQLite (its `sqlite` feature)".into(),
+        }
+        .into()),
+        _ => Err(ConfigError {
+            setting: "database_url",
+            problem: format!(
+                "expected a postgres://… URL, or a SQLite one (sqlite://PATH, sqlite:PATH, \
+                 sqlite::memory:), got scheme {scheme:?}"
+            ),
+        }
+        .into()),
+    }
+}
+
+/// The engine over `store` within `limits`, with the replay cache, seal keys
+/// and tenant limits of `run`.
+pub fn engine(run: &RunArgs, store: Arc<dyn Store>, limits: Limits) -> Result<Engine, ConfigError> {
+    Ok(Engine::new(store, limits)
+        .with_replay_cache(run.replay_cache_bytes)
+        .with_sealer(run.sealer()?)
+        .with_tenant_limits(run.tenant_limits()))
+}
+
+/// Starts the pruning job over `store`, unless `run` turns it off.
+pub fn spawn_pruner(run: &RunArgs, store: Arc<dyn Store>) -> Option<tokio::task::JoinHandle<()>> {
+    (run.prune_interval > 0).then(|| {
+        tokio::spawn(crate::prune::run(
+            store,
+            Duration::from_secs(run.prune_interval),
+        ))
+    })
+}
+
+/// The reservation API's state from its settings.
+///
+/// # Panics
+///
+/// When a seal setting is unusable: [`ServeArgs::validate`] refuses those
+/// first.
+pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
+    AppState(Arc::new(App {
+        engine: engine(&args.run, store, args.policy.limits())
+            .expect("seal settings are checked by ServeArgs::validate"),
+        tokens: args.tokens.clone().unwrap_or_default(),
+        key_policy: args.policy.key_policy(),
+        fingerprint_policy: args.policy.fingerprint_policy(),
+        max_body_bytes: args.policy.max_body_bytes,
+        methods: args
+            .policy
+            .methods
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+    }))
+}
+
+/// `idemgate serve`: runs until SIGTERM or ctrl-c.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    args.validate()?;
+    let store = open_store(&args.store, !args.run.no_migrate).await?;
+    let state = app_state(&args, store.clone());
+    let listener = TcpListener::bind(args.listen).await.context(ConfigError {
+        setting: "listen",
+        problem: "cannot listen there".into(),
+    })?;
+    if state.tokens.is_empty() {
+        tracing::warn!(
+            listen = %args.listen,
+            "no IDEMGATE_TOKENS: open single-tenant mode (tenant \"default\"), loopback only"
+        );
+    } else if state.engine.tenant_limits() == crate::engine::TenantLimits::default() {
+        tracing::info!(
+            "tenants share the store without limits: IDEMGATE_TENANT_MAX_IN_FLIGHT and \
+             IDEMGATE_TENANT_MAX_STORED_BYTES keep one tenant from exhausting it"
+        );
+    }
+    let pruner = spawn_pruner(&args.run, store);
+    // Make the metric visible before the first pass.
+    crate::telemetry::record_pruned(0);
+    tracing::info!(
+        listen = %listener.local_addr()?,
+        docs = %format!("http://{}/docs", listener.local_addr()?),
+        "idemgate serve is listening"
+    );
+    serve::serve(
+        listener,
+        api::router(state),
+        args.run.serving(),
+        serve::shutdown_signal(),
+    )
+    .await?;
+    if let Some(p) = pruner {
+        p.abort();
+    }
+    tracing::info!("idemgate serve stopped");
+    Ok(())
+}
