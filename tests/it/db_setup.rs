@@ -1,0 +1,389 @@
+//! A database that is there but not set up for idemgate — a PostgreSQL
+//! database not created yet, a role the server does not know, tables not
+//! migrated, on SQLite a file without the tables — cannot serve, and is no
+//! bug either: every door answers `503 store-unavailable` (never a 500),
+//! `/readyz` answers 503, one WARN line says what is wrong and what to do,
+//! a start that migrates refuses with the same words (without sqlx's "at line
+//! N" noise and without the password), and the server recovers by itself
+//! once the step is taken.
+//!
+//! Real PostgreSQL (a database of the test server, created and dropped by
+//! the test), real SQLite files, the real binary.
+
+use crate::common;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::bin::{drain_stderr, free_port, idemgate_at, refused};
+use common::pg::{TestDb, admin_url};
+use sqlx::{AssertSqlSafe, Connection as _};
+
+/// A password in `DATABASE_URL` that must never be printed (the test
+/// server trusts every local connection, so it is never checked).
+const PASSWORD: &str = "pw-never-printed-5e7c";
+
+/// A role the test server does not have.
+const NO_SUCH_ROLE: &str = "idemgate_no_such_role";
+
+/// `url` with its user info replaced by `user:PASSWORD`.
+fn with_user(url: &str, user: &str) -> String {
+    let start = url.find("://").expect("a URL") + 3;
+    let rest = &url[start..];
+    let host = rest.find('@').map_or(rest, |at| &rest[at + 1..]);
+    format!("{}{user}:{PASSWORD}@{host}", &url[..start])
+}
+
+/// `url` with a password added to its user.
+fn with_password(url: &str) -> String {
+    let start = url.find("://").expect("a URL") + 3;
+    let rest = &url[start..];
+    let at = rest.find('@').expect("a user in the test URL");
+    let user = rest[..at].split(':').next().unwrap_or_default();
+    with_user(url, user)
+}
+
+/// Runs one statement on the admin connection of the test server.
+async fn admin(sql: String) {
+    let mut conn = sqlx::PgConnection::connect(&admin_url().await)
+        .await
+        .expect("admin connection");
+    sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(&mut conn)
+        .await
+        .expect("admin statement");
+    let _ = conn.close().await;
+}
+
+/// A database name of the test server that does not exist (yet): a
+/// [`TestDb`] dropped at once, so that its guard drops whatever the test
+/// creates under that name.
+async fn missing_database() -> TestDb {
+    let db = TestDb::new().await;
+    admin(format!("DROP DATABASE \"{}\" WITH (FORCE)", db.name)).await;
+    db
+}
+
+/// `idemgate` over `url`, pruning off (its pass would log the same cause
+/// once more, on its own schedule).
+fn idemgate(url: &str) -> Command {
+    let mut cmd = idemgate_at(url);
+    cmd.env_remove("IDEMGATE_CONFIG")
+        .env("IDEMGATE_PRUNE_INTERVAL", "0");
+    cmd
+}
+
+/// A refusal or a log that says `cause`, without noise or secrets.
+#[track_caller]
+fn says_plainly(text: &str, cause: &[&str]) {
+    for want in cause {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert!(
+        !text.contains(" at line "),
+        "sqlx's location noise:\n{text}"
+    );
+    assert!(
+        !text.contains(PASSWORD),
+        "the password was printed:\n{text}"
+    );
+    assert!(!text.contains("panicked"), "{text}");
+}
+
+/// `idemgate serve --no-migrate` on a free port, up (`/healthz`) though
+/// its database cannot serve; killed on drop.
+struct Server {
+    child: Child,
+    base: String,
+    log: Arc<Mutex<String>>,
+    http: reqwest::Client,
+}
+
+impl Server {
+    async fn start(mut cmd: Command) -> Server {
+        let port = free_port();
+        let mut child = cmd
+            .args([
+                "serve",
+                "--no-migrate",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = drain_stderr(&mut child);
+        let server = Server {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            log,
+            http: common::http(),
+        };
+        let started = Instant::now();
+        loop {
+            if let Ok(res) = server.http.get(server.url("/healthz")).send().await
+                && res.status() == 200
+            {
+                return server;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "idemgate serve did not come up:\n{}",
+                server.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// `POST /v1/reservations` with a fresh key: status and body.
+    async fn reserve(&self) -> (u16, reqwest::header::HeaderMap, serde_json::Value) {
+        let res = self
+            .http
+            .post(self.url("/v1/reservations"))
+            .header("Idempotency-Key", uuid::Uuid::new_v4().to_string())
+            .body(r#"{"fingerprint":"f"}"#)
+            .send()
+            .await
+            .unwrap();
+        let status = res.status().as_u16();
+        let headers = res.headers().clone();
+        let body = res.json().await.unwrap_or_default();
+        (status, headers, body)
+    }
+
+    async fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        let res = self.http.get(self.url(path)).send().await.unwrap();
+        let status = res.status().as_u16();
+        (status, res.json().await.unwrap_or_default())
+    }
+
+    /// Every door answers `503 store-unavailable`: a reservation (with
+    /// `Retry-After`), a commit and a look-up by id, and `/readyz`.
+    async fn assert_unavailable(&self) {
+        let (status, headers, body) = self.reserve().await;
+        assert_eq!(status, 503, "reservation: {body}\n{}", self.log());
+        assert_problem(&body, "store-unavailable");
+        assert!(headers.contains_key("retry-after"), "{headers:?}");
+        assert!(body["retry_after_seconds"].as_u64().is_some_and(|s| s >= 1));
+        let id = uuid::Uuid::new_v4();
+        let res = self
+            .http
+            .post(self.url(&format!("/v1/reservations/{id}/commit")))
+            .body(r#"{"status":200}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 503, "commit");
+        assert_problem(&res.json().await.unwrap(), "store-unavailable");
+        let (status, body) = self.get(&format!("/v1/reservations/{id}")).await;
+        assert_eq!(status, 503, "look-up: {body}");
+        assert_problem(&body, "store-unavailable");
+        let (status, body) = self.get("/readyz").await;
+        assert_eq!(status, 503, "/readyz: {body}\n{}", self.log());
+        assert_problem(&body, "store-unavailable");
+    }
+
+    /// Waits up to 5 s for the log to hold `text`.
+    async fn logged(&self, text: &str) -> String {
+        let started = Instant::now();
+        loop {
+            let log = self.log();
+            if log.contains(text) {
+                return log;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{text:?} never logged:\n{log}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The server's `store unavailable` WARN lines that mention `cause`.
+    fn warnings_of(&self, cause: &str) -> Vec<String> {
+        self.log()
+            .lines()
+            .filter(|l| {
+                l.contains(" WARN ") && l.contains("store unavailable") && l.contains(cause)
+            })
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Nothing was a 500, nothing panicked.
+    fn assert_no_internal_error(&self) {
+        let log = self.log();
+        assert!(!log.contains("internal error"), "{log}");
+        assert!(!log.contains("500 Internal"), "{log}");
+        assert!(!log.contains("panicked"), "{log}");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[track_caller]
+fn assert_problem(body: &serde_json::Value, slug: &str) {
+    let ty = body["type"].as_str().unwrap_or_default();
+    assert!(ty.ends_with(&format!("/{slug}")), "not {slug}: {body}");
+    assert!(
+        body["title"].is_string() && body["detail"].is_string(),
+        "{body}"
+    );
+}
+
+/// A PostgreSQL database that does not exist: `serve` (which migrates at
+/// start) and `migrate` refuse, saying so and how to create it.
+#[tokio::test]
+async fn a_missing_database_refuses_to_start_saying_createdb() {
+    let db = missing_database().await;
+    let url = with_password(&db.url);
+    let create = format!("createdb {}", db.name);
+    let missing = format!("database \"{}\" does not exist", db.name);
+    let port = free_port().to_string();
+    let mut serve = idemgate(&url);
+    serve.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
+    let mut migrate = idemgate(&url);
+    migrate.arg("migrate");
+    for (what, cmd) in [("serve", serve), ("migrate", migrate)] {
+        let said = refused(cmd).await;
+        says_plainly(
+            &said,
+            &["DATABASE_URL", &missing, &create, "idemgate migrate"],
+        );
+        assert!(
+            !said.contains("is it running"),
+            "{what}: a missing database is not an unreachable server: {said}"
+        );
+    }
+}
+
+/// `serve --no-migrate` over a database that does not exist: 503 at every
+/// door, one WARN line with the cause and the cure; then `createdb` (still
+/// 503: no tables, and the line says so) and `idemgate migrate`, and the
+/// same server serves, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_database_is_503_until_created_and_migrated_then_serves() {
+    let db = missing_database().await;
+    let url = with_password(&db.url);
+    let server = Server::start(idemgate(&url)).await;
+    let missing = format!("database \"{}\" does not exist", db.name);
+    for _ in 0..3 {
+        server.assert_unavailable().await;
+    }
+    let log = server.logged(&missing).await;
+    says_plainly(&log, &[&format!("createdb {}", db.name)]);
+    let warnings = server.warnings_of(&missing);
+    assert_eq!(
+        warnings.len(),
+        1,
+        "one WARN line for the cause, not one per request: {warnings:#?}"
+    );
+
+    admin(format!(
+        "CREATE DATABASE \"{}\" TEMPLATE template0",
+        db.name
+    ))
+    .await;
+    server.assert_unavailable().await;
+    let log = server.logged("no idemgate tables").await;
+    says_plainly(&log, &["relation \"idempotency_", "run `idemgate migrate`"]);
+
+    let out = idemgate(&url).arg("migrate").output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let migrated = Instant::now();
+    let (status, _, body) = loop {
+        let answer = server.reserve().await;
+        if answer.0 != 503 || migrated.elapsed() > Duration::from_secs(5) {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        status, 201,
+        "no recovery within 5 s of the migration: {body}"
+    );
+    let id = body["reservation_id"].as_str().unwrap();
+    let commit = server
+        .http
+        .post(server.url(&format!("/v1/reservations/{id}/commit")))
+        .body(r#"{"status":200,"body":"done"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(commit.status(), 200);
+    assert_eq!(server.get("/readyz").await.0, 200);
+    server.assert_no_internal_error();
+}
+
+/// A database without the tables (`--no-migrate` on a fresh one): `/readyz`
+/// finds that out too, not only the requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_tables_are_503_and_readyz_says_so() {
+    let db = TestDb::new().await;
+    let server = Server::start(idemgate(&db.url)).await;
+    server.assert_unavailable().await;
+    let log = server.logged("no idemgate tables").await;
+    says_plainly(
+        &log,
+        &[
+            &format!("the database {} ", db.name),
+            "run `idemgate migrate`",
+        ],
+    );
+    server.assert_no_internal_error();
+}
+
+/// A role the server does not know: the start refuses, saying so; under
+/// `--no-migrate`, 503 and the same words in the log; never the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_role_is_named_and_never_a_500() {
+    let db = TestDb::new().await;
+    let url = with_user(&db.url, NO_SUCH_ROLE);
+    let missing = format!("role \"{NO_SUCH_ROLE}\" does not exist");
+    let create = format!("createuser {NO_SUCH_ROLE}");
+    let said = refused({
+        let mut cmd = idemgate(&url);
+        cmd.arg("migrate");
+        cmd
+    })
+    .await;
+    says_plainly(&said, &["DATABASE_URL", &missing, &create]);
+
+    let server = Server::start(idemgate(&url)).await;
+    server.assert_unavailable().await;
+    let log = server.logged(&missing).await;
+    says_plainly(&log, &["check the user in DATABASE_URL", &create]);
+    server.assert_no_internal_error();
+}
+
+/// SQLite: a file without the tables (`--no-migrate` on a new file) is
+/// 503 at every door and at `/readyz`, and the log says what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_file_without_tables_is_503_and_readyz_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("new.db").display());
+    let server = Server::start(idemgate(&url)).await;
+    server.assert_unavailable().await;
+    let log = server.logged("no idemgate tables").await;
+    says_plainly(&log, &["no such table", "idemgate migrate", "--no-migrate"]);
+    server.assert_no_internal_error();
+}

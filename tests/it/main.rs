@@ -1,0 +1,46 @@
+//! The integration tests: one crate, so the harness in `common` and idemgate's
+//! dependencies are compiled and linked once, not once per file.
+//!
+//! Each module is one area, run alone with `cargo test --test it AREA::`
+//! (for example `cargo test --test it openapi::`). Every test runs against
+//! real parts: a SQLite file, a PostgreSQL database of its own (see
+//! `common::pg`), a real upstream that counts executions, and the built
+//! `idemgate` binary where a process is the thing under test.
+
+#[macro_use]
+mod common;
+
+mod api;
+mod batching;
+mod citus;
+mod config;
+mod crash;
+mod db_faults;
+mod db_setup;
+mod examples;
+mod harness_selftest;
+mod hostile;
+mod keep_alive;
+mod layer;
+mod lifecycle;
+mod limits;
+mod metrics;
+mod openapi;
+mod outage;
+mod pg_connections;
+mod properties;
+mod proxy;
+mod readme;
+mod replay_cache;
+mod retry_after;
+mod seal;
+mod security;
+mod server;
+mod shutdown;
+mod slow_origin;
+mod sqlite_faults;
+mod store_contract;
+mod storms;
+mod tenants;
+mod waiting;
+mod zero_setup;

@@ -1,0 +1,616 @@
+//! The store contract: every scenario of SPEC §2 that a [`Store`] must get
+//! right, written once over `Arc<dyn Store>` and the engine, and run against
+//! both PostgreSQL and the embedded SQLite store, so the two cannot drift.
+//!
+//! Each scenario is an async function taking a [`Backend`] (a fresh database
+//! or file); the `contract!` macro at the bottom makes a `postgres::NAME` and a
+//! `sqlite::NAME` test of each.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use common::backend::Backend;
+use idemgate::engine::{
+    CommitOutcome, Engine, Lookup, Refusal, Reservation, ReserveOutcome, ReserveRequest,
+};
+use idemgate::prune;
+use idemgate::store::{KeyState, Record, Recovery, StoredResponse};
+use sha2::{Digest, Sha256};
+use tokio::sync::Barrier;
+use uuid::Uuid;
+
+const TENANT: &str = "acme";
+
+/// Long enough for a 1-second lease or TTL to have ended.
+const PAST_ONE_SECOND: Duration = Duration::from_millis(1100);
+
+/// A key hash no other test uses.
+fn fresh_key() -> [u8; 32] {
+    Sha256::digest(Uuid::new_v4().as_bytes()).into()
+}
+
+fn request(key: [u8; 32], fingerprint: Option<&str>) -> ReserveRequest {
+    ReserveRequest {
+        tenant: TENANT.into(),
+        key_hash: key,
+        fingerprint: fingerprint.map(str::to_owned),
+        lease_seconds: 30,
+        ttl_seconds: 86_400,
+        wait: None,
+    }
+}
+
+fn with_lease(mut req: ReserveRequest, seconds: u32) -> ReserveRequest {
+    req.lease_seconds = seconds;
+    req
+}
+
+fn with_ttl(mut req: ReserveRequest, seconds: u32) -> ReserveRequest {
+    req.ttl_seconds = seconds;
+    req
+}
+
+/// A response with headers and a body that is not UTF-8, so that every
+/// encoding on the way to the database and back is exercised.
+fn response(tag: &str) -> StoredResponse {
+    let mut body = tag.as_bytes().to_vec();
+    body.extend_from_slice(&[0, 0xff, 0xfe]);
+    StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), "application/octet-stream".into()),
+            ("x-tag".into(), tag.into()),
+            ("x-tag".into(), "repeated \"quoted\"".into()),
+        ],
+        body,
+    }
+}
+
+async fn reserve(engine: &Engine, req: &ReserveRequest) -> ReserveOutcome {
+    engine.reserve(req).await.expect("reserve")
+}
+
+#[track_caller]
+fn reserved(outcome: ReserveOutcome) -> Reservation {
+    match outcome {
+        ReserveOutcome::Reserved(r) => r,
+        other => panic!("expected Reserved, got {other:?}"),
+    }
+}
+
+/// The whole seconds (rounded up) until the holder's lease ends; and
+/// `Retry-After`, an estimate of the holder's finish, is within 1 and that.
+#[track_caller]
+fn in_flight(outcome: ReserveOutcome) -> u64 {
+    match outcome {
+        ReserveOutcome::InFlight {
+            retry_after,
+            lease_expires_at,
+        } => {
+            let ms = (lease_expires_at - Utc::now()).num_milliseconds().max(0);
+            let lease_left = u64::try_from(ms).unwrap().div_ceil(1000).max(1);
+            assert!(
+                (1..=lease_left).contains(&retry_after),
+                "Retry-After {retry_after} s, lease ends in {lease_left} s"
+            );
+            lease_left
+        }
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+}
+
+#[track_caller]
+fn completed(outcome: ReserveOutcome) -> idemgate::store::Record {
+    match outcome {
+        ReserveOutcome::Completed(record) => record,
+        other => panic!("expected Completed, got {other:?}"),
+    }
+}
+
+#[track_caller]
+fn mismatch(outcome: ReserveOutcome) {
+    if !matches!(outcome, ReserveOutcome::Mismatch) {
+        panic!("expected Mismatch, got {outcome:?}");
+    }
+}
+
+async fn commit(engine: &Engine, id: Uuid, res: &StoredResponse) -> CommitOutcome {
+    engine.commit(TENANT, id, res).await.expect("commit")
+}
+
+/// The record `id` shows, and whether `id` holds it live.
+async fn shown(engine: &Engine, id: Uuid) -> (Record, bool) {
+    match engine.get(TENANT, id).await.expect("get") {
+        Some(Lookup::Record { record, live }) => (*record, live),
+        other => panic!("{id} shows no record: {other:?}"),
+    }
+}
+
+/// Asserts that every write by `id` is refused with `why`.
+async fn assert_dead(engine: &Engine, id: Uuid, why: Refusal) {
+    match commit(engine, id, &response("zombie")).await {
+        CommitOutcome::Refused(r) => assert_eq!(r, why, "commit"),
+        other => panic!("commit by a dead id: {other:?}"),
+    }
+    assert_eq!(
+        engine.extend(TENANT, id, 30).await.expect("extend"),
+        Err(why),
+        "extend"
+    );
+    let cp = engine
+        .checkpoint(
+            TENANT,
+            id,
+            &Recovery {
+                recovery_point: "late".into(),
+                data: None,
+            },
+        )
+        .await
+        .expect("checkpoint");
+    assert_eq!(cp.err(), Some(why), "checkpoint");
+    assert_eq!(
+        engine.release(TENANT, id).await.expect("release"),
+        Err(why),
+        "release"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Scenarios
+// ---------------------------------------------------------------------------
+
+async fn reserve_classifies_new_replay_in_flight_and_mismatch(backend: Backend) {
+    let engine = backend.engine().await;
+    let key = fresh_key();
+    let req = request(key, Some("fp-a"));
+
+    let before = Utc::now();
+    let first = reserved(reserve(&engine, &req).await);
+    assert_eq!(first.attempt, 1);
+    assert!(first.recovery.is_none());
+    let lease = (first.lease_expires_at - before).num_milliseconds();
+    assert!((29_000..=31_000).contains(&lease), "lease {lease} ms");
+    let ttl = (first.expires_at - before).num_seconds();
+    assert!((86_399..=86_401).contains(&ttl), "ttl {ttl} s");
+
+    // Same fingerprint, or none: in flight, with the lease's remaining time.
+    let retry = in_flight(reserve(&engine, &req).await);
+    assert!((29..=30).contains(&retry), "retry after {retry}");
+    in_flight(reserve(&engine, &request(key, None)).await);
+    // Another fingerprint: reused, even while in flight.
+    mismatch(reserve(&engine, &request(key, Some("fp-b"))).await);
+
+    let res = response("first");
+    assert!(matches!(
+        commit(&engine, first.reservation_id, &res).await,
+        CommitOutcome::Committed(_)
+    ));
+
+    let record = completed(reserve(&engine, &req).await);
+    assert_eq!(record.state, KeyState::Completed);
+    assert_eq!(record.response.as_ref(), Some(&res));
+    assert_eq!(record.reservation_id, first.reservation_id);
+    assert_eq!(record.fingerprint.as_deref(), Some("fp-a"));
+    assert_eq!(record.tenant, TENANT);
+    assert_eq!(record.key_hash, key.to_vec());
+    assert_eq!(record.expires_at, first.expires_at);
+    assert!(record.completed_at.is_some());
+    assert!(record.lease_expires_at.is_none());
+    completed(reserve(&engine, &request(key, None)).await);
+    mismatch(reserve(&engine, &request(key, Some("fp-b"))).await);
+
+    // The same key under another tenant is another record.
+    let mut other_tenant = req.clone();
+    other_tenant.tenant = "globex".into();
+    assert_eq!(reserved(reserve(&engine, &other_tenant).await).attempt, 1);
+}
+
+async fn commit_is_idempotent_for_the_same_response_only(backend: Backend) {
+    let engine = backend.engine().await;
+    let r = reserved(reserve(&engine, &request(fresh_key(), Some("fp"))).await);
+    let res = response("once");
+    let stored = match commit(&engine, r.reservation_id, &res).await {
+        CommitOutcome::Committed(record) => record,
+        other => panic!("first commit: {other:?}"),
+    };
+    assert_eq!(stored.response.as_ref(), Some(&res));
+    match commit(&engine, r.reservation_id, &res).await {
+        CommitOutcome::AlreadyCommitted(record) => {
+            assert_eq!(record.response.as_ref(), Some(&res));
+            assert_eq!(record.completed_at, stored.completed_at);
+        }
+        other => panic!("same response again: {other:?}"),
+    }
+    match commit(&engine, r.reservation_id, &response("twice")).await {
+        CommitOutcome::Refused(Refusal::AlreadyCompleted) => {}
+        other => panic!("another response: {other:?}"),
+    }
+    // The holder's other writes are refused once it completed.
+    assert_eq!(
+        engine.extend(TENANT, r.reservation_id, 30).await.unwrap(),
+        Err(Refusal::AlreadyCompleted)
+    );
+    assert_eq!(
+        engine.release(TENANT, r.reservation_id).await.unwrap(),
+        Err(Refusal::AlreadyCompleted)
+    );
+    let (record, live) = shown(&engine, r.reservation_id).await;
+    assert!(!live);
+    assert_eq!(record.response.as_ref(), Some(&res));
+}
+
+async fn release_makes_the_key_new_and_kills_the_id(backend: Backend) {
+    let engine = backend.engine().await;
+    let key = fresh_key();
+    let old = reserved(reserve(&engine, &request(key, Some("fp-a"))).await);
+    assert_eq!(
+        engine.release(TENANT, old.reservation_id).await.unwrap(),
+        Ok(())
+    );
+
+    // Released: the id is dead as "expired" until someone reserves again.
+    assert_dead(&engine, old.reservation_id, Refusal::Expired).await;
+    assert!(matches!(
+        engine.get(TENANT, old.reservation_id).await.unwrap(),
+        Some(Lookup::Gone)
+    ));
+
+    // New again, even with another payload: attempt 1, nothing carried over.
+    let new = reserved(reserve(&engine, &request(key, Some("fp-b"))).await);
+    assert_eq!(new.attempt, 1);
+    assert!(new.recovery.is_none());
+    assert_ne!(new.reservation_id, old.reservation_id);
+    // The key was reserved afresh (attempt 1), not taken over: the old id
+    // still reads as released.
+    assert_dead(&engine, old.reservation_id, Refusal::Expired).await;
+    assert!(matches!(
+        commit(&engine, new.reservation_id, &response("new")).await,
+        CommitOutcome::Committed(_)
+    ));
+}
+
+async fn takeover_after_the_lease_hands_on_recovery_and_fences_the_old_id(backend: Backend) {
+    let engine = backend.engine().await;
+    let key = fresh_key();
+    let req = request(key, Some("fp"));
+    let old = reserved(reserve(&engine, &with_lease(req.clone(), 1)).await);
+    let recovery = Recovery {
+        recovery_point: "charged".into(),
+        data: Some(serde_json::json!({"charge": "ch_1", "amounts": [1, 2.5], "note": null})),
+    };
+    let record = engine
+        .checkpoint(TENANT, old.reservation_id, &recovery)
+        .await
+        .unwrap()
+        .expect("checkpoint by the holder");
+    assert_eq!(record.recovery.as_ref(), Some(&recovery));
+    in_flight(reserve(&engine, &req).await);
+
+    tokio::time::sleep(PAST_ONE_SECOND).await;
+    // The lease ended, but a takeover still needs a compatible fingerprint.
+    mismatch(reserve(&engine, &request(key, Some("other"))).await);
+
+    let new = reserved(reserve(&engine, &req).await);
+    assert_eq!(new.attempt, 2);
+    assert_eq!(new.recovery.as_ref(), Some(&recovery));
+    assert_ne!(new.reservation_id, old.reservation_id);
+    assert_eq!(
+        new.expires_at, old.expires_at,
+        "the TTL counts from the first reservation"
+    );
+    let lease = (new.lease_expires_at - Utc::now()).num_seconds();
+    assert!((28..=30).contains(&lease), "new lease {lease} s");
+
+    assert_dead(&engine, old.reservation_id, Refusal::TakenOver).await;
+    let (old_view, live) = shown(&engine, old.reservation_id).await;
+    assert!(!live, "a taken-over id shows its key's record, not live");
+    assert_eq!(old_view.attempt, 2);
+    assert!(
+        shown(&engine, new.reservation_id).await.1,
+        "the new holder is live"
+    );
+
+    let res = response("winner");
+    assert!(matches!(
+        commit(&engine, new.reservation_id, &res).await,
+        CommitOutcome::Committed(_)
+    ));
+    // After completion, the old id is still taken over, not a replay.
+    match commit(&engine, old.reservation_id, &res).await {
+        CommitOutcome::Refused(Refusal::TakenOver) => {}
+        other => panic!("zombie commit after completion: {other:?}"),
+    }
+    let replay = completed(reserve(&engine, &req).await);
+    assert_eq!(replay.response.as_ref(), Some(&res));
+    assert_eq!(replay.attempt, 2);
+}
+
+async fn extend_keeps_the_key_held_past_the_original_lease(backend: Backend) {
+    let engine = backend.engine().await;
+    let req = request(fresh_key(), None);
+    let r = reserved(reserve(&engine, &with_lease(req.clone(), 1)).await);
+    let until = engine
+        .extend(TENANT, r.reservation_id, 30)
+        .await
+        .unwrap()
+        .expect("extend by the holder");
+    let lease = (until - Utc::now()).num_seconds();
+    assert!((29..=30).contains(&lease), "extended lease {lease} s");
+
+    tokio::time::sleep(PAST_ONE_SECOND).await;
+    // Past the original lease: still held, not a takeover.
+    let retry = in_flight(reserve(&engine, &req).await);
+    assert!(retry >= 28, "retry after {retry}");
+    assert!(matches!(
+        commit(&engine, r.reservation_id, &response("slow")).await,
+        CommitOutcome::Committed(_)
+    ));
+}
+
+async fn expired_keys_are_new_again_and_pruning_deletes_them(backend: Backend) {
+    let engine = backend.engine().await;
+    let (renewed, abandoned) = (fresh_key(), fresh_key());
+    let first = reserved(reserve(&engine, &with_ttl(request(renewed, Some("a")), 1)).await);
+    assert!(matches!(
+        commit(&engine, first.reservation_id, &response("short-lived")).await,
+        CommitOutcome::Committed(_)
+    ));
+    let gone = reserved(reserve(&engine, &with_ttl(request(abandoned, None), 1)).await);
+    let live = reserved(reserve(&engine, &request(fresh_key(), None)).await);
+
+    tokio::time::sleep(PAST_ONE_SECOND).await;
+    assert_eq!(
+        backend.counts().await,
+        (3, 3),
+        "expired rows are still there"
+    );
+    assert_dead(&engine, first.reservation_id, Refusal::Expired).await;
+
+    // New again, although the row exists, even with another payload.
+    let again = reserved(reserve(&engine, &request(renewed, Some("b"))).await);
+    assert_eq!(again.attempt, 1);
+    assert_ne!(again.reservation_id, first.reservation_id);
+    assert_dead(&engine, first.reservation_id, Refusal::Expired).await;
+
+    // Only the record that is still expired goes, with its reservation row.
+    assert_eq!(prune::prune_once(engine.store().as_ref()).await.unwrap(), 1);
+    assert_eq!(backend.counts().await, (2, 3));
+    assert_dead(&engine, gone.reservation_id, Refusal::NotFound).await;
+    assert_eq!(
+        engine
+            .get(TENANT, gone.reservation_id)
+            .await
+            .unwrap()
+            .map(|_| ()),
+        None
+    );
+    assert_eq!(
+        engine
+            .get(TENANT, live.reservation_id)
+            .await
+            .unwrap()
+            .map(|l| matches!(l, Lookup::Record { live: true, .. })),
+        Some(true),
+        "a live record is untouched"
+    );
+    assert_eq!(prune::prune_once(engine.store().as_ref()).await.unwrap(), 0);
+}
+
+async fn unknown_ids_are_not_found(backend: Backend) {
+    let engine = backend.engine().await;
+    assert_dead(&engine, Uuid::new_v4(), Refusal::NotFound).await;
+    assert!(engine.get(TENANT, Uuid::new_v4()).await.unwrap().is_none());
+
+    // Another tenant's id is unknown too.
+    let r = reserved(reserve(&engine, &request(fresh_key(), None)).await);
+    match engine
+        .commit("globex", r.reservation_id, &response("x"))
+        .await
+        .unwrap()
+    {
+        CommitOutcome::Refused(Refusal::NotFound) => {}
+        other => panic!("commit by another tenant: {other:?}"),
+    }
+    assert!(
+        engine
+            .get("globex", r.reservation_id)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(
+        engine.release("globex", r.reservation_id).await.unwrap(),
+        Err(Refusal::NotFound)
+    );
+    // ... and did not touch the record.
+    assert!(matches!(
+        commit(&engine, r.reservation_id, &response("mine")).await,
+        CommitOutcome::Committed(_)
+    ));
+}
+
+async fn a_waiting_reserve_gets_the_replay_when_the_holder_commits(backend: Backend) {
+    // The holder's engine, and another engine over another store instance, as
+    // another process would be: one waiter is woken locally, the other polls.
+    let holder = Arc::new(backend.engine().await);
+    let elsewhere = Arc::new(backend.engine().await);
+    let key = fresh_key();
+    let req = request(key, Some("fp"));
+    let r = reserved(reserve(&holder, &req).await);
+
+    let mut waiting = req.clone();
+    waiting.wait = Some(Duration::from_secs(5));
+    let started = Instant::now();
+    let waiters = [holder.clone(), elsewhere.clone()].map(|engine| {
+        let waiting = waiting.clone();
+        tokio::spawn(async move { engine.reserve(&waiting).await })
+    });
+    let res = response("waited for");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        commit(&holder, r.reservation_id, &res).await,
+        CommitOutcome::Committed(_)
+    ));
+    for waiter in waiters {
+        let record = completed(waiter.await.unwrap().unwrap());
+        assert_eq!(record.response.as_ref(), Some(&res));
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "waited {:?}",
+        started.elapsed()
+    );
+
+    // A wait that runs out on a live holder still ends in flight.
+    let other = request(fresh_key(), None);
+    reserved(reserve(&holder, &other).await);
+    let mut short = other.clone();
+    short.wait = Some(Duration::from_millis(200));
+    in_flight(reserve(&elsewhere, &short).await);
+}
+
+/// Fires `n` reserves of `req` at once, alternating between `engines`.
+async fn race(engines: &[Arc<Engine>], n: usize, req: &ReserveRequest) -> Vec<ReserveOutcome> {
+    let barrier = Arc::new(Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let engine = engines[i % engines.len()].clone();
+            let barrier = barrier.clone();
+            let req = req.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                engine.reserve(&req).await
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        out.push(t.await.expect("task").expect("reserve"));
+    }
+    out
+}
+
+async fn two_engines(backend: &Backend) -> Vec<Arc<Engine>> {
+    vec![
+        Arc::new(backend.engine().await),
+        Arc::new(backend.engine().await),
+    ]
+}
+
+async fn sixty_four_racers_over_two_instances_one_winner(backend: Backend) {
+    let engines = two_engines(&backend).await;
+    let results = race(&engines, 64, &request(fresh_key(), Some("same"))).await;
+    let winners: Vec<_> = results
+        .iter()
+        .filter_map(|o| match o {
+            ReserveOutcome::Reserved(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(winners.len(), 1, "{results:?}");
+    assert_eq!(winners[0].attempt, 1);
+    let in_flight = results
+        .iter()
+        .filter(|o| matches!(o, ReserveOutcome::InFlight { .. }))
+        .count();
+    assert_eq!(in_flight, 63, "{results:?}");
+    assert_eq!(
+        backend.counts().await,
+        (1, 1),
+        "one record, one reservation id"
+    );
+}
+
+async fn racers_after_lease_expiry_make_exactly_one_takeover(backend: Backend) {
+    let engines = two_engines(&backend).await;
+    let req = request(fresh_key(), Some("same"));
+    let first = reserved(reserve(&engines[0], &with_lease(req.clone(), 1)).await);
+    tokio::time::sleep(PAST_ONE_SECOND).await;
+    let results = race(&engines, 64, &req).await;
+    let winners: Vec<_> = results
+        .iter()
+        .filter_map(|o| match o {
+            ReserveOutcome::Reserved(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(winners.len(), 1, "{results:?}");
+    assert_eq!(winners[0].attempt, 2);
+    assert_ne!(winners[0].reservation_id, first.reservation_id);
+    let in_flight = results
+        .iter()
+        .filter(|o| matches!(o, ReserveOutcome::InFlight { .. }))
+        .count();
+    assert_eq!(in_flight, 63, "{results:?}");
+    assert_eq!(backend.counts().await, (1, 2));
+}
+
+async fn two_pruners_at_once_delete_each_expired_row_once(backend: Backend) {
+    // More than two batches (prune::BATCH), so the passes interleave.
+    const SEEDED: i64 = 2_500;
+    backend.seed_expired(SEEDED).await;
+    let live = backend.engine().await;
+    reserved(reserve(&live, &request(fresh_key(), None)).await);
+    assert_eq!(backend.counts().await, (SEEDED + 1, SEEDED + 1));
+
+    let total = backend.prune_twice_at_once().await;
+    assert_eq!(
+        total,
+        u64::try_from(SEEDED).unwrap(),
+        "each row deleted once"
+    );
+    assert_eq!(backend.counts().await, (1, 1), "the live record stays");
+}
+
+async fn completed_keys_survive_a_restart(backend: Backend) {
+    let (done, busy) = (fresh_key(), fresh_key());
+    let res = response("durable");
+    let (r, held) = {
+        let engine = backend.engine().await;
+        let r = reserved(reserve(&engine, &request(done, Some("fp"))).await);
+        assert!(matches!(
+            commit(&engine, r.reservation_id, &res).await,
+            CommitOutcome::Committed(_)
+        ));
+        let held = reserved(reserve(&engine, &request(busy, None)).await);
+        (r, held)
+        // The engine and its store are dropped here, without a clean close.
+    };
+    let engine = backend.engine().await;
+    let record = completed(reserve(&engine, &request(done, Some("fp"))).await);
+    assert_eq!(record.response.as_ref(), Some(&res));
+    assert_eq!(record.reservation_id, r.reservation_id);
+    in_flight(reserve(&engine, &request(busy, None)).await);
+    // The holder's id still works through the reopened store.
+    assert!(matches!(
+        commit(&engine, held.reservation_id, &response("after restart")).await,
+        CommitOutcome::Committed(_)
+    ));
+}
+
+// ---------------------------------------------------------------------------
+// One test per scenario and backend
+// ---------------------------------------------------------------------------
+
+both_stores! {
+    serial: [
+        reserve_classifies_new_replay_in_flight_and_mismatch,
+        commit_is_idempotent_for_the_same_response_only,
+        release_makes_the_key_new_and_kills_the_id,
+        takeover_after_the_lease_hands_on_recovery_and_fences_the_old_id,
+        extend_keeps_the_key_held_past_the_original_lease,
+        expired_keys_are_new_again_and_pruning_deletes_them,
+        unknown_ids_are_not_found,
+        completed_keys_survive_a_restart,
+    ],
+    concurrent: [
+        a_waiting_reserve_gets_the_replay_when_the_holder_commits,
+        sixty_four_racers_over_two_instances_one_winner,
+        racers_after_lease_expiry_make_exactly_one_takeover,
+        two_pruners_at_once_delete_each_expired_row_once,
+    ],
+}
