@@ -270,11 +270,11 @@ impl From<KeyError> for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Unavailable(why) => {
+            StoreError::Unavailable { why, .. } => {
                 crate::store::report_unavailable(&why);
                 ApiError::StoreUnavailable
             }
-            StoreError::Other(why) => ApiError::Internal(why),
+            StoreError::Other { why, .. } => ApiError::Internal(why),
         }
     }
 }

@@ -30,7 +30,7 @@ pub async fn prune_once(store: &dyn Store) -> Result<u64, StoreError> {
         if !batch.more {
             return match unreachable {
                 None => Ok(total),
-                Some(why) => Err(StoreError::Unavailable(format!(
+                Some(why) => Err(StoreError::unavailable(format!(
                     "pruned {total} expired keys, but not everywhere: {why}"
                 ))),
             };

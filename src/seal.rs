@@ -338,7 +338,7 @@ pub(crate) fn open_record(sealer: Option<&Sealer>, record: &mut Record) -> Resul
             error = %why,
             "a stored record cannot be opened; answering 500 instead of using it"
         );
-        StoreError::Other(format!("sealed record: {why}"))
+        StoreError::other(format!("sealed record: {why}"))
     })
 }
 

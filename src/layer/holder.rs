@@ -303,7 +303,7 @@ impl Holder {
                 );
                 Settled::NotStored
             }
-            Err(StoreError::Unavailable(why)) => {
+            Err(StoreError::Unavailable { why, .. }) => {
                 tracing::warn!(
                     key.hash = %self.key_hash,
                     error = %why,
@@ -325,7 +325,7 @@ impl Holder {
                 });
                 Settled::Deferred
             }
-            Err(StoreError::Other(why)) => {
+            Err(StoreError::Other { why, .. }) => {
                 tracing::error!(key.hash = %self.key_hash, error = %why, "the response was not stored");
                 Settled::NotStored
             }
@@ -360,8 +360,8 @@ async fn retry_commit(
                 tracing::warn!(key.hash = %key_hash, reason = ?refusal, "the deferred commit was refused");
                 return;
             }
-            Err(StoreError::Unavailable(_)) => {}
-            Err(StoreError::Other(why)) => {
+            Err(StoreError::Unavailable { .. }) => {}
+            Err(StoreError::Other { why, .. }) => {
                 tracing::error!(key.hash = %key_hash, error = %why, "the deferred commit failed");
                 return;
             }

@@ -156,7 +156,7 @@ impl Batched {
         for rx in answered {
             answers.push(
                 rx.await
-                    .unwrap_or_else(|_| Err(StoreError::Other("no answer".into()))),
+                    .unwrap_or_else(|_| Err(StoreError::other("no answer"))),
             );
         }
         answers
@@ -183,20 +183,18 @@ impl Batched {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
-                return Err(StoreError::Unavailable(format!(
+                return Err(StoreError::unavailable(format!(
                     "{} writes are already waiting for the database",
                     self.bound
                 )));
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
-                return Err(StoreError::Unavailable(
-                    "the store's writers have stopped".into(),
-                ));
+                return Err(StoreError::unavailable("the store's writers have stopped"));
             }
         }
         answered
             .await
-            .unwrap_or_else(|_| Err(StoreError::Other("a batch ended without an answer".into())))
+            .unwrap_or_else(|_| Err(StoreError::other("a batch ended without an answer")))
     }
 }
 
@@ -297,8 +295,8 @@ async fn flush(store: &dyn Store, jobs: &mut Vec<Job>) {
     }
     drop(read);
     for (job, answer) in jobs.drain(..).zip(answers) {
-        let answer = answer
-            .unwrap_or_else(|| Err(StoreError::Other("a batched write got no answer".into())));
+        let answer =
+            answer.unwrap_or_else(|| Err(StoreError::other("a batched write got no answer")));
         let _ = job.answer.send(answer);
     }
 }
@@ -352,7 +350,7 @@ async fn write_run(
             Ok(written) => answers[i] = Some(Ok(written)),
             Err(e) => {
                 tracing::debug!(error = %e, "a batched write failed: writing it alone");
-                outage |= matches!(e, StoreError::Unavailable(_));
+                outage |= matches!(e, StoreError::Unavailable { .. });
                 again.push(i);
             }
         }
@@ -511,5 +509,5 @@ impl Store for Batched {
 }
 
 fn mismatched() -> StoreError {
-    StoreError::Other("a batched write got another kind of answer".into())
+    StoreError::other("a batched write got another kind of answer")
 }

@@ -467,7 +467,7 @@ async fn a_full_queue_refuses_at_once_and_writes_what_it_held() {
                 assert!(claim.expect("a record").claimed);
                 written += 1;
             }
-            Err(StoreError::Unavailable(why)) => {
+            Err(StoreError::Unavailable { why, .. }) => {
                 assert!(
                     why.contains(&format!("{BOUND} writes are already waiting")),
                     "{why}"

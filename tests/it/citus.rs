@@ -570,7 +570,7 @@ async fn pruning_with_a_worker_down_prunes_the_rest_and_says_what_it_skipped() {
     }
     cluster.workers[1].stop().await.expect("stop a worker");
     let pass = prune::prune_once(app.store.as_ref()).await;
-    let Err(StoreError::Unavailable(why)) = &pass else {
+    let Err(StoreError::Unavailable { why, .. }) = &pass else {
         panic!("a pass with a worker down must fail: {pass:?}");
     };
     assert!(

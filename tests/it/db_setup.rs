@@ -272,6 +272,27 @@ async fn a_missing_database_refuses_to_start_saying_createdb() {
     }
 }
 
+/// The library's error for a missing database: unavailable (it heals once
+/// the database is created), a message that says so, and the database's own
+/// error kept underneath, for an embedder that inspects it.
+#[tokio::test]
+async fn a_store_error_keeps_the_databases_error_as_its_source() {
+    let db = missing_database().await;
+    let store =
+        idemgate::store::PgStore::connect_lazy(&db.url, &Default::default()).expect("a lazy store");
+    let err = idemgate::store::Store::ping(&store)
+        .await
+        .expect_err("the database does not exist");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(err.to_string().contains("does not exist"), "{err}");
+    let source = std::error::Error::source(&err).expect("the cause is kept");
+    let sqlx = source
+        .downcast_ref::<sqlx::Error>()
+        .unwrap_or_else(|| panic!("not an sqlx::Error: {source:?}"));
+    let code = sqlx.as_database_error().and_then(|d| d.code());
+    assert_eq!(code.as_deref(), Some("3D000"), "{sqlx}");
+}
+
 /// `serve --no-migrate` over a database that does not exist: 503 at every
 /// door, one WARN line with the cause and the cure; then `createdb` (still
 /// 503: no tables, and the line says so) and `idemgate migrate`, and the

@@ -138,7 +138,7 @@ async fn a_connection_the_database_killed_is_not_handed_out_again() {
     // The first statement may find the dead connection (503, never 500);
     // from then on the store works again.
     match store.ping().await {
-        Ok(()) | Err(StoreError::Unavailable(_)) => {}
+        Ok(()) | Err(StoreError::Unavailable { .. }) => {}
         Err(other) => panic!("a dead connection must read as unavailable, got {other}"),
     }
     store.ping().await.expect("a fresh connection");

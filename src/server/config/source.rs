@@ -324,13 +324,18 @@ impl Sources {
     /// `e` and its causes as `{e:#}` writes them, with every refused
     /// setting in the chain named by [`Sources::render`].
     pub fn explain(&self, e: &anyhow::Error) -> String {
-        let mut links: Vec<String> = e
-            .chain()
-            .map(|cause| match cause.downcast_ref::<ConfigError>() {
+        let mut links: Vec<String> = Vec::new();
+        for cause in e.chain() {
+            links.push(match cause.downcast_ref::<ConfigError>() {
                 Some(refused) => self.render(refused),
                 None => cause.to_string(),
-            })
-            .collect();
+            });
+            // A store error's message already names its cause in words; the
+            // sqlx or io error under it would say the same again.
+            if cause.is::<crate::store::StoreError>() {
+                break;
+            }
+        }
         // Given as `.context(ConfigError { .. })`, the refusal is inside
         // anyhow's wrapper, which only anyhow's own downcast sees through.
         if let (Some(refused), Some(first)) = (e.downcast_ref::<ConfigError>(), links.first_mut())

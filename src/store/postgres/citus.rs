@@ -12,7 +12,7 @@
 use sqlx::postgres::PgPool;
 use sqlx::{Connection as _, PgConnection};
 
-use super::{PruneBatch, StoreError};
+use crate::store::{PruneBatch, StoreError};
 
 /// How the tables are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,7 +97,7 @@ fn misplaced(table: &str, found: &Placement) -> StoreError {
         ("n", _) => "a reference or local table".to_owned(),
         (method, _) => format!("a Citus table of method {method}"),
     };
-    StoreError::Other(format!(
+    StoreError::other(format!(
         "{table} is {what}; idemgate needs it distributed by tenant, colocated with \
          {KEYS}: run SELECT undistribute_table('{table}'), then idemgate migrate"
     ))
@@ -139,7 +139,7 @@ pub async fn distribute(pool: &PgPool) -> Result<Layout, StoreError> {
             placement(&mut tx, KEYS)
                 .await
                 .map_err(other)?
-                .ok_or_else(|| StoreError::Other(format!("{KEYS} is not distributed")))?
+                .ok_or_else(|| StoreError::other(format!("{KEYS} is not distributed")))?
         }
     };
     match placement(&mut tx, RESERVATIONS).await.map_err(other)? {
@@ -218,11 +218,11 @@ pub async fn distribute(pool: &PgPool) -> Result<Layout, StoreError> {
 }
 
 fn other(e: sqlx::Error) -> StoreError {
-    StoreError::Other(format!("citus: {}", said(&e)))
+    StoreError::other(format!("citus: {}", said(&e))).because(e)
 }
 
 fn failed(doing: &str, what: &str, e: sqlx::Error) -> StoreError {
-    StoreError::Other(format!("citus: {doing} {what} failed: {}", said(&e)))
+    StoreError::other(format!("citus: {doing} {what} failed: {}", said(&e))).because(e)
 }
 
 /// The server's words for a database error (without sqlx's "at line N"),

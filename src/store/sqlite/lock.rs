@@ -58,11 +58,12 @@ impl FileLock {
         // process opening the file at once agree on one hold.
         let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
         let (file, writable) = open(&path).map_err(|e| {
-            StoreError::Unavailable(format!(
+            StoreError::unavailable(format!(
                 "cannot open the lock file {} (kept beside the database, so that one \
                  process at a time uses it): {e}",
                 path.display()
             ))
+            .because(e)
         })?;
         let key = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
         if let Some(h) = held.get_mut(&key) {
@@ -72,14 +73,15 @@ impl FileLock {
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
-                return Err(StoreError::Unavailable(in_use(database, &path, &file)));
+                return Err(StoreError::unavailable(in_use(database, &path, &file)));
             }
             Err(TryLockError::Error(e)) => {
-                return Err(StoreError::Unavailable(format!(
+                return Err(StoreError::unavailable(format!(
                     "cannot lock {} (so that one process at a time uses {}): {e}",
                     path.display(),
                     database.display()
-                )));
+                ))
+                .because(e));
             }
         }
         if writable && let Err(e) = name_holder(&file) {

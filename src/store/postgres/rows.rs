@@ -1,0 +1,93 @@
+//! The rows the PostgreSQL store reads back: every statement that returns a
+//! record returns the columns of [`key_columns!`](crate::store::key_columns)
+//! in that order, read here into a [`KeyRow`] and turned into a [`Record`]
+//! by the helpers both stores share.
+
+use chrono::{DateTime, Utc};
+use sqlx::FromRow;
+use uuid::Uuid;
+
+use crate::store::{KeyState, Record, Recovery, Result, StoreError, StoredResponse};
+
+/// One row of `idempotency_keys`, as [`key_columns!`](crate::store::key_columns) lists it.
+#[derive(FromRow)]
+pub(super) struct KeyRow {
+    pub(super) tenant: String,
+    pub(super) key_hash: Vec<u8>,
+    pub(super) fingerprint: Option<String>,
+    pub(super) state: String,
+    pub(super) reservation_id: Uuid,
+    pub(super) lease_expires_at: Option<DateTime<Utc>>,
+    pub(super) attempt: i32,
+    pub(super) recovery_point: Option<String>,
+    pub(super) recovery_data: Option<serde_json::Value>,
+    pub(super) response_status: Option<i32>,
+    pub(super) response_headers: Option<serde_json::Value>,
+    pub(super) response_body: Option<Vec<u8>>,
+    pub(super) created_at: DateTime<Utc>,
+    pub(super) completed_at: Option<DateTime<Utc>>,
+    pub(super) expires_at: DateTime<Utc>,
+}
+
+#[derive(FromRow)]
+pub(super) struct ClaimRow {
+    pub(super) claimed: bool,
+    pub(super) db_now: DateTime<Utc>,
+    #[sqlx(flatten)]
+    pub(super) row: KeyRow,
+}
+
+#[derive(FromRow)]
+pub(super) struct BatchRow {
+    pub(super) ord: i32,
+    pub(super) claimed: bool,
+    pub(super) db_now: DateTime<Utc>,
+    #[sqlx(flatten)]
+    pub(super) row: KeyRow,
+}
+
+#[derive(FromRow)]
+pub(super) struct FoundRow {
+    pub(super) db_now: DateTime<Utc>,
+    #[sqlx(flatten)]
+    pub(super) row: KeyRow,
+}
+
+impl TryFrom<KeyRow> for Record {
+    type Error = StoreError;
+
+    fn try_from(r: KeyRow) -> Result<Record> {
+        let state = KeyState::parse(&r.state)?;
+        let response = StoredResponse::from_columns(
+            r.response_status.map(i64::from),
+            r.response_headers,
+            r.response_body,
+        )?;
+        Ok(Record {
+            tenant: r.tenant,
+            key_hash: r.key_hash,
+            fingerprint: r.fingerprint,
+            state,
+            reservation_id: r.reservation_id,
+            lease_expires_at: r.lease_expires_at,
+            attempt: r.attempt,
+            recovery: r.recovery_point.map(|recovery_point| Recovery {
+                recovery_point,
+                data: r.recovery_data,
+            }),
+            response,
+            created_at: r.created_at,
+            completed_at: r.completed_at,
+            expires_at: r.expires_at,
+        })
+    }
+}
+
+pub(super) fn headers_json(headers: &[(String, String)]) -> serde_json::Value {
+    serde_json::Value::Array(
+        headers
+            .iter()
+            .map(|(n, v)| serde_json::json!([n, v]))
+            .collect(),
+    )
+}

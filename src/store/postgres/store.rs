@@ -1,0 +1,276 @@
+//! [`Store`] over PostgreSQL: each operation one statement on one of the
+//! store's connections.
+
+use std::sync::atomic::Ordering;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use super::PgStore;
+use super::citus::{self, Layout};
+use super::errors::no_tables;
+use super::rows::{ClaimRow, FoundRow, KeyRow, headers_json};
+use super::sql::*;
+use super::write_batch::BATCH_WRITERS;
+use crate::store::{
+    Claim, ClaimRequest, Found, InFlightUsage, PoolStats, PruneBatch, Record, Recovery, Result,
+    Store, StoreError, StoredResponse, StoredUsage, Write, Written,
+};
+
+#[async_trait]
+impl Store for PgStore {
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
+        // The function's read has a snapshot of its own, taken after the
+        // claim, so it sees what a concurrent claim committed; a record gone
+        // between the two (pruned at that instant) is tried again. Under a
+        // limit, nothing twice running means the limit held the claim back
+        // from a key with no record.
+        for round in 0..5 {
+            let query = sqlx::query_as(RESERVE)
+                .bind(&req.tenant)
+                .bind(&req.key_hash[..])
+                .bind(&req.fingerprint)
+                .bind(req.reservation_id)
+                .bind(f64::from(req.lease_seconds))
+                .bind(f64::from(req.ttl_seconds))
+                .bind(req.max_in_flight.map(i64::from));
+            let row: Option<ClaimRow> = self.fetch_row(query).await?;
+            match row {
+                Some(row) => {
+                    return Ok(Some(Claim {
+                        claimed: row.claimed,
+                        now: row.db_now,
+                        record: row.row.try_into()?,
+                    }));
+                }
+                None if req.max_in_flight.is_some() && round > 0 => return Ok(None),
+                None => {}
+            }
+        }
+        Err(StoreError::unavailable(
+            "the record kept changing under the claim; try again",
+        ))
+    }
+
+    async fn complete(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<Option<Record>> {
+        let row: Option<KeyRow> = self
+            .fetch_row(
+                sqlx::query_as(COMPLETE)
+                    .bind(tenant)
+                    .bind(reservation_id)
+                    .bind(i32::from(response.status))
+                    .bind(headers_json(&response.headers))
+                    .bind(&response.body),
+            )
+            .await?;
+        row.map(Record::try_from).transpose()
+    }
+
+    async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        // Expiring the record at once makes the key new again and
+        // kills the id; the pruning job deletes the row later.
+        self.fetch_scalar(
+            sqlx::query_scalar(RELEASE)
+                .bind(tenant)
+                .bind(reservation_id),
+        )
+        .await
+    }
+
+    async fn extend(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Option<DateTime<Utc>>> {
+        self.fetch_scalar(
+            sqlx::query_scalar(EXTEND)
+                .bind(tenant)
+                .bind(reservation_id)
+                .bind(f64::from(lease_seconds)),
+        )
+        .await
+    }
+
+    async fn checkpoint(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        recovery: &Recovery,
+    ) -> Result<Option<Record>> {
+        let row: Option<KeyRow> = self
+            .fetch_row(
+                sqlx::query_as(CHECKPOINT)
+                    .bind(tenant)
+                    .bind(reservation_id)
+                    .bind(&recovery.recovery_point)
+                    .bind(&recovery.data),
+            )
+            .await?;
+        row.map(Record::try_from).transpose()
+    }
+
+    async fn find_by_reservation(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+    ) -> Result<Option<Found>> {
+        let row: Option<FoundRow> = self
+            .fetch_row(sqlx::query_as(FIND).bind(tenant).bind(reservation_id))
+            .await?;
+        row.map(|r| {
+            Ok(Found {
+                now: r.db_now,
+                record: r.row.try_into()?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
+        if limit <= 0 {
+            return Ok(PruneBatch::default());
+        }
+        // SKIP LOCKED: rows a reservation (or another pruner) holds are left
+        // for the next pass, so pruning never waits on live traffic and two
+        // pruners never delete the same row. On Citus, the same statement
+        // runs shard by shard.
+        match self.layout().await? {
+            Layout::Single => {
+                let deleted: Option<i64> = self
+                    .fetch_scalar(sqlx::query_scalar(PRUNE.as_str()).bind(limit))
+                    .await?;
+                let deleted = deleted.and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
+                Ok(PruneBatch::of(deleted, limit))
+            }
+            Layout::Citus { .. } => {
+                let per_shard = citus::per_shard(limit);
+                let sql = citus::prune_shards_sql(per_shard);
+                let row: Option<citus::ShardsPruned> = self
+                    .fetch_row(sqlx::query_as(sqlx::AssertSqlSafe(sql)))
+                    .await?;
+                let row = row.ok_or_else(|| StoreError::other("pruning returned no row"))?;
+                Ok(row.batch(per_shard))
+            }
+        }
+    }
+
+    async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
+        // The count stops at `up_to`.
+        let row: Option<(i64, Option<DateTime<Utc>>, DateTime<Utc>)> = self
+            .fetch_row(
+                sqlx::query_as(IN_FLIGHT_USAGE)
+                    .bind(tenant)
+                    .bind(i64::from(up_to)),
+            )
+            .await?;
+        let (keys, next_lease_end, now) =
+            row.ok_or_else(|| StoreError::other("count returned no row"))?;
+        Ok(InFlightUsage {
+            keys: u64::try_from(keys).unwrap_or(0),
+            next_lease_end,
+            now,
+        })
+    }
+
+    async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage> {
+        let row: Option<(i64, Option<DateTime<Utc>>, DateTime<Utc>)> = self
+            .fetch_row(sqlx::query_as(STORED_USAGE).bind(tenant))
+            .await?;
+        let (bytes, next_expiry, now) =
+            row.ok_or_else(|| StoreError::other("sum returned no row"))?;
+        Ok(StoredUsage {
+            bytes: u64::try_from(bytes).unwrap_or(0),
+            next_expiry,
+            now,
+        })
+    }
+
+    async fn ping(&self) -> Result<()> {
+        // What every request needs beyond a connection: the two tables and
+        // the claim function. Catalog lookups, evaluated at each execution (a
+        // cached plan would keep the answer of its first run), reading
+        // neither table.
+        let found: Option<(bool, bool, bool, bool)> = self
+            .fetch_row(sqlx::query_as(
+                "SELECT to_regclass('idempotency_keys') IS NOT NULL,
+                        to_regclass('idempotency_reservations') IS NOT NULL,
+                        to_regprocedure(
+                            'idemgate_reserve(text, bytea, text, uuid, float8, float8, int8)')
+                            IS NOT NULL,
+                        to_regprocedure(
+                            'idemgate_write_batch(text, text[], text[], bytea[], text[], uuid[],
+                                                  float8[], float8[], int8[], int4[], jsonb[],
+                                                  bytea[])')
+                            IS NOT NULL",
+            ))
+            .await?;
+        match found {
+            Some((true, true, true, true)) => Ok(()),
+            // In the words a request would get, so that both are one cause.
+            Some((keys, reservations, reserve, _)) => {
+                let missing = if !keys {
+                    "relation \"idempotency_keys\" does not exist (SQLSTATE 42P01)"
+                } else if !reservations {
+                    "relation \"idempotency_reservations\" does not exist (SQLSTATE 42P01)"
+                } else if !reserve {
+                    "function idemgate_reserve does not exist (SQLSTATE 42883)"
+                } else {
+                    "function idemgate_write_batch does not exist (SQLSTATE 42883)"
+                };
+                Err(no_tables(missing, &self.conns.target))
+            }
+            None => Err(StoreError::other("the readiness query returned no row")),
+        }
+    }
+
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+        let layout = match self.layout().await {
+            Ok(layout) => layout,
+            Err(e) => return writes.iter().map(|_| Err(e.clone())).collect(),
+        };
+        match layout {
+            Layout::Single => self.write_batch_call(writes).await,
+            // The function runs on the node that holds its tenant's shard: a
+            // call per tenant, each its own transaction there.
+            Layout::Citus { .. } => {
+                let mut by_tenant: Vec<(&str, Vec<usize>)> = Vec::new();
+                for (i, write) in writes.iter().enumerate() {
+                    match by_tenant.iter_mut().find(|(t, _)| *t == write.tenant()) {
+                        Some((_, items)) => items.push(i),
+                        None => by_tenant.push((write.tenant(), vec![i])),
+                    }
+                }
+                let mut answers: Vec<Option<Result<Written>>> =
+                    (0..writes.len()).map(|_| None).collect();
+                for (_, items) in by_tenant {
+                    let group: Vec<&Write> = items.iter().map(|&i| writes[i]).collect();
+                    for (&i, answer) in items.iter().zip(self.write_batch_call(&group).await) {
+                        answers[i] = Some(answer);
+                    }
+                }
+                answers
+                    .into_iter()
+                    .map(|a| a.unwrap_or_else(|| Err(StoreError::other("no answer"))))
+                    .collect()
+            }
+        }
+    }
+
+    fn batch_writers(&self) -> usize {
+        BATCH_WRITERS
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        let size = self.conns.open.load(Ordering::Relaxed);
+        let idle = self.conns.idle.lock().map_or(0, |idle| idle.len());
+        let idle = u32::try_from(idle).unwrap_or(u32::MAX);
+        Some(PoolStats { size, idle })
+    }
+}

@@ -1,0 +1,129 @@
+//! The SQLite store's statements, each a `&'static str` put together at
+//! compile time (`concat!`), from the column list both stores read
+//! ([`key_columns!`](crate::store::key_columns)). Parameters are numbered
+//! (`?1`), and the clock is this process's, passed in as milliseconds.
+
+use crate::store::key_columns;
+
+/// Restricts a statement on `idempotency_keys` to the row whose current holder
+/// is reservation `?2` of tenant `?1`, while the record is alive at `?3`.
+macro_rules! current_holder {
+    () => {
+        "tenant = ?1 AND reservation_id = ?2
+           AND key_hash = (SELECT r.key_hash FROM idempotency_reservations r
+                            WHERE r.tenant = ?1 AND r.reservation_id = ?2)
+           AND state = 'in_flight' AND expires_at > ?3"
+    };
+}
+
+// The claim, the PostgreSQL statement's twin: insert a new record, or reset an
+// expired one, or take over an in-flight one whose lease ended (fingerprints
+// compatible). When neither applies the DO UPDATE is skipped and nothing is
+// returned; the caller then reads the record as it stands, inside the same
+// write transaction. SET expressions see the row as it was before the update.
+// ?1 tenant, ?2 key hash, ?3 fingerprint, ?4 reservation id, ?5 now,
+// ?6 lease (ms), ?7 ttl (ms).
+pub(super) const RESERVE: &str = concat!(
+    "INSERT INTO idempotency_keys AS k
+        (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
+         created_at, expires_at)
+    VALUES (?1, ?2, ?3, 'in_flight', ?4, ?5 + ?6, 1, ?5, ?5 + ?7)
+    ON CONFLICT (tenant, key_hash) DO UPDATE SET
+        fingerprint = CASE WHEN k.expires_at <= ?5 THEN excluded.fingerprint
+                           ELSE COALESCE(k.fingerprint, excluded.fingerprint) END,
+        state = 'in_flight',
+        reservation_id = excluded.reservation_id,
+        lease_expires_at = excluded.lease_expires_at,
+        attempt = CASE WHEN k.expires_at <= ?5 THEN 1 ELSE k.attempt + 1 END,
+        recovery_point = CASE WHEN k.expires_at <= ?5 THEN NULL ELSE k.recovery_point END,
+        recovery_data = CASE WHEN k.expires_at <= ?5 THEN NULL ELSE k.recovery_data END,
+        response_status = NULL,
+        response_headers = NULL,
+        response_body = NULL,
+        created_at = CASE WHEN k.expires_at <= ?5 THEN ?5 ELSE k.created_at END,
+        completed_at = NULL,
+        expires_at = CASE WHEN k.expires_at <= ?5 THEN excluded.expires_at ELSE k.expires_at END
+    WHERE k.expires_at <= ?5
+       OR (k.state = 'in_flight' AND k.lease_expires_at <= ?5
+           AND (k.fingerprint IS NULL OR excluded.fingerprint IS NULL
+                OR k.fingerprint = excluded.fingerprint))
+    RETURNING ",
+    key_columns!()
+);
+
+// ?1 tenant, ?2 now, ?3 the most worth counting.
+pub(super) const COUNT_IN_FLIGHT: &str = "SELECT count(*) FROM (
+        SELECT 1 FROM idempotency_keys
+         WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2 AND expires_at > ?2
+         LIMIT ?3)";
+
+pub(super) const SELECT_KEY: &str = concat!(
+    "SELECT ",
+    key_columns!(),
+    " FROM idempotency_keys WHERE tenant = ?1 AND key_hash = ?2"
+);
+
+// ?4 status, ?5 headers, ?6 body.
+pub(super) const COMPLETE: &str = concat!(
+    "UPDATE idempotency_keys SET state = 'completed', response_status = ?4,
+            response_headers = ?5, response_body = ?6, completed_at = ?3,
+            lease_expires_at = NULL
+      WHERE ",
+    current_holder!(),
+    " RETURNING ",
+    key_columns!()
+);
+
+pub(super) const RELEASE: &str = concat!(
+    "UPDATE idempotency_keys SET expires_at = ?3, lease_expires_at = ?3 WHERE ",
+    current_holder!(),
+    " RETURNING key_hash"
+);
+
+// ?4 lease (ms).
+pub(super) const EXTEND: &str = concat!(
+    "UPDATE idempotency_keys SET lease_expires_at = ?3 + ?4 WHERE ",
+    current_holder!(),
+    " RETURNING lease_expires_at"
+);
+
+// ?4 recovery point, ?5 recovery data.
+pub(super) const CHECKPOINT: &str = concat!(
+    "UPDATE idempotency_keys SET recovery_point = ?4, recovery_data = ?5 WHERE ",
+    current_holder!(),
+    " RETURNING ",
+    key_columns!()
+);
+
+pub(super) const FIND: &str = concat!(
+    "SELECT ",
+    key_columns!(),
+    " FROM idempotency_keys
+      WHERE tenant = ?1
+        AND key_hash = (SELECT r.key_hash FROM idempotency_reservations r
+                         WHERE r.tenant = ?1 AND r.reservation_id = ?2)"
+);
+
+// The batch to prune: the oldest expired rows, in a total order (rowid breaks
+// ties) so that both statements below pick the same rows. ?1 now, ?2 limit.
+macro_rules! doomed {
+    ($cols:literal) => {
+        concat!(
+            "SELECT ",
+            $cols,
+            " FROM idempotency_keys WHERE expires_at <= ?1 ORDER BY expires_at, rowid LIMIT ?2"
+        )
+    };
+}
+
+pub(super) const PRUNE_FENCES: &str = concat!(
+    "DELETE FROM idempotency_reservations WHERE (tenant, key_hash) IN (",
+    doomed!("tenant, key_hash"),
+    ")"
+);
+
+pub(super) const PRUNE_KEYS: &str = concat!(
+    "DELETE FROM idempotency_keys WHERE rowid IN (",
+    doomed!("rowid"),
+    ")"
+);

@@ -1,0 +1,228 @@
+//! [`Store`] over the SQLite file: writes on the one write connection, in
+//! `BEGIN IMMEDIATE` transactions; reads on the reader pool.
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use super::SqliteStore;
+use super::errors::{NO_TABLES, classify};
+use super::rows::*;
+use super::sql::*;
+use super::tx::*;
+use crate::store::{
+    Claim, ClaimRequest, Found, InFlightUsage, PoolStats, PruneBatch, Record, Recovery, Result,
+    Store, StoreError, StoredResponse, StoredUsage, Write, Written,
+};
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
+        match self.claim(req).await {
+            // The file cannot be written (read-only, full disk) or the writer
+            // is stuck: a record that needs no claim is still an answer.
+            Err(e) if e.is_unavailable() => match self.settled(req).await {
+                Ok(Some(settled)) => Ok(Some(settled)),
+                _ => Err(e),
+            },
+            claimed => claimed,
+        }
+    }
+
+    async fn complete(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<Option<Record>> {
+        let mut tx = self.begin_write().await?;
+        let record = complete_in(&mut tx, tenant, reservation_id, response, now_ms()).await?;
+        tx.commit().await.map_err(classify)?;
+        Ok(record)
+    }
+
+    async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        let mut tx = self.begin_write().await?;
+        let key_hash = release_in(&mut tx, tenant, reservation_id, now_ms()).await?;
+        tx.commit().await.map_err(classify)?;
+        Ok(key_hash)
+    }
+
+    async fn extend(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Option<DateTime<Utc>>> {
+        let mut tx = self.begin_write().await?;
+        let until: Option<Option<i64>> = sqlx::query_scalar(EXTEND)
+            .bind(tenant)
+            .bind(reservation_id.hyphenated())
+            .bind(now_ms())
+            .bind(secs_ms(lease_seconds))
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(classify)?;
+        tx.commit().await.map_err(classify)?;
+        // The column is nullable in the schema, never NULL after this update.
+        until.flatten().map(ts).transpose()
+    }
+
+    async fn checkpoint(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        recovery: &Recovery,
+    ) -> Result<Option<Record>> {
+        let data = data_json(&recovery.data)?;
+        let mut tx = self.begin_write().await?;
+        let row: Option<KeyRow> = sqlx::query_as(CHECKPOINT)
+            .bind(tenant)
+            .bind(reservation_id.hyphenated())
+            .bind(now_ms())
+            .bind(&recovery.recovery_point)
+            .bind(data)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(classify)?;
+        let record = row.map(Record::try_from).transpose()?;
+        tx.commit().await.map_err(classify)?;
+        Ok(record)
+    }
+
+    async fn find_by_reservation(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+    ) -> Result<Option<Found>> {
+        // One statement reads one snapshot; the clock is read just before it,
+        // so a record seen as live was live at `now`.
+        let now = now_ms();
+        let row: Option<KeyRow> = sqlx::query_as(FIND)
+            .bind(tenant)
+            .bind(reservation_id.hyphenated())
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(classify)?;
+        row.map(|r| {
+            Ok(Found {
+                now: ts(now)?,
+                record: r.try_into()?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
+        // SQLite reads a negative LIMIT as "no limit"; PostgreSQL refuses it.
+        if limit <= 0 {
+            return Ok(PruneBatch::default());
+        }
+        // Both deletes run under one write lock, so they see the same expired
+        // rows and no reservation can touch them in between; a second pruner
+        // (another process) waits for the lock and then finds them gone, so
+        // each row is deleted exactly once. Small batches keep the lock short.
+        let mut tx = self.begin_write().await?;
+        let now = now_ms();
+        sqlx::query(PRUNE_FENCES)
+            .bind(now)
+            .bind(limit)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+        let deleted = sqlx::query(PRUNE_KEYS)
+            .bind(now)
+            .bind(limit)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?
+            .rows_affected();
+        tx.commit().await.map_err(classify)?;
+        Ok(PruneBatch::of(deleted, limit))
+    }
+
+    async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
+        let now = now_ms();
+        let (keys, next): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT count(*), min(lease_expires_at) FROM (
+                SELECT lease_expires_at FROM idempotency_keys
+                 WHERE tenant = ?1 AND state = 'in_flight' AND lease_expires_at > ?2 AND expires_at > ?2
+                 ORDER BY lease_expires_at
+                 LIMIT ?3)",
+        )
+        .bind(tenant)
+        .bind(now)
+        .bind(i64::from(up_to))
+        .fetch_one(&self.reader)
+        .await
+        .map_err(classify)?;
+        Ok(InFlightUsage {
+            keys: u64::try_from(keys).unwrap_or(0),
+            next_lease_end: ts_opt(next)?,
+            now: ts(now)?,
+        })
+    }
+
+    async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage> {
+        let now = now_ms();
+        let (bytes, next): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT coalesce(sum(coalesce(length(response_body), 0)
+                                 + coalesce(length(response_headers), 0)), 0),
+                    min(expires_at)
+               FROM idempotency_keys
+              WHERE tenant = ?1 AND state = 'completed' AND expires_at > ?2",
+        )
+        .bind(tenant)
+        .bind(now)
+        .fetch_one(&self.reader)
+        .await
+        .map_err(classify)?;
+        Ok(StoredUsage {
+            bytes: u64::try_from(bytes).unwrap_or(0),
+            next_expiry: ts_opt(next)?,
+            now: ts(now)?,
+        })
+    }
+
+    async fn ping(&self) -> Result<()> {
+        // Reads the schema from the file, so a file that cannot be read fails
+        // here, and so does one without the tables every request needs.
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT name FROM sqlite_master WHERE type = 'table'
+                AND name IN ('idempotency_keys', 'idempotency_reservations')",
+        )
+        .fetch_all(&self.reader)
+        .await
+        .map_err(classify)?;
+        match ["idempotency_keys", "idempotency_reservations"]
+            .into_iter()
+            .find(|t| !tables.iter().any(|have| have == t))
+        {
+            // In the words a request would get, so that both are one cause.
+            Some(missing) => Err(StoreError::unavailable(format!(
+                "no such table: {missing}: {NO_TABLES}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+        match self.write_all(writes).await {
+            Ok(written) => written.into_iter().map(Ok).collect(),
+            Err(e) => writes.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        let (size, idle) = if self.shared {
+            (self.writer.size(), self.writer.num_idle())
+        } else {
+            (
+                self.writer.size() + self.reader.size(),
+                self.writer.num_idle() + self.reader.num_idle(),
+            )
+        };
+        let idle = u32::try_from(idle).unwrap_or(u32::MAX);
+        Some(PoolStats { size, idle })
+    }
+}
