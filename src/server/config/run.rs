@@ -1,0 +1,149 @@
+//! What a long-running command does beside its requests: migrations,
+//! pruning, shutdown, connection timers, memory, tenant limits, sealing.
+
+use std::time::Duration;
+
+use clap::Args;
+use secrecy::{ExposeSecret, SecretString};
+
+use super::{ConfigError, boolean_style};
+use crate::engine::{DEFAULT_REPLAY_CACHE_BYTES, TenantLimits};
+use crate::seal::Sealer;
+
+/// What a long-running command (`serve`, `proxy`) does beside its requests,
+/// and the memory it keeps for them.
+#[derive(Debug, Clone, Args)]
+#[command(mut_args = boolean_style)]
+pub struct RunArgs {
+    /// Do not apply pending migrations at start (`idemgate migrate` does).
+    #[arg(long, env = "IDEMGATE_NO_MIGRATE")]
+    pub no_migrate: bool,
+
+    /// Seconds between pruning passes (0 turns the job off).
+    #[arg(
+        long,
+        env = "IDEMGATE_PRUNE_INTERVAL",
+        value_name = "SECONDS",
+        default_value_t = 60
+    )]
+    pub prune_interval: u64,
+
+    /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
+    #[arg(
+        long,
+        env = "IDEMGATE_SHUTDOWN_GRACE",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
+    pub shutdown_grace: u64,
+
+    /// Seconds a client has to send a request's headers before its
+    /// connection is closed, and at most between two pieces of its body
+    /// before it gets 408 (slow clients cannot hold connections open).
+    #[arg(long, env = "IDEMGATE_HEADER_READ_TIMEOUT", value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_read_timeout: u64,
+
+    /// Seconds an idle keep-alive connection, its last response sent, waits
+    /// for the next request before it is closed. The default is longer than
+    /// any Retry-After sent under the default leases (30 s for serve, 35 s
+    /// for the proxy), so a client that waits as told still finds its pooled
+    /// connection open.
+    #[arg(long, env = "IDEMGATE_KEEP_ALIVE_TIMEOUT", value_name = "SECONDS", default_value_t = 75,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep_alive_timeout: u64,
+
+    /// Bytes of memory for completed responses, replayed from there without
+    /// a database round trip until they expire (0 turns the cache off).
+    #[arg(long, env = "IDEMGATE_REPLAY_CACHE_BYTES", value_name = "BYTES",
+          default_value_t = DEFAULT_REPLAY_CACHE_BYTES)]
+    pub replay_cache_bytes: u64,
+
+    /// Most keys one tenant may hold in flight at once; a new key beyond it
+    /// is answered 429 tenant-limit with Retry-After (0: no limit).
+    #[arg(
+        long,
+        env = "IDEMGATE_TENANT_MAX_IN_FLIGHT",
+        value_name = "N",
+        default_value_t = 0
+    )]
+    pub tenant_max_in_flight: u32,
+
+    /// Most bytes of stored responses one tenant may keep until they
+    /// expire; at or over it, its new keys are answered 429 tenant-limit
+    /// with Retry-After while its replays go on (0: no limit).
+    #[arg(
+        long,
+        env = "IDEMGATE_TENANT_MAX_STORED_BYTES",
+        value_name = "BYTES",
+        default_value_t = 0
+    )]
+    pub tenant_max_stored_bytes: u64,
+
+    /// Seals stored responses at rest (AES-256-GCM): 32 random bytes,
+    /// base64 (`openssl rand -base64 32`). New responses are sealed under it.
+    #[arg(long, env = "IDEMGATE_SEAL_KEY", hide_env_values = true)]
+    pub seal_key: Option<SecretString>,
+
+    /// Retired seal keys, comma-separated base64: responses sealed under them
+    /// still open, none is sealed under them any more.
+    #[arg(long, env = "IDEMGATE_SEAL_KEY_PREVIOUS", hide_env_values = true)]
+    pub seal_key_previous: Option<SecretString>,
+}
+
+// === impl RunArgs ===
+
+impl RunArgs {
+    /// How long in-flight requests get after a shutdown signal.
+    pub fn grace(&self) -> Duration {
+        Duration::from_secs(self.shutdown_grace)
+    }
+
+    /// How the listeners treat their connections.
+    pub fn serving(&self) -> crate::server::serve::Serving {
+        crate::server::serve::Serving {
+            grace: self.grace(),
+            header_read_timeout: Duration::from_secs(self.header_read_timeout),
+            keep_alive_timeout: Duration::from_secs(self.keep_alive_timeout),
+        }
+    }
+
+    /// The per-tenant limits, 0 read as none.
+    pub fn tenant_limits(&self) -> TenantLimits {
+        TenantLimits {
+            max_in_flight: (self.tenant_max_in_flight > 0).then_some(self.tenant_max_in_flight),
+            max_stored_bytes: (self.tenant_max_stored_bytes > 0)
+                .then_some(self.tenant_max_stored_bytes),
+        }
+    }
+
+    /// The sealer the seal settings describe, if `IDEMGATE_SEAL_KEY` is set;
+    /// an error naming the setting (never its value) if a key is unusable.
+    pub fn sealer(&self) -> Result<Option<Sealer>, ConfigError> {
+        let previous = self
+            .seal_key_previous
+            .as_ref()
+            .map(|p| p.expose_secret())
+            .filter(|p| !p.trim().is_empty());
+        let Some(current) = self
+            .seal_key
+            .as_ref()
+            .map(|k| k.expose_secret())
+            .filter(|k| !k.trim().is_empty())
+        else {
+            if previous.is_some() {
+                return Err(ConfigError {
+                    setting: "seal_key_previous",
+                    problem: "holds retired keys but no current one: set {seal_key} too".into(),
+                });
+            }
+            return Ok(None);
+        };
+        Sealer::from_settings(current, previous)
+            .map(Some)
+            .map_err(|e| ConfigError {
+                setting: e.setting,
+                problem: e.problem,
+            })
+    }
+}
