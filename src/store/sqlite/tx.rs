@@ -21,26 +21,15 @@ use crate::store::{Claim, ClaimRequest, Record, Result, StoreError, StoredRespon
 /// the pool's `after_release` hook ([`after_write`]) cleans up before anyone
 /// else gets the connection.
 ///
-/// Not sqlx's `Transaction`, which rolls back and hands the connection back
-/// to the pool as if nothing had happened. After an I/O error that
-/// connection is broken for good. When a write to the WAL fails at COMMIT
-/// (`SQLITE_IOERR_WRITE` on a file made immutable or a filesystem gone
-/// read-only, `SQLITE_FULL` or `EFBIG` on a full disk), SQLite has already
-/// rolled back; sqlx's ROLLBACK then fails ("no transaction is active"), its
-/// transaction depth stays at 1, and every later `BEGIN IMMEDIATE` fails with
-/// "attempted to call begin_with at non-zero transaction depth": a 500 for
-/// every write, for ever, even once the disk has room again. And a
-/// connection opened while the file or its WAL could not be written is
-/// read-only for good (SQLite falls back to read-only without a word), so
-/// it refuses every write after the file is writable again.
-///
-/// So the transaction is plain `BEGIN IMMEDIATE` and `COMMIT`, which keep
-/// sqlx's bookkeeping out of it, and a write that does not commit raises
-/// `abandoned`, in `drop`, before the connection goes back to the pool; the
-/// hook then closes the connection (closing rolls back whatever is open) and
-/// the next write opens a fresh one, which sees the file as it is now. That
-/// costs a reopen, on the failure path only. An in-memory database lives in
-/// its one connection, so there the hook rolls back instead.
+/// Not sqlx's `Transaction`: after a write to the WAL failed at `COMMIT`
+/// (read-only file, full disk), its rollback fails, its transaction depth
+/// stays at 1, and every later write is a 500 until a restart; and a
+/// connection opened during the fault stays read-only for good. So a write
+/// that does not commit raises `abandoned` in `drop`, and the hook closes the
+/// connection (rolling back whatever is open) instead of reusing it; an
+/// in-memory database, which lives in its one connection, rolls back
+/// instead. The story and the tests that found it: RELIABILITY.md, SQLite
+/// faults.
 pub(super) struct WriteTx {
     pub(super) conn: PoolConnection<Sqlite>,
     pub(super) abandoned: Arc<AtomicBool>,
