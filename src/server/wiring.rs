@@ -8,7 +8,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 
 use crate::engine::{Engine, Limits};
-use crate::server::api::{self, App, AppState};
+use crate::server::api::{self, AppState};
 use crate::server::config::{ConfigError, RunArgs, ServeArgs, StoreArgs};
 use crate::server::serve;
 use crate::store::Store;
@@ -117,20 +117,13 @@ pub fn spawn_pruner(run: &RunArgs, store: Arc<dyn Store>) -> Option<tokio::task:
 /// When a seal setting is unusable: [`ServeArgs::validate`] refuses those
 /// first.
 pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
-    AppState(Arc::new(App {
-        engine: engine(&args.run, store, args.policy.limits())
-            .expect("seal settings are checked by ServeArgs::validate"),
-        tokens: args.tokens.clone().unwrap_or_default(),
-        key_policy: args.policy.key_policy(),
-        fingerprint_policy: args.policy.fingerprint_policy(),
-        max_body_bytes: args.policy.max_body_bytes,
-        methods: args
-            .policy
-            .methods
-            .iter()
-            .map(ToString::to_string)
-            .collect(),
-    }))
+    let engine = engine(&args.run, store, args.policy.limits())
+        .expect("seal settings are checked by ServeArgs::validate");
+    AppState::new(
+        engine,
+        args.tokens.clone().unwrap_or_default(),
+        &args.policy,
+    )
 }
 
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.

@@ -21,6 +21,7 @@ use crate::fingerprint::FingerprintPolicy;
 use crate::key::KeyPolicy;
 use crate::problem;
 use crate::server::auth::Tokens;
+use crate::server::config::PolicyArgs;
 
 /// Everything a handler needs, built once at start-up.
 pub struct App {
@@ -41,6 +42,21 @@ pub struct App {
 /// The shared, cheap-to-clone application state.
 #[derive(Clone)]
 pub struct AppState(pub Arc<App>);
+
+impl AppState {
+    /// The API's state over `engine`, checking `tokens`, with the key and
+    /// fingerprint rules of `policy` and what it publishes.
+    pub fn new(engine: Engine, tokens: Tokens, policy: &PolicyArgs) -> AppState {
+        AppState(Arc::new(App {
+            engine,
+            tokens,
+            key_policy: policy.key_policy(),
+            fingerprint_policy: policy.fingerprint_policy(),
+            max_body_bytes: policy.max_body_bytes,
+            methods: policy.methods.iter().map(ToString::to_string).collect(),
+        }))
+    }
+}
 
 impl Deref for AppState {
     type Target = App;

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use crate::engine::Engine;
 use crate::layer::{LayerPolicy, Tenant};
-use crate::server::api::{self, App, AppState};
+use crate::server::api::{self, AppState};
 use crate::server::auth::Tokens;
 use crate::server::config::ProxyArgs;
 use crate::store::Store;
@@ -27,23 +27,12 @@ pub fn router(
     policy: &LayerPolicy,
     sealed: bool,
 ) -> Router {
-    let state = AppState(Arc::new(App {
-        // It reserves nothing (the admin router has no reservation routes),
-        // so it needs no replay cache.
-        engine: Engine::new(store, args.policy.limits())
-            .with_replay_cache(0)
-            .with_tenant_limits(args.run.tenant_limits()),
-        tokens: Tokens::default(),
-        key_policy: args.policy.key_policy(),
-        fingerprint_policy: args.policy.fingerprint_policy(),
-        max_body_bytes: args.policy.max_body_bytes,
-        methods: args
-            .policy
-            .methods
-            .iter()
-            .map(ToString::to_string)
-            .collect(),
-    }));
+    // It reserves nothing (the admin router has no reservation routes), so
+    // it needs no replay cache.
+    let engine = Engine::new(store, args.policy.limits())
+        .with_replay_cache(0)
+        .with_tenant_limits(args.run.tenant_limits());
+    let state = AppState::new(engine, Tokens::default(), &args.policy);
     let patch = Arc::new(policy_patch(args, policy, sealed));
     api::admin_router(state).layer(axum::middleware::from_fn_with_state(patch, publish))
 }
