@@ -29,8 +29,8 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
             use crate::store::{PgSettings, PgStore};
             let settings = PgSettings {
                 max_connections: args.db_max_connections.max(1),
-                acquire_timeout: Duration::from_secs(args.db_acquire_timeout.max(1)),
-                statement_timeout: Duration::from_secs(args.db_statement_timeout.max(1)),
+                acquire_timeout: args.db_acquire_timeout.max(Duration::from_secs(1)),
+                statement_timeout: args.db_statement_timeout.max(Duration::from_secs(1)),
             };
             let store = PgStore::connect_lazy(url, &settings).map_err(|e| ConfigError {
                 setting: "database_url",
@@ -102,12 +102,8 @@ pub fn engine(run: &RunArgs, store: Arc<dyn Store>, limits: Limits) -> Result<En
 
 /// Starts the pruning job over `store`, unless `run` turns it off.
 pub fn spawn_pruner(run: &RunArgs, store: Arc<dyn Store>) -> Option<tokio::task::JoinHandle<()>> {
-    (run.prune_interval > 0).then(|| {
-        tokio::spawn(crate::prune::run(
-            store,
-            Duration::from_secs(run.prune_interval),
-        ))
-    })
+    (!run.prune_interval.is_zero())
+        .then(|| tokio::spawn(crate::prune::run(store, run.prune_interval)))
 }
 
 /// The reservation API's state from its settings.

@@ -24,6 +24,8 @@ pub use serve::ServeArgs;
 pub use source::{Origin, Sources};
 pub use store::StoreArgs;
 
+use std::time::Duration;
+
 use clap::ArgAction;
 
 /// Gives a boolean setting its one form: `--strict-key` alone turns it on,
@@ -58,6 +60,24 @@ pub fn boolean_style(arg: clap::Arg) -> clap::Arg {
         .num_args(0..=1)
         .default_missing_value(given)
         .value_name("true|false")
+}
+
+/// Whole seconds as a [`Duration`]: the parser of every duration setting
+/// (value name `SECONDS`), so that the settings hold the type they are used
+/// as, parsed once.
+pub fn seconds(s: &str) -> Result<Duration, String> {
+    s.parse::<u64>()
+        .map(Duration::from_secs)
+        .map_err(|e| e.to_string())
+}
+
+/// As [`seconds`], at least one.
+pub fn positive_seconds(s: &str) -> Result<Duration, String> {
+    let d = seconds(s)?;
+    if d.is_zero() {
+        return Err("must be at least 1 second".into());
+    }
+    Ok(d)
 }
 
 /// A setting that cannot be used.

@@ -1,10 +1,11 @@
 //! Settings of `idemgate proxy`.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use clap::Args;
 
-use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style};
+use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, seconds};
 
 /// Settings of `idemgate proxy`.
 #[derive(Debug, Clone, Args)]
@@ -43,9 +44,10 @@ pub struct ProxyArgs {
         long,
         env = "IDEMGATE_UPSTREAM_TIMEOUT",
         value_name = "SECONDS",
-        default_value_t = 30
+        default_value = "30",
+        value_parser = seconds
     )]
-    pub upstream_timeout: u64,
+    pub upstream_timeout: Duration,
 
     /// Seconds after which a guarded upstream call that has still not
     /// answered is abandoned: its outcome is unknown, and its key stays in
@@ -58,9 +60,10 @@ pub struct ProxyArgs {
         long,
         env = "IDEMGATE_UPSTREAM_ABANDON_AFTER",
         value_name = "SECONDS",
-        default_value_t = 300
+        default_value = "300",
+        value_parser = seconds
     )]
-    pub upstream_abandon_after: u64,
+    pub upstream_abandon_after: Duration,
 
     /// Seconds to wait for a connection to the upstream (502
     /// upstream-unavailable after that; the key is released).
@@ -68,9 +71,10 @@ pub struct ProxyArgs {
         long,
         env = "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT",
         value_name = "SECONDS",
-        default_value_t = 5
+        default_value = "5",
+        value_parser = seconds
     )]
-    pub upstream_connect_timeout: u64,
+    pub upstream_connect_timeout: Duration,
 
     /// Send the client's Host header to the upstream (true), so that the
     /// origin builds its absolute URLs (Location, links) with the name its
@@ -144,7 +148,7 @@ impl ProxyArgs {
     /// Refuses settings the proxy must not start with.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.upstream_uri()?;
-        if self.upstream_timeout == 0 {
+        if self.upstream_timeout.is_zero() {
             return Err(ConfigError {
                 setting: "upstream_timeout",
                 problem: "must be at least 1 second".into(),
@@ -156,11 +160,12 @@ impl ProxyArgs {
                 problem: format!(
                     "{} s is shorter than IDEMGATE_UPSTREAM_TIMEOUT ({} s): a call must be \
                      allowed to run at least as long as its client waits for it",
-                    self.upstream_abandon_after, self.upstream_timeout
+                    self.upstream_abandon_after.as_secs(),
+                    self.upstream_timeout.as_secs()
                 ),
             });
         }
-        if self.upstream_connect_timeout == 0 {
+        if self.upstream_connect_timeout.is_zero() {
             return Err(ConfigError {
                 setting: "upstream_connect_timeout",
                 problem: "must be at least 1 second".into(),

@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Args;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::{ConfigError, boolean_style};
+use super::{ConfigError, boolean_style, positive_seconds, seconds};
 use crate::engine::{DEFAULT_REPLAY_CACHE_BYTES, TenantLimits};
 use crate::seal::Sealer;
 
@@ -24,34 +24,36 @@ pub struct RunArgs {
         long,
         env = "IDEMGATE_PRUNE_INTERVAL",
         value_name = "SECONDS",
-        default_value_t = 60
+        default_value = "60",
+        value_parser = seconds
     )]
-    pub prune_interval: u64,
+    pub prune_interval: Duration,
 
     /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
     #[arg(
         long,
         env = "IDEMGATE_SHUTDOWN_GRACE",
         value_name = "SECONDS",
-        default_value_t = 30
+        default_value = "30",
+        value_parser = seconds
     )]
-    pub shutdown_grace: u64,
+    pub shutdown_grace: Duration,
 
     /// Seconds a client has to send a request's headers before its
     /// connection is closed, and at most between two pieces of its body
     /// before it gets 408 (slow clients cannot hold connections open).
-    #[arg(long, env = "IDEMGATE_HEADER_READ_TIMEOUT", value_name = "SECONDS", default_value_t = 10,
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub header_read_timeout: u64,
+    #[arg(long, env = "IDEMGATE_HEADER_READ_TIMEOUT", value_name = "SECONDS", default_value = "10",
+          value_parser = positive_seconds)]
+    pub header_read_timeout: Duration,
 
     /// Seconds an idle keep-alive connection, its last response sent, waits
     /// for the next request before it is closed. The default is longer than
     /// any Retry-After sent under the default leases (30 s for serve, 35 s
     /// for the proxy), so a client that waits as told still finds its pooled
     /// connection open.
-    #[arg(long, env = "IDEMGATE_KEEP_ALIVE_TIMEOUT", value_name = "SECONDS", default_value_t = 75,
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub keep_alive_timeout: u64,
+    #[arg(long, env = "IDEMGATE_KEEP_ALIVE_TIMEOUT", value_name = "SECONDS", default_value = "75",
+          value_parser = positive_seconds)]
+    pub keep_alive_timeout: Duration,
 
     /// Bytes of memory for completed responses, replayed from there without
     /// a database round trip until they expire (0 turns the cache off).
@@ -96,15 +98,15 @@ pub struct RunArgs {
 impl RunArgs {
     /// How long in-flight requests get after a shutdown signal.
     pub fn grace(&self) -> Duration {
-        Duration::from_secs(self.shutdown_grace)
+        self.shutdown_grace
     }
 
     /// How the listeners treat their connections.
     pub fn serving(&self) -> crate::server::serve::Serving {
         crate::server::serve::Serving {
             grace: self.grace(),
-            header_read_timeout: Duration::from_secs(self.header_read_timeout),
-            keep_alive_timeout: Duration::from_secs(self.keep_alive_timeout),
+            header_read_timeout: self.header_read_timeout,
+            keep_alive_timeout: self.keep_alive_timeout,
         }
     }
 

@@ -1,8 +1,10 @@
 //! Where the records live: the database and its pool.
 
+use std::time::Duration;
+
 use clap::Args;
 
-use super::boolean_style;
+use super::{boolean_style, seconds};
 
 /// Where the records live.
 #[derive(Debug, Clone, Args)]
@@ -34,9 +36,10 @@ pub struct StoreArgs {
         long,
         env = "IDEMGATE_DB_ACQUIRE_TIMEOUT",
         value_name = "SECONDS",
-        default_value_t = 3
+        default_value = "3",
+        value_parser = seconds
     )]
-    pub db_acquire_timeout: u64,
+    pub db_acquire_timeout: Duration,
 
     /// Seconds one statement may run before the database cancels it (and the
     /// request answers 503 store-unavailable).
@@ -44,7 +47,8 @@ pub struct StoreArgs {
         long,
         env = "IDEMGATE_DB_STATEMENT_TIMEOUT",
         value_name = "SECONDS",
-        default_value_t = 5
+        default_value = "5",
+        value_parser = seconds
     )]
-    pub db_statement_timeout: u64,
+    pub db_statement_timeout: Duration,
 }

@@ -62,15 +62,11 @@ impl Proxy {
     ) -> Result<Proxy, ConfigError> {
         crate::server::exporter::metrics_handle();
         let upstream = args.upstream_uri()?;
-        let client = ProxyClient::new(
-            &upstream,
-            Duration::from_secs(args.upstream_connect_timeout),
-            args.preserve_host,
-        )
-        .map_err(|problem| ConfigError {
-            setting: "upstream",
-            problem,
-        })?;
+        let client = ProxyClient::new(&upstream, args.upstream_connect_timeout, args.preserve_host)
+            .map_err(|problem| ConfigError {
+                setting: "upstream",
+                problem,
+            })?;
         let policy = layer_policy(args, routes);
         let engine = Arc::new(wiring::engine(
             &args.run,
@@ -93,7 +89,7 @@ impl Proxy {
 
 /// The layer's policy from the proxy's settings.
 pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
-    let upstream_timeout = Duration::from_secs(args.upstream_timeout);
+    let upstream_timeout = args.upstream_timeout;
     LayerPolicy::default()
         .for_proxy()
         .methods(args.policy.methods.clone())
@@ -112,7 +108,7 @@ pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
         .max_body_bytes(args.policy.max_body_bytes)
         .lease(upstream_timeout + LEASE_MARGIN)
         .answer_timeout(Some(upstream_timeout))
-        .abandon_after(Some(Duration::from_secs(args.upstream_abandon_after)))
+        .abandon_after(Some(args.upstream_abandon_after))
         .ttl(Duration::from_secs(u64::from(args.policy.default_ttl)))
         .routes(routes)
 }
