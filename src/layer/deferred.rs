@@ -8,6 +8,13 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::engine::{CommitOutcome, Engine};
+use crate::store::{StoreError, StoredResponse};
+
+/// Longest pause between two background commit attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 /// The count of deferred work, and a wake-up when it falls.
 #[derive(Default, Clone)]
@@ -55,6 +62,42 @@ impl Deferred {
             }
             if tokio::time::timeout_at(deadline, fell).await.is_err() {
                 return self.pending();
+            }
+        }
+    }
+}
+
+/// Retries a commit, backing off, until it lands or the lease ends.
+pub(crate) async fn retry_commit(
+    engine: Arc<Engine>,
+    tenant: String,
+    id: Uuid,
+    stored: StoredResponse,
+    lease_ends: Instant,
+    key_hash: String,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let now = Instant::now();
+        if now >= lease_ends {
+            tracing::warn!(key.hash = %key_hash, "the lease ended before the store came back; the response was not stored");
+            return;
+        }
+        tokio::time::sleep(backoff.min(lease_ends - now)).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+        match engine.commit(&tenant, id, &stored).await {
+            Ok(CommitOutcome::Committed(_) | CommitOutcome::AlreadyCommitted(_)) => {
+                tracing::info!(key.hash = %key_hash, "the deferred commit landed");
+                return;
+            }
+            Ok(CommitOutcome::Refused(refusal)) => {
+                tracing::warn!(key.hash = %key_hash, reason = ?refusal, "the deferred commit was refused");
+                return;
+            }
+            Err(StoreError::Unavailable { .. }) => {}
+            Err(StoreError::Other { why, .. }) => {
+                tracing::error!(key.hash = %key_hash, error = %why, "the deferred commit failed");
+                return;
             }
         }
     }

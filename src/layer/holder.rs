@@ -6,25 +6,20 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::response::Response;
-use futures::StreamExt;
-use http_body::Frame;
-use http_body_util::{BodyExt, BodyStream, StreamBody};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
 
+use super::deferred::retry_commit;
 use super::headers::{IDEMPOTENCY_BODY_OMITTED, storable};
 use super::policy::{Door, LayerPolicy};
+use super::produce::{Produced, produce};
 use super::shared::{Inner, Shared};
-use super::{NotExecuted, OutcomeUnknown};
-use crate::engine::{CommitOutcome, Engine};
+use crate::engine::CommitOutcome;
 use crate::problem::ApiError;
 use crate::store::{StoreError, StoredResponse};
-
-/// Longest pause between two background commit attempts.
-const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 /// What became of the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,34 +71,6 @@ pub(crate) struct Holder {
 
 /// What the holder answers its client with, and what became of the key.
 pub(crate) type Reply = oneshot::Sender<(Settled, Response)>;
-
-/// What the inner service produced, read as far as the key needs it.
-enum Produced {
-    /// The service failed: whether the effect happened is unknown.
-    Failed(String),
-    /// The origin did not act ([`NotExecuted`], or a release status).
-    NotExecuted(Response),
-    /// Marked [`OutcomeUnknown`].
-    Unknown(Response),
-    /// The response with its whole body.
-    Whole(http::response::Parts, Bytes),
-    /// The body is over the limit: what was read, then the rest.
-    Over(http::response::Parts, Body),
-    /// The body broke off.
-    BodyFailed(String),
-}
-
-/// The response body, read up to the limit.
-enum Buffered {
-    /// All of it.
-    Whole(Bytes),
-    /// Over the limit: what was read, then the rest, for the client.
-    Over(Body),
-    /// It broke off.
-    Failed(String),
-}
-
-// === impl Holder ===
 
 impl Holder {
     /// Calls the inner service, answers the client through `reply`, and
@@ -333,66 +300,6 @@ impl Holder {
     }
 }
 
-/// Retries a commit, backing off, until it lands or the lease ends.
-async fn retry_commit(
-    engine: Arc<Engine>,
-    tenant: String,
-    id: Uuid,
-    stored: StoredResponse,
-    lease_ends: Instant,
-    key_hash: String,
-) {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let now = Instant::now();
-        if now >= lease_ends {
-            tracing::warn!(key.hash = %key_hash, "the lease ended before the store came back; the response was not stored");
-            return;
-        }
-        tokio::time::sleep(backoff.min(lease_ends - now)).await;
-        backoff = (backoff * 2).min(MAX_BACKOFF);
-        match engine.commit(&tenant, id, &stored).await {
-            Ok(CommitOutcome::Committed(_) | CommitOutcome::AlreadyCommitted(_)) => {
-                tracing::info!(key.hash = %key_hash, "the deferred commit landed");
-                return;
-            }
-            Ok(CommitOutcome::Refused(refusal)) => {
-                tracing::warn!(key.hash = %key_hash, reason = ?refusal, "the deferred commit was refused");
-                return;
-            }
-            Err(StoreError::Unavailable { .. }) => {}
-            Err(StoreError::Other { why, .. }) => {
-                tracing::error!(key.hash = %key_hash, error = %why, "the deferred commit failed");
-                return;
-            }
-        }
-    }
-}
-
-/// Calls the inner service and reads its response as far as the key needs:
-/// the whole body, up to the limit, when it is to be stored.
-async fn produce(shared: Arc<Shared>, inner: Inner, req: http::Request<Body>) -> Produced {
-    let res = match inner(req).await {
-        Ok(res) => res,
-        Err(e) => return Produced::Failed(e.to_string()),
-    };
-    let policy = &shared.policy;
-    if res.extensions().get::<NotExecuted>().is_some()
-        || policy.release_statuses.contains(&res.status().as_u16())
-    {
-        return Produced::NotExecuted(res);
-    }
-    if res.extensions().get::<OutcomeUnknown>().is_some() {
-        return Produced::Unknown(res);
-    }
-    let (parts, body) = res.into_parts();
-    match buffer(body, policy.max_body_bytes).await {
-        Buffered::Whole(bytes) => Produced::Whole(parts, bytes),
-        Buffered::Over(body) => Produced::Over(parts, body),
-        Buffered::Failed(why) => Produced::BodyFailed(why),
-    }
-}
-
 /// The `504 upstream-timeout` of a call that has not answered within
 /// `after`; `runs_on` says whether the call goes on (a guarded one at the
 /// answer timeout) or was given up (one that holds no key, or a guarded one
@@ -422,33 +329,4 @@ async fn until(at: Option<Instant>) {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
-}
-
-/// Reads `body` up to `limit` bytes.
-async fn buffer(mut body: Body, limit: usize) -> Buffered {
-    let mut chunks: Vec<Bytes> = Vec::new();
-    let mut total = 0usize;
-    loop {
-        let frame = match body.frame().await {
-            None => break,
-            Some(Err(e)) => return Buffered::Failed(e.to_string()),
-            Some(Ok(frame)) => frame,
-        };
-        // Trailers are neither stored nor replayed.
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        total += data.len();
-        chunks.push(data);
-        if total > limit {
-            let prefix = futures::stream::iter(chunks.into_iter().map(|c| Ok(Frame::data(c))));
-            let rest = BodyStream::new(body);
-            return Buffered::Over(Body::new(StreamBody::new(prefix.chain(rest))));
-        }
-    }
-    Buffered::Whole(match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.swap_remove(0),
-        _ => Bytes::from(chunks.concat()),
-    })
 }

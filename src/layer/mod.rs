@@ -100,6 +100,7 @@ mod holder;
 mod layer;
 mod path;
 mod policy;
+mod produce;
 mod service;
 mod shared;
 

@@ -2,7 +2,6 @@
 //! API's state from the settings, run the server and the pruning job.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
@@ -26,6 +25,8 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
     match scheme {
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
+            use std::time::Duration;
+
             use crate::store::{PgSettings, PgStore};
             let settings = PgSettings {
                 max_connections: args.db_max_connections.max(1),

@@ -1,0 +1,197 @@
+//! Group commit: claims, commits and releases share durable writes.
+//!
+//! One by one, every new key costs two transactions (its claim, then its
+//! commit), each with its own round trip and its own flush to disk. [`Batched`]
+//! puts a queue in front of a store: a writer takes whatever queued while its
+//! previous batch was being written and hands it to [`Store::write_batch`] as
+//! one transaction. The batches clock themselves, with no timer: a write that
+//! finds nothing being written goes at once, alone, in its own task (nothing
+//! waits for company), and under load each flush carries everything that
+//! arrived during the last one.
+//!
+//! What one by one would have answered, each write still gets:
+//!
+//! * The writes of a batch had all been sent and none answered, so they ran
+//!   at the same time; any order of them is one the clients could have seen.
+//!   The store applies them in queue order, each seeing the ones before it.
+//! * A second claim of a key in one batch is answered here, from the record
+//!   the first one left, where nothing between them can have changed it (in
+//!   flight under a live lease, or completed: the engine makes it a 409, a
+//!   replay or, with another fingerprint, a 422); otherwise it goes to the
+//!   store in a transaction after the first's. Either way, no transaction
+//!   holds two claims of one key.
+//! * A write whose batch failed is written again alone, so one bad write
+//!   never fails the others, and each gets its own answer (an outage makes
+//!   that an `Unavailable` for each, so a 503).
+//! * An answer is sent only after the batch's transaction committed: a 201
+//!   or a commit's 200 is as durable as before.
+//!
+//! The queue is bounded: past [`QUEUE_BOUND`] waiting writes, a write is
+//! refused at once as `Unavailable` (a 503 with `Retry-After` at the door)
+//! rather than joining a queue that grows without limit.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use tokio::sync::{Semaphore, SemaphorePermit, mpsc, oneshot};
+
+mod store;
+mod writer;
+
+use writer::{flush, write_loop};
+
+use super::{Result, Store, StoreError, Write, Written};
+
+/// Most writes waiting for a writer; past it a write is refused.
+pub const QUEUE_BOUND: usize = 4096;
+
+/// Most writes in one batch: enough to carry a full queue of busy
+/// connections, few enough that one transaction stays short.
+const MAX_BATCH: usize = 256;
+
+/// A [`Store`] whose claims, commits and releases are written in batches;
+/// every other operation goes straight to the store.
+pub struct Batched {
+    store: Arc<dyn Store>,
+    bound: usize,
+    /// One permit per transaction of writes in the database at once
+    /// ([`Store::batch_writers`]); the queued writes gather behind them.
+    writers: Arc<Semaphore>,
+    /// The queue, with its writers started on first use (they need a
+    /// runtime; the store may be built outside one).
+    queue: OnceLock<mpsc::Sender<Job>>,
+    stats: Arc<Counters>,
+}
+
+/// A write and where its answer goes.
+struct Job {
+    write: Write,
+    answer: oneshot::Sender<Result<Written>>,
+}
+
+#[derive(Default)]
+struct Counters {
+    batches: AtomicU64,
+    writes: AtomicU64,
+    largest: AtomicU64,
+    refused: AtomicU64,
+}
+
+impl Counters {
+    /// One transaction of `writes` writes.
+    fn count(&self, writes: usize) {
+        let n = writes as u64;
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.writes.fetch_add(n, Ordering::Relaxed);
+        self.largest.fetch_max(n, Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for Batched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batched").finish_non_exhaustive()
+    }
+}
+
+// === impl Batched ===
+
+impl Batched {
+    /// Batches the writes of `store`, with a queue of 4096 writes.
+    pub fn new(store: Arc<dyn Store>) -> Batched {
+        Batched::with_queue_bound(store, QUEUE_BOUND)
+    }
+
+    /// Batches the writes of `store`, refusing writes past `bound` waiting.
+    pub fn with_queue_bound(store: Arc<dyn Store>, bound: usize) -> Batched {
+        Batched {
+            bound: bound.max(1),
+            writers: Arc::new(Semaphore::new(store.batch_writers().max(1))),
+            queue: OnceLock::new(),
+            stats: Arc::default(),
+            store,
+        }
+    }
+
+    /// `store` batched, unless it is already.
+    pub fn wrap(store: Arc<dyn Store>) -> Arc<dyn Store> {
+        if store.batch_stats().is_some() {
+            store
+        } else {
+            Arc::new(Batched::new(store))
+        }
+    }
+
+    fn queue(&self) -> &mpsc::Sender<Job> {
+        self.queue.get_or_init(|| {
+            let (tx, rx) = mpsc::channel(self.bound);
+            tokio::spawn(write_loop(
+                self.store.clone(),
+                rx,
+                self.writers.clone(),
+                self.stats.clone(),
+            ));
+            tx
+        })
+    }
+
+    /// Writes `writes` as one batch, now, as a writer would have had they
+    /// queued together: for tests and tools that need a batch of known
+    /// content. The answers are in order.
+    pub async fn write_together(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
+        let mut answered = Vec::with_capacity(writes.len());
+        let mut jobs = Vec::with_capacity(writes.len());
+        for write in writes {
+            let (answer, rx) = oneshot::channel();
+            jobs.push(Job { write, answer });
+            answered.push(rx);
+        }
+        {
+            let _writer = self.writers.acquire().await;
+            self.stats.count(jobs.len());
+            flush(&*self.store, &mut jobs).await;
+        }
+        let mut answers = Vec::with_capacity(answered.len());
+        for rx in answered {
+            answers.push(
+                rx.await
+                    .unwrap_or_else(|_| Err(StoreError::other("no answer"))),
+            );
+        }
+        answers
+    }
+
+    /// Leave to write alone, now, in the calling task, when nothing else is
+    /// being written or waits to: no hand-over to the writer and back, and
+    /// no copy of the write, so a lone write costs what it did before
+    /// batches. Held until the write is done.
+    fn alone(&self) -> Option<SemaphorePermit<'_>> {
+        let queue = self.queue();
+        if queue.capacity() != queue.max_capacity() {
+            return None;
+        }
+        let permit = self.writers.try_acquire().ok()?;
+        self.stats.count(1);
+        Some(permit)
+    }
+
+    /// Queues `write` and waits for its batch.
+    async fn queued(&self, write: Write) -> Result<Written> {
+        let (answer, answered) = oneshot::channel();
+        match self.queue().try_send(Job { write, answer }) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(StoreError::unavailable(format!(
+                    "{} writes are already waiting for the database",
+                    self.bound
+                )));
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                return Err(StoreError::unavailable("the store's writers have stopped"));
+            }
+        }
+        answered
+            .await
+            .unwrap_or_else(|_| Err(StoreError::other("a batch ended without an answer")))
+    }
+}

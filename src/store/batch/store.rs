@@ -1,0 +1,133 @@
+//! [`Store`] for [`Batched`]: claims, commits and releases through the
+//! queue (or straight to the store when no writer is busy), everything else
+//! straight to the store.
+
+use std::sync::atomic::Ordering;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use super::Batched;
+use crate::store::{
+    BatchStats, Claim, ClaimRequest, Found, InFlightUsage, PoolStats, PruneBatch, Record, Recovery,
+    Result, Store, StoreError, StoredResponse, StoredUsage, Write, Written,
+};
+
+#[async_trait]
+impl Store for Batched {
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
+        if let Some(_alone) = self.alone() {
+            return self.store.reserve(req).await;
+        }
+        match self.queued(Write::Claim(req.clone())).await? {
+            Written::Claim(claim) => Ok(claim),
+            _ => Err(mismatched()),
+        }
+    }
+
+    async fn complete(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<Option<Record>> {
+        if let Some(_alone) = self.alone() {
+            return self.store.complete(tenant, reservation_id, response).await;
+        }
+        let write = Write::Complete {
+            tenant: tenant.to_owned(),
+            reservation_id,
+            response: response.clone(),
+        };
+        match self.queued(write).await? {
+            Written::Complete(record) => Ok(record),
+            _ => Err(mismatched()),
+        }
+    }
+
+    async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        if let Some(_alone) = self.alone() {
+            return self.store.release(tenant, reservation_id).await;
+        }
+        let write = Write::Release {
+            tenant: tenant.to_owned(),
+            reservation_id,
+        };
+        match self.queued(write).await? {
+            Written::Release(key_hash) => Ok(key_hash),
+            _ => Err(mismatched()),
+        }
+    }
+
+    async fn extend(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Option<DateTime<Utc>>> {
+        self.store
+            .extend(tenant, reservation_id, lease_seconds)
+            .await
+    }
+
+    async fn checkpoint(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        recovery: &Recovery,
+    ) -> Result<Option<Record>> {
+        self.store
+            .checkpoint(tenant, reservation_id, recovery)
+            .await
+    }
+
+    async fn find_by_reservation(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+    ) -> Result<Option<Found>> {
+        self.store.find_by_reservation(tenant, reservation_id).await
+    }
+
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
+        self.store.prune_expired_batch(limit).await
+    }
+
+    async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
+        self.store.in_flight_usage(tenant, up_to).await
+    }
+
+    async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage> {
+        self.store.stored_usage(tenant).await
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.store.ping().await
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        self.store.pool_stats()
+    }
+
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+        self.store.write_batch(writes).await
+    }
+
+    fn batch_writers(&self) -> usize {
+        self.store.batch_writers()
+    }
+
+    fn batch_stats(&self) -> Option<BatchStats> {
+        Some(BatchStats {
+            batches: self.stats.batches.load(Ordering::Relaxed),
+            writes: self.stats.writes.load(Ordering::Relaxed),
+            largest: self.stats.largest.load(Ordering::Relaxed),
+            refused: self.stats.refused.load(Ordering::Relaxed),
+        })
+    }
+}
+
+fn mismatched() -> StoreError {
+    StoreError::other("a batched write got another kind of answer")
+}
