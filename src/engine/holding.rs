@@ -1,0 +1,156 @@
+//! What a key's holder does with its reservation: commit, release, extend,
+//! checkpoint, look it up; and why a write addressed by a reservation id was
+//! refused.
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use super::decide::refusal_for;
+use super::{CommitOutcome, Engine, EngineError, Lookup, Refusal};
+use crate::store::{KeyState, Record, Recovery, StoredResponse};
+
+impl Engine {
+    /// Stores the response of reservation `id` and completes its key.
+    pub async fn commit(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<CommitOutcome, EngineError> {
+        // Before the store calls: the database reads its clock after this.
+        let started = std::time::Instant::now();
+        let sealed;
+        let to_store = match &self.sealer {
+            None => response,
+            Some(sealer) => {
+                sealed = sealer.seal(tenant, id, response);
+                &sealed
+            }
+        };
+        if let Some(mut record) = self.store.complete(tenant, id, to_store).await? {
+            self.count_stored(tenant, to_store);
+            if self.sealer.is_some() {
+                // What was just sealed: the replay cache holds the open form.
+                record.response = Some(response.clone());
+            }
+            // `completed_at` is the database's clock at this commit.
+            if let Some(completed_at) = record.completed_at {
+                self.remember(&record, started, completed_at);
+            }
+            self.waiters.wake(&record.tenant, &record.key_hash);
+            self.durations.finished(id);
+            return Ok(CommitOutcome::Committed(record));
+        }
+        let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
+            return Ok(CommitOutcome::Refused(Refusal::NotFound));
+        };
+        let mut record = found.record;
+        crate::seal::open_record(self.sealer.as_deref(), &mut record)?;
+        Ok(match refusal_for(&record, id, found.now) {
+            Refusal::AlreadyCompleted if record.response.as_ref() == Some(response) => {
+                // Its `completed_at` is an earlier commit's: the lookup's
+                // clock is the one read after `started`.
+                self.remember(&record, started, found.now);
+                CommitOutcome::AlreadyCommitted(record)
+            }
+            refusal => CommitOutcome::Refused(refusal),
+        })
+    }
+
+    /// Forgets an in-flight key whose effect never started.
+    pub async fn release(
+        &self,
+        tenant: &str,
+        id: Uuid,
+    ) -> Result<Result<(), Refusal>, EngineError> {
+        if let Some(key_hash) = self.store.release(tenant, id).await? {
+            self.durations.forget(id);
+            self.waiters.wake(tenant, &key_hash);
+            return Ok(Ok(()));
+        }
+        self.refusal(tenant, id).await.map(Err)
+    }
+
+    /// Extends the lease of reservation `id`.
+    pub async fn extend(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Result<DateTime<Utc>, Refusal>, EngineError> {
+        match self.store.extend(tenant, id, lease_seconds).await? {
+            Some(until) => Ok(Ok(until)),
+            None => self.refusal(tenant, id).await.map(Err),
+        }
+    }
+
+    /// Records a recovery point for reservation `id`; with a seal key, its
+    /// data is sealed at rest like a stored response.
+    pub async fn checkpoint(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        recovery: &Recovery,
+    ) -> Result<Result<Record, Refusal>, EngineError> {
+        let sealed;
+        let to_store = match (&self.sealer, &recovery.data) {
+            (Some(sealer), Some(data)) => {
+                // The blob is bound to the key's record: its hash is fixed
+                // for the life of the reservation id.
+                let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
+                    return Ok(Err(Refusal::NotFound));
+                };
+                sealed = Recovery {
+                    recovery_point: recovery.recovery_point.clone(),
+                    data: Some(sealer.seal_recovery(
+                        tenant,
+                        &found.record.key_hash,
+                        &recovery.recovery_point,
+                        data,
+                    )),
+                };
+                &sealed
+            }
+            _ => recovery,
+        };
+        match self.store.checkpoint(tenant, id, to_store).await? {
+            Some(mut record) => {
+                crate::seal::open_record(self.sealer.as_deref(), &mut record)?;
+                Ok(Ok(record))
+            }
+            None => self.refusal(tenant, id).await.map(Err),
+        }
+    }
+
+    /// What reservation `id` shows: its key's record, with whether `id` is
+    /// still its live holder (after a takeover the old id shows the key's
+    /// record, not live), or [`Lookup::Gone`]; `None` for an unknown id.
+    pub async fn get(&self, tenant: &str, id: Uuid) -> Result<Option<Lookup>, EngineError> {
+        let Some(mut found) = self.store.find_by_reservation(tenant, id).await? else {
+            return Ok(None);
+        };
+        let live = found.record.reservation_id == id
+            && found.now < found.record.expires_at
+            && found.record.state == KeyState::InFlight;
+        // What a write by this id would be refused as `Expired`: its key
+        // expired or was released (forgotten, whether or not pruning has
+        // deleted the row yet), or was reserved afresh, and that record is
+        // another request's, which an old id must not be shown.
+        if !live && refusal_for(&found.record, id, found.now) == Refusal::Expired {
+            return Ok(Some(Lookup::Gone));
+        }
+        crate::seal::open_record(self.sealer.as_deref(), &mut found.record)?;
+        Ok(Some(Lookup::Record {
+            record: Box::new(found.record),
+            live,
+        }))
+    }
+
+    /// Why a write by `id` did not apply.
+    pub(super) async fn refusal(&self, tenant: &str, id: Uuid) -> Result<Refusal, EngineError> {
+        Ok(match self.store.find_by_reservation(tenant, id).await? {
+            None => Refusal::NotFound,
+            Some(found) => refusal_for(&found.record, id, found.now),
+        })
+    }
+}

@@ -1,0 +1,157 @@
+//! Reserving a key: the replay cache first, then the claim, and with
+//! `Prefer: wait` the wait for another holder without a database connection
+//! held in between.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::decide::{claimable, decide, decide_completed};
+use super::{Engine, EngineError, ReserveOutcome, ReserveRequest};
+use crate::store::{ClaimRequest, Record};
+use crate::telemetry;
+
+impl Engine {
+    /// Reserves a key; with `wait`, holds the caller while another holder's
+    /// lease is alive, without holding a database connection in between.
+    pub async fn reserve(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        if let Some(outcome) = self.cached_outcome(req) {
+            return Ok(outcome);
+        }
+        let Some(wait) = req.wait.map(|w| w.min(self.limits.max_wait)) else {
+            return self.claim(req).await;
+        };
+        let slot = (req.tenant.clone(), req.key_hash);
+        let notify = self.waiters.subscribe(&slot);
+        let outcome = self
+            .claim_waiting(req, Instant::now() + wait, &notify)
+            .await;
+        self.waiters.unsubscribe(&slot, notify);
+        outcome
+    }
+
+    /// The decision for a key whose completed record is in the replay cache.
+    pub(super) fn cached_outcome(&self, req: &ReserveRequest) -> Option<ReserveOutcome> {
+        let record = self
+            .replay_cache
+            .as_ref()?
+            .get(&req.tenant, &req.key_hash)?;
+        telemetry::record_replay_cache_hit();
+        Some(decide_completed(record, req.fingerprint.as_deref()))
+    }
+
+    /// Caches `record` if it is completed; `started` was read before the
+    /// store call that returned it, `db_now` is the database's clock then.
+    pub(super) fn remember(
+        &self,
+        record: &Record,
+        started: std::time::Instant,
+        db_now: DateTime<Utc>,
+    ) {
+        if let Some(cache) = &self.replay_cache {
+            cache.insert(record, started, db_now);
+        }
+    }
+
+    pub(super) async fn claim(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        // Over its stored bytes, a tenant may still read what it has: the
+        // claim only reads (a limit of 0 keys in flight).
+        let stored_full = match self.tenant_limits.max_stored_bytes {
+            Some(max) => self.stored_retry_after(&req.tenant, max).await?,
+            None => None,
+        };
+        let max_in_flight = match stored_full {
+            Some(_) => Some(0),
+            None => self.tenant_limits.max_in_flight,
+        };
+        // Before the store call: the database reads its clock after this.
+        let started = std::time::Instant::now();
+        let claim = self
+            .store
+            .reserve(&ClaimRequest {
+                tenant: req.tenant.clone(),
+                key_hash: req.key_hash,
+                fingerprint: req.fingerprint.clone(),
+                reservation_id: Uuid::new_v4(),
+                lease_seconds: req.lease_seconds,
+                ttl_seconds: req.ttl_seconds,
+                max_in_flight,
+            })
+            .await?;
+        let Some(mut claim) = claim else {
+            return self.over_limit(&req.tenant, stored_full).await;
+        };
+        crate::seal::open_record(self.sealer.as_deref(), &mut claim.record)?;
+        if !claim.claimed {
+            self.remember(&claim.record, started, claim.now);
+            if max_in_flight.is_some()
+                && claimable(&claim.record, claim.now, req.fingerprint.as_deref())
+            {
+                return self.over_limit(&req.tenant, stored_full).await;
+            }
+        }
+        let holder_ran = self.holder_ran(&claim);
+        Ok(match decide(claim, req.fingerprint.as_deref()) {
+            ReserveOutcome::Reserved(r) => {
+                self.durations.started(&req.tenant, r.reservation_id);
+                ReserveOutcome::Reserved(r)
+            }
+            ReserveOutcome::InFlight {
+                retry_after: until_lease_end,
+                lease_expires_at,
+            } => ReserveOutcome::InFlight {
+                retry_after: self.retry_after(&req.tenant, holder_ran, until_lease_end),
+                lease_expires_at,
+            },
+            other => other,
+        })
+    }
+
+    pub(super) async fn claim_waiting(
+        &self,
+        req: &ReserveRequest,
+        deadline: Instant,
+        notify: &Notify,
+    ) -> Result<ReserveOutcome, EngineError> {
+        let mut poll = Duration::from_millis(20);
+        let mut first = true;
+        loop {
+            // Created before the read, so a commit that lands between the read
+            // and the sleep still wakes us.
+            let notified = notify.notified();
+            // After a wake-up, a commit by this process is in the cache
+            // ([`Engine::reserve`] looked before the first round).
+            let cached = if first {
+                None
+            } else {
+                self.cached_outcome(req)
+            };
+            first = false;
+            let outcome = match cached {
+                Some(outcome) => outcome,
+                None => self.claim(req).await?,
+            };
+            let now = Instant::now();
+            let ReserveOutcome::InFlight { retry_after, .. } = outcome else {
+                return Ok(outcome);
+            };
+            if now >= deadline {
+                return Ok(outcome);
+            }
+            // Sleep until a local commit or release wakes us, the next poll (a
+            // holder in another process), or the lease's end, whichever is
+            // first; the poll interval grows so a long wait stays cheap.
+            let nap = poll
+                .min(deadline - now)
+                .min(Duration::from_secs(retry_after));
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep(nap) => {}
+            }
+            poll = (poll * 2).min(Duration::from_millis(500));
+        }
+    }
+}
