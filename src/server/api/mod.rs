@@ -3,6 +3,7 @@
 pub mod docs;
 pub mod extract;
 pub mod ops;
+mod problems;
 pub mod reservations;
 pub mod views;
 
@@ -103,11 +104,11 @@ impl Modify for BearerAuth {
 fn openapi_router() -> OpenApiRouter<AppState> {
     let mut router = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(reservations::create_reservation))
-        .routes(routes!(reservations::get_reservation))
-        .routes(routes!(reservations::commit_reservation))
-        .routes(routes!(reservations::release_reservation))
-        .routes(routes!(reservations::extend_reservation))
-        .routes(routes!(reservations::checkpoint_reservation))
+        .routes(routes!(reservations::held::get_reservation))
+        .routes(routes!(reservations::held::commit_reservation))
+        .routes(routes!(reservations::held::release_reservation))
+        .routes(routes!(reservations::held::extend_reservation))
+        .routes(routes!(reservations::held::checkpoint_reservation))
         .routes(routes!(ops::get_policy))
         .routes(routes!(ops::get_healthz))
         .routes(routes!(ops::get_readyz))

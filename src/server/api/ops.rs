@@ -9,10 +9,10 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::AppState;
+use super::problems::StoreUnavailable;
 use super::views::KeyFormat;
-use super::views::RetryAfterSeconds;
 use crate::fingerprint;
-use crate::problem::{ApiError, DEFAULT_PROBLEM_BASE, Problem};
+use crate::problem::{ApiError, DEFAULT_PROBLEM_BASE};
 use crate::telemetry;
 
 /// How long readiness waits for the database.
@@ -124,8 +124,7 @@ pub async fn get_healthz() -> axum::Json<Health> {
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses(
         (status = 200, description = "The database answers.", body = Health),
-        (status = 503, description = "store-unavailable", body = Problem, content_type = "application/problem+json",
-         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds to wait before retrying (at least 1)."))),
+        StoreUnavailable,
     ))]
 pub async fn get_readyz(State(state): State<AppState>) -> Result<axum::Json<Health>, ApiError> {
     match tokio::time::timeout(READY_TIMEOUT, state.engine.store().ping()).await {

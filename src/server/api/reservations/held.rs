@@ -1,0 +1,265 @@
+//! What a reservation's holder calls after reserving: commit, release,
+//! extend, checkpoint, and the lookup of a reservation by its id.
+
+use std::time::Instant;
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::response::Response;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+
+use super::{MODE, bounded, reservation_id};
+use crate::engine::{CommitOutcome, Lookup, Refusal};
+use crate::problem::{ApiError, Problem, Result};
+use crate::server::api::AppState;
+use crate::server::api::extract::{ApiJson, Tenant};
+use crate::server::api::problems::{
+    InvalidRequest, LeaseLost, NotFound, PayloadTooLarge, StoreUnavailable, Unauthorized,
+};
+use crate::server::api::views::Recovery;
+use crate::server::api::views::{
+    CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, completed_response,
+    record_view,
+};
+use crate::store::StoredResponse;
+use crate::telemetry::{self, Outcome};
+
+/// Store the response of the side effect and complete the key.
+#[utoipa::path(
+    post,
+    path = "/v1/reservations/{id}/commit",
+    tag = "reservations",
+    params(("id" = Uuid, Path, description = "The reservation id")),
+    request_body(content = CommitBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Stored (or stored before, identically).", body = CompletedView,
+         headers(("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered."))),
+        InvalidRequest,
+        Unauthorized,
+        NotFound,
+        (status = 409, description = "lease-lost: this id no longer holds the key", body = Problem, content_type = "application/problem+json"),
+        PayloadTooLarge,
+        StoreUnavailable,
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn commit_reservation(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<CommitBody>,
+) -> Result<Response> {
+    let id = reservation_id(&id)?;
+    let response = stored_response(body, state.max_body_bytes)?;
+    match state.engine.commit(&tenant, id, &response).await? {
+        CommitOutcome::Committed(record) | CommitOutcome::AlreadyCommitted(record) => {
+            tracing::info!(tenant.id = %tenant, reservation.id = %id, "commit");
+            Ok(completed_response(&record))
+        }
+        CommitOutcome::Refused(refusal) => Err(ApiError::from(refusal)),
+    }
+}
+
+/// Forget an in-flight key whose effect never started: the next request with
+/// it executes afresh.
+#[utoipa::path(
+    post,
+    path = "/v1/reservations/{id}/release",
+    tag = "reservations",
+    params(("id" = Uuid, Path, description = "The reservation id")),
+    responses(
+        (status = 204, description = "Released."),
+        Unauthorized,
+        NotFound,
+        LeaseLost,
+        StoreUnavailable,
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn release_reservation(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+) -> Result<StatusCode> {
+    let started = Instant::now();
+    let id = reservation_id(&id)?;
+    state
+        .engine
+        .release(&tenant, id)
+        .await?
+        .map_err(ApiError::from)?;
+    telemetry::record(MODE, Outcome::Released, started.elapsed());
+    tracing::info!(tenant.id = %tenant, reservation.id = %id, "release");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Extend the lease of a reservation (a heartbeat for long work).
+#[utoipa::path(
+    post,
+    path = "/v1/reservations/{id}/extend",
+    tag = "reservations",
+    params(("id" = Uuid, Path, description = "The reservation id")),
+    request_body(content = Option<ExtendBody>, content_type = "application/json",
+        description = "Optional: no body, or `null`, is `{}` (the default lease)."),
+    responses(
+        (status = 200, description = "Extended.", body = ExtendedView),
+        InvalidRequest,
+        Unauthorized,
+        NotFound,
+        LeaseLost,
+        StoreUnavailable,
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn extend_reservation(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<ExtendBody>,
+) -> Result<axum::Json<ExtendedView>> {
+    let id = reservation_id(&id)?;
+    let limits = state.engine.limits();
+    let lease = bounded(
+        "lease_seconds",
+        body.lease_seconds,
+        limits.default_lease,
+        limits.max_lease,
+    )?;
+    let until = state
+        .engine
+        .extend(&tenant, id, lease)
+        .await?
+        .map_err(ApiError::from)?;
+    Ok(axum::Json(ExtendedView {
+        reservation_id: id,
+        lease_expires_at: until,
+    }))
+}
+
+/// Record a recovery point inside a multi-step effect; a holder that takes
+/// over after a crash receives it.
+#[utoipa::path(
+    post,
+    path = "/v1/reservations/{id}/checkpoint",
+    tag = "reservations",
+    params(("id" = Uuid, Path, description = "The reservation id")),
+    request_body(content = Recovery, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Recorded.", body = RecordView),
+        InvalidRequest,
+        Unauthorized,
+        NotFound,
+        LeaseLost,
+        PayloadTooLarge,
+        StoreUnavailable,
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn checkpoint_reservation(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<Recovery>,
+) -> Result<axum::Json<RecordView>> {
+    let id = reservation_id(&id)?;
+    if body.recovery_point.is_empty() || body.recovery_point.chars().count() > 255 {
+        return Err(ApiError::InvalidRequest(
+            "recovery_point must hold 1 to 255 characters".into(),
+        ));
+    }
+    let data_len = body.data.as_ref().map_or(0, |d| d.to_string().len());
+    if data_len > state.max_body_bytes {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "checkpoint data is {data_len} bytes; the limit is {} (IDEMGATE_MAX_BODY_BYTES)",
+            state.max_body_bytes
+        )));
+    }
+    let record = state
+        .engine
+        .checkpoint(&tenant, id, &body.into())
+        .await?
+        .map_err(ApiError::from)?;
+    Ok(axum::Json(record_view(id, &record, true)))
+}
+
+/// The public view of the record a reservation belongs to.
+///
+/// An id taken over still shows its key's record (`live` false). An id whose
+/// key expired or was released, or has since been reserved by another
+/// request, is `410 reservation-gone`: the key is forgotten, and its record,
+/// if any, is another request's. Once pruning deletes the key, the id is
+/// unknown: `404`.
+#[utoipa::path(
+    get,
+    path = "/v1/reservations/{id}",
+    tag = "reservations",
+    params(("id" = Uuid, Path, description = "The reservation id")),
+    responses(
+        (status = 200, description = "The record.", body = RecordView),
+        Unauthorized,
+        NotFound,
+        (status = 410, description = "reservation-gone", body = Problem, content_type = "application/problem+json"),
+        StoreUnavailable,
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn get_reservation(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+) -> Result<axum::Json<RecordView>> {
+    let id = reservation_id(&id)?;
+    match state.engine.get(&tenant, id).await? {
+        None => Err(ApiError::from(Refusal::NotFound)),
+        Some(Lookup::Gone) => Err(ApiError::Gone(
+            "this reservation's key expired or was released, or another request holds it now",
+        )),
+        Some(Lookup::Record { record, live }) => Ok(axum::Json(record_view(id, &record, live))),
+    }
+}
+
+/// The commit's body as the response to store, checked.
+fn stored_response(body: CommitBody, max_body: usize) -> Result<StoredResponse> {
+    if !(100..=599).contains(&body.status) {
+        return Err(ApiError::InvalidRequest(format!(
+            "status is {}; it must be between 100 and 599",
+            body.status
+        )));
+    }
+    for (name, value) in &body.headers {
+        if HeaderName::from_bytes(name.as_bytes()).is_err() {
+            return Err(ApiError::InvalidRequest(format!(
+                "{name:?} is not a valid header name"
+            )));
+        }
+        if HeaderValue::from_str(value).is_err() {
+            return Err(ApiError::InvalidRequest(format!(
+                "the value of header {name:?} is not a valid header value"
+            )));
+        }
+    }
+    let bytes = match (body.body, body.body_base64) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::InvalidRequest(
+                "send either body or body_base64, not both".into(),
+            ));
+        }
+        (Some(text), None) => text.into_bytes(),
+        (None, Some(b64)) => BASE64.decode(b64.as_bytes()).map_err(|e| {
+            ApiError::InvalidRequest(format!("body_base64 is not valid base64: {e}"))
+        })?,
+        (None, None) => Vec::new(),
+    };
+    if bytes.len() > max_body {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "the response body is {} bytes; the limit is {max_body} (IDEMGATE_MAX_BODY_BYTES)",
+            bytes.len()
+        )));
+    }
+    Ok(StoredResponse {
+        status: body.status,
+        headers: body.headers,
+        body: bytes,
+    })
+}

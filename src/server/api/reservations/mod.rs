@@ -1,0 +1,215 @@
+//! The reservation/commit API: a backend reserves a key before its
+//! side effect and commits the result after it.
+
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use uuid::Uuid;
+
+pub mod held;
+
+use super::AppState;
+use super::extract::{ApiJson, Tenant};
+use super::problems::{PayloadTooLarge, StoreUnavailable, Unauthorized};
+use super::views::Recovery;
+use super::views::{
+    CompletedView, Replayed, RequestDescription, ReserveBody, ReservedState, ReservedView,
+    RetryAfterSeconds, completed_response,
+};
+use crate::engine::{Refusal, ReserveOutcome, ReserveRequest};
+use crate::fingerprint;
+use crate::headers::{mark_replayed, prefer_wait, set_expires};
+use crate::key::{self, KeyError};
+use crate::problem::{ApiError, Problem, Result};
+use crate::telemetry::{self, Outcome};
+
+static KEY_HEADER: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// Longest caller-computed fingerprint.
+const MAX_FINGERPRINT_LEN: usize = 512;
+const MODE: &str = "api";
+
+/// Exports the series of this door's outcomes at 0 (every outcome but
+/// `passthrough`, which only the proxy and the layer have).
+pub(super) fn register_metrics() {
+    let outcomes: Vec<Outcome> = Outcome::ALL
+        .into_iter()
+        .filter(|o| *o != Outcome::Passthrough)
+        .collect();
+    telemetry::register_door(MODE, &outcomes);
+}
+
+// === handlers ===
+
+/// Reserve an idempotency key before performing the side effect.
+#[utoipa::path(
+    post,
+    path = "/v1/reservations",
+    tag = "reservations",
+    params(
+        ("Idempotency-Key" = String, Header, min_length = 1, description = "The key: an RFC 8941 sf-string (a bare token is accepted unless strict mode is on)."),
+        ("Prefer" = Option<String>, Header, description = "`wait=N`: hold the request up to N seconds (capped) while another holder is in flight."),
+    ),
+    request_body(content = Option<ReserveBody>, content_type = "application/json",
+        description = "Optional: no body, or `null`, is `{}` (every field takes its default)."),
+    responses(
+        (status = 201, description = "Reserved: perform the effect, then commit.", body = ReservedView,
+         headers(
+            ("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered."),
+            ("Location" = String, description = "`/v1/reservations/{id}`: the reservation's record."),
+         )),
+        (status = 200, description = "Completed before: the stored response, replayed.", body = CompletedView,
+         headers(
+            ("Idempotent-Replayed" = inline(Replayed), description = "Always `true`: the answer is the stored response, and nothing was reserved."),
+            ("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered."),
+         )),
+        (status = 400, description = "key-missing, key-invalid or invalid-request", body = Problem, content_type = "application/problem+json"),
+        Unauthorized,
+        (status = 409, description = "request-in-flight", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds until the holder has likely finished (at least 1, never past its lease)."))),
+        PayloadTooLarge,
+        (status = 422, description = "key-reused: the key was used with another payload", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "tenant-limit: the tenant holds as many keys in flight, or as many stored bytes, as it may; nothing was reserved", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds until room is likely (at least 1)."))),
+        StoreUnavailable,
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn create_reservation(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    headers: HeaderMap,
+    body: std::result::Result<ApiJson<ReserveBody>, ApiError>,
+) -> Result<Response> {
+    let started = Instant::now();
+    let key = match key::from_headers(&headers, &KEY_HEADER, &state.key_policy) {
+        Ok(key) => key,
+        Err(e) => {
+            let outcome = match e {
+                KeyError::Missing => Outcome::Missing,
+                KeyError::Invalid(_) => Outcome::Invalid,
+            };
+            telemetry::record(MODE, outcome, started.elapsed());
+            return Err(e.into());
+        }
+    };
+    let ApiJson(body) = body?;
+    let limits = state.engine.limits();
+    let lease_seconds = bounded(
+        "lease_seconds",
+        body.lease_seconds,
+        limits.default_lease,
+        limits.max_lease,
+    )?;
+    let ttl_seconds = bounded(
+        "ttl_seconds",
+        body.ttl_seconds,
+        limits.default_ttl,
+        limits.max_ttl,
+    )?;
+    let fingerprint = match (body.fingerprint, body.request) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::InvalidRequest(
+                "send either fingerprint or request, not both".into(),
+            ));
+        }
+        (Some(fp), None) => {
+            if fp.is_empty() || fp.chars().count() > MAX_FINGERPRINT_LEN {
+                return Err(ApiError::InvalidRequest(format!(
+                    "fingerprint must hold 1 to {MAX_FINGERPRINT_LEN} characters"
+                )));
+            }
+            Some(fp)
+        }
+        (None, Some(req)) => Some(fingerprint_of(&req, &state)?),
+        (None, None) => None,
+    };
+    let wait = prefer_wait(&headers);
+    let outcome = state
+        .engine
+        .reserve(&ReserveRequest {
+            tenant: tenant.clone(),
+            key_hash: key.hash(),
+            fingerprint,
+            lease_seconds,
+            ttl_seconds,
+            wait,
+        })
+        .await?;
+    let metric = outcome.outcome();
+    let response = match outcome {
+        ReserveOutcome::Reserved(r) => {
+            let mut res = (
+                StatusCode::CREATED,
+                axum::Json(ReservedView {
+                    state: ReservedState::Reserved,
+                    reservation_id: r.reservation_id,
+                    attempt: r.attempt,
+                    lease_expires_at: r.lease_expires_at,
+                    expires_at: r.expires_at,
+                    recovery: r.recovery.map(Recovery::from),
+                }),
+            )
+                .into_response();
+            set_expires(res.headers_mut(), r.expires_at);
+            if let Ok(v) = HeaderValue::from_str(&format!("/v1/reservations/{}", r.reservation_id))
+            {
+                res.headers_mut().insert(header::LOCATION, v);
+            }
+            Ok(res)
+        }
+        ReserveOutcome::Completed(record) => {
+            let mut res = completed_response(&record);
+            mark_replayed(res.headers_mut());
+            Ok(res)
+        }
+        refused => Err(ApiError::refusing(&refused)
+            .unwrap_or_else(|| ApiError::Internal("a decision without an answer".into()))),
+    };
+    telemetry::record(MODE, metric, started.elapsed());
+    tracing::info!(
+        tenant.id = %tenant,
+        key.hash = %key.hash_prefix(),
+        outcome = metric.as_str(),
+        "reserve"
+    );
+    response
+}
+
+fn reservation_id(raw: &str) -> Result<Uuid> {
+    Uuid::parse_str(raw).map_err(|_| ApiError::from(Refusal::NotFound))
+}
+
+/// A caller's number of seconds, or the default, within 1..=max.
+fn bounded(field: &str, given: Option<u32>, default: Duration, max: Duration) -> Result<u32> {
+    let max = u32::try_from(max.as_secs()).unwrap_or(u32::MAX);
+    match given {
+        None => Ok(u32::try_from(default.as_secs()).unwrap_or(max)),
+        Some(v) if (1..=max).contains(&v) => Ok(v),
+        Some(v) => Err(ApiError::InvalidRequest(format!(
+            "{field} is {v}; it must be between 1 and {max}"
+        ))),
+    }
+}
+
+fn fingerprint_of(req: &RequestDescription, state: &AppState) -> Result<String> {
+    let method = req.method.trim().to_ascii_uppercase();
+    if http::Method::from_bytes(method.as_bytes()).is_err() {
+        return Err(ApiError::InvalidRequest(
+            "request.method is not an HTTP method".into(),
+        ));
+    }
+    if !req.path.starts_with('/') {
+        return Err(ApiError::InvalidRequest(
+            "request.path must start with '/'".into(),
+        ));
+    }
+    Ok(fingerprint::fingerprint_json_request(
+        &method,
+        &req.path,
+        req.body.as_ref(),
+        &state.fingerprint_policy,
+    ))
+}
