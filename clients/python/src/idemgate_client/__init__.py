@@ -1,5 +1,48 @@
-"""The caller's half of idemgate: keys, and (to come) the reservation API."""
+"""The caller's half of idemgate: keys derived from an attempt's identity,
+and typed calls of the reservation API."""
 
+from .api import AsyncClient, Client, Completed, Extended, Record, RecoveryPoint, Reserved, StoredResponse
+from .errors import (
+    IdemgateError,
+    InvalidRequest,
+    KeyInvalid,
+    KeyMissing,
+    KeyReused,
+    LeaseLost,
+    NotFound,
+    PayloadTooLarge,
+    Problem,
+    RequestInFlight,
+    ReservationGone,
+    StoreUnavailable,
+    TenantLimit,
+    Unauthorized,
+)
 from .keys import DERIVE_KEY_TAG, derive_key
 
-__all__ = ["DERIVE_KEY_TAG", "derive_key"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Completed",
+    "DERIVE_KEY_TAG",
+    "Extended",
+    "IdemgateError",
+    "InvalidRequest",
+    "KeyInvalid",
+    "KeyMissing",
+    "KeyReused",
+    "LeaseLost",
+    "NotFound",
+    "PayloadTooLarge",
+    "Problem",
+    "Record",
+    "RecoveryPoint",
+    "RequestInFlight",
+    "ReservationGone",
+    "Reserved",
+    "StoreUnavailable",
+    "StoredResponse",
+    "TenantLimit",
+    "Unauthorized",
+    "derive_key",
+]

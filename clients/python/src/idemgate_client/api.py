@@ -1,0 +1,380 @@
+"""Typed calls of idemgate's reservation API (``/v1/reservations``).
+
+A backend reserves the key before its side effect and commits the
+response after it::
+
+    with Client("http://127.0.0.1:8080", token="…") as idem:
+        answer = idem.reserve(key, request={"method": "POST", "path": "/charges", "body": body})
+        if isinstance(answer, Completed):
+            return answer.response          # a retry: the first result, nothing runs again
+        result = charge(...)                # answer is a Reserved: run the effect once
+        idem.commit(answer.reservation_id, status=201, body=json.dumps(result))
+
+Errors are the exceptions of :mod:`idemgate_client.errors` (``KeyReused``,
+``RequestInFlight``, …); the HTTP is httpx's.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Mapping, Union
+from uuid import UUID
+
+import httpx
+
+from .errors import problem_from
+
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "Reserved",
+    "Completed",
+    "StoredResponse",
+    "RecoveryPoint",
+    "Extended",
+    "Record",
+]
+
+
+@dataclass(frozen=True)
+class RecoveryPoint:
+    """How far an earlier holder of the key got (``checkpoint``)."""
+
+    recovery_point: str
+    data: Any = None
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """201: this caller holds the key and runs the effect."""
+
+    reservation_id: UUID
+    attempt: int
+    """1 for a new key; more for a takeover, which must reconcile first."""
+    lease_expires_at: datetime
+    expires_at: datetime
+    recovery: RecoveryPoint | None
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A response as committed."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def text(self) -> str:
+        return self.body.decode("utf-8")
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The key's stored response; ``replayed`` when an earlier call stored it."""
+
+    response: StoredResponse
+    completed_at: datetime | None
+    expires_at: datetime
+    replayed: bool
+
+
+@dataclass(frozen=True)
+class Extended:
+    reservation_id: UUID
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a reservation id shows (``get``, ``checkpoint``)."""
+
+    reservation_id: UUID
+    live: bool
+    state: str
+    attempt: int
+    key_hash_prefix: str
+    fingerprint: str | None
+    lease_expires_at: datetime | None
+    recovery: RecoveryPoint | None
+    response: StoredResponse | None
+    created_at: datetime
+    completed_at: datetime | None
+    expires_at: datetime
+
+
+Reservation = Union[Reserved, Completed]
+
+
+def _dt(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
+
+
+def _recovery(value: Any) -> RecoveryPoint | None:
+    if not value:
+        return None
+    return RecoveryPoint(recovery_point=value["recovery_point"], data=value.get("data"))
+
+
+def _response(value: Mapping[str, Any]) -> StoredResponse:
+    if value.get("body_base64") is not None:
+        body = base64.b64decode(value["body_base64"])
+    else:
+        body = (value.get("body") or "").encode("utf-8")
+    headers = [(str(n), str(v)) for n, v in value.get("headers", [])]
+    return StoredResponse(status=int(value["status"]), headers=headers, body=body)
+
+
+def _completed(value: Mapping[str, Any], replayed: bool) -> Completed:
+    return Completed(
+        response=_response(value["response"]),
+        completed_at=_dt(value.get("completed_at")),
+        expires_at=_dt(value["expires_at"]),  # type: ignore[arg-type]
+        replayed=replayed,
+    )
+
+
+def _record(value: Mapping[str, Any]) -> Record:
+    return Record(
+        reservation_id=UUID(value["reservation_id"]),
+        live=bool(value["live"]),
+        state=str(value["state"]),
+        attempt=int(value["attempt"]),
+        key_hash_prefix=str(value["key_hash_prefix"]),
+        fingerprint=value.get("fingerprint"),
+        lease_expires_at=_dt(value.get("lease_expires_at")),
+        recovery=_recovery(value.get("recovery")),
+        response=_response(value["response"]) if value.get("response") else None,
+        created_at=_dt(value["created_at"]),  # type: ignore[arg-type]
+        completed_at=_dt(value.get("completed_at")),
+        expires_at=_dt(value["expires_at"]),  # type: ignore[arg-type]
+    )
+
+
+def _ok(response: httpx.Response) -> httpx.Response:
+    if response.is_success:
+        return response
+    raise problem_from(response)
+
+
+def _reserve_body(
+    request: Mapping[str, Any] | None,
+    fingerprint: str | None,
+    lease_seconds: int | None,
+    ttl_seconds: int | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if request is not None:
+        body["request"] = dict(request)
+    if fingerprint is not None:
+        body["fingerprint"] = fingerprint
+    if lease_seconds is not None:
+        body["lease_seconds"] = lease_seconds
+    if ttl_seconds is not None:
+        body["ttl_seconds"] = ttl_seconds
+    return body
+
+
+def _reservation(response: httpx.Response) -> Reservation:
+    value = _ok(response).json()
+    if response.status_code == 201:
+        return Reserved(
+            reservation_id=UUID(value["reservation_id"]),
+            attempt=int(value["attempt"]),
+            lease_expires_at=_dt(value["lease_expires_at"]),  # type: ignore[arg-type]
+            expires_at=_dt(value["expires_at"]),  # type: ignore[arg-type]
+            recovery=_recovery(value.get("recovery")),
+        )
+    return _completed(value, replayed=response.headers.get("idempotent-replayed") == "true")
+
+
+def _commit_body(status: int, headers: list[tuple[str, str]] | None, body: str | bytes | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"status": status, "headers": [list(h) for h in headers or []]}
+    if isinstance(body, bytes):
+        out["body_base64"] = base64.b64encode(body).decode("ascii")
+    elif body is not None:
+        out["body"] = body
+    return out
+
+
+def _headers(key: str, wait: int | None) -> dict[str, str]:
+    headers = {"Idempotency-Key": key}
+    if wait is not None:
+        headers["Prefer"] = f"wait={wait}"
+    return headers
+
+
+def _auth(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class Client:
+    """The reservation API over an ``httpx.Client`` (pass ``http=`` to bring your own)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        http: httpx.Client | None = None,
+    ) -> None:
+        self._http = http or httpx.Client(base_url=base_url, timeout=timeout)
+        self._owned = http is None
+        self._auth = _auth(token)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owned:
+            self._http.close()
+
+    def reserve(
+        self,
+        key: str,
+        *,
+        request: Mapping[str, Any] | None = None,
+        fingerprint: str | None = None,
+        lease_seconds: int | None = None,
+        ttl_seconds: int | None = None,
+        wait: int | None = None,
+    ) -> Reservation:
+        """Reserves ``key`` (``Reserved``) or returns its stored response (``Completed``).
+
+        Raises ``RequestInFlight`` while another holder runs (with ``wait``,
+        the server holds the call up to that many seconds first),
+        ``KeyReused`` for another payload under the key.
+        """
+        response = self._http.post(
+            "/v1/reservations",
+            headers={**self._auth, **_headers(key, wait)},
+            json=_reserve_body(request, fingerprint, lease_seconds, ttl_seconds),
+        )
+        return _reservation(response)
+
+    def commit(
+        self,
+        reservation_id: UUID | str,
+        *,
+        status: int,
+        headers: list[tuple[str, str]] | None = None,
+        body: str | bytes | None = None,
+    ) -> Completed:
+        """Stores the effect's response and completes the key."""
+        response = self._http.post(
+            f"/v1/reservations/{reservation_id}/commit",
+            headers=self._auth,
+            json=_commit_body(status, headers, body),
+        )
+        return _completed(_ok(response).json(), replayed=False)
+
+    def release(self, reservation_id: UUID | str) -> None:
+        """Gives the key up: the effect did not happen, a retry may run it."""
+        _ok(self._http.post(f"/v1/reservations/{reservation_id}/release", headers=self._auth))
+
+    def extend(self, reservation_id: UUID | str, *, lease_seconds: int | None = None) -> Extended:
+        """Keeps holding the key while a long effect runs."""
+        body = {} if lease_seconds is None else {"lease_seconds": lease_seconds}
+        value = _ok(
+            self._http.post(f"/v1/reservations/{reservation_id}/extend", headers=self._auth, json=body)
+        ).json()
+        return Extended(UUID(value["reservation_id"]), _dt(value["lease_expires_at"]))  # type: ignore[arg-type]
+
+    def checkpoint(self, reservation_id: UUID | str, *, recovery_point: str, data: Any = None) -> Record:
+        """Records how far a multi-step effect got, for a holder that takes over."""
+        body: dict[str, Any] = {"recovery_point": recovery_point}
+        if data is not None:
+            body["data"] = data
+        response = self._http.post(
+            f"/v1/reservations/{reservation_id}/checkpoint", headers=self._auth, json=body
+        )
+        return _record(_ok(response).json())
+
+    def get(self, reservation_id: UUID | str) -> Record:
+        """What the reservation id shows now."""
+        return _record(_ok(self._http.get(f"/v1/reservations/{reservation_id}", headers=self._auth)).json())
+
+
+class AsyncClient:
+    """As :class:`Client`, over an ``httpx.AsyncClient``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._http = http or httpx.AsyncClient(base_url=base_url, timeout=timeout)
+        self._owned = http is None
+        self._auth = _auth(token)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owned:
+            await self._http.aclose()
+
+    async def reserve(
+        self,
+        key: str,
+        *,
+        request: Mapping[str, Any] | None = None,
+        fingerprint: str | None = None,
+        lease_seconds: int | None = None,
+        ttl_seconds: int | None = None,
+        wait: int | None = None,
+    ) -> Reservation:
+        response = await self._http.post(
+            "/v1/reservations",
+            headers={**self._auth, **_headers(key, wait)},
+            json=_reserve_body(request, fingerprint, lease_seconds, ttl_seconds),
+        )
+        return _reservation(response)
+
+    async def commit(
+        self,
+        reservation_id: UUID | str,
+        *,
+        status: int,
+        headers: list[tuple[str, str]] | None = None,
+        body: str | bytes | None = None,
+    ) -> Completed:
+        response = await self._http.post(
+            f"/v1/reservations/{reservation_id}/commit",
+            headers=self._auth,
+            json=_commit_body(status, headers, body),
+        )
+        return _completed(_ok(response).json(), replayed=False)
+
+    async def release(self, reservation_id: UUID | str) -> None:
+        _ok(await self._http.post(f"/v1/reservations/{reservation_id}/release", headers=self._auth))
+
+    async def extend(self, reservation_id: UUID | str, *, lease_seconds: int | None = None) -> Extended:
+        body = {} if lease_seconds is None else {"lease_seconds": lease_seconds}
+        value = _ok(
+            await self._http.post(f"/v1/reservations/{reservation_id}/extend", headers=self._auth, json=body)
+        ).json()
+        return Extended(UUID(value["reservation_id"]), _dt(value["lease_expires_at"]))  # type: ignore[arg-type]
+
+    async def checkpoint(self, reservation_id: UUID | str, *, recovery_point: str, data: Any = None) -> Record:
+        body: dict[str, Any] = {"recovery_point": recovery_point}
+        if data is not None:
+            body["data"] = data
+        response = await self._http.post(
+            f"/v1/reservations/{reservation_id}/checkpoint", headers=self._auth, json=body
+        )
+        return _record(_ok(response).json())
+
+    async def get(self, reservation_id: UUID | str) -> Record:
+        return _record(_ok(await self._http.get(f"/v1/reservations/{reservation_id}", headers=self._auth)).json())

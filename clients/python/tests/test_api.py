@@ -1,0 +1,145 @@
+"""The typed reservation calls against a real idemgate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import pytest
+
+from idemgate_client import (
+    AsyncClient,
+    Client,
+    Completed,
+    KeyReused,
+    RequestInFlight,
+    Reserved,
+    Unauthorized,
+    derive_key,
+)
+
+from conftest import OTHER_TOKEN, TOKEN
+
+CHARGE = {"method": "POST", "path": "/charges", "body": {"amount": 500, "currency": "EUR"}}
+
+
+def fresh_key() -> str:
+    return derive_key(tenant="acme", run=f"run-{uuid.uuid4()}", step=1, tool="charge")
+
+
+@pytest.fixture
+def idem(server):
+    with Client(server.base_url, token=TOKEN) as client:
+        yield client
+
+
+def test_reserve_commit_replay(idem):
+    key = fresh_key()
+    first = idem.reserve(key, request=CHARGE)
+    assert isinstance(first, Reserved)
+    assert first.attempt == 1 and first.recovery is None
+    with pytest.raises(RequestInFlight) as in_flight:
+        idem.reserve(key, request=CHARGE)
+    assert in_flight.value.status == 409
+    assert in_flight.value.retry_after is not None and in_flight.value.retry_after >= 1
+    assert in_flight.value.lease_expires_at is not None
+    done = idem.commit(first.reservation_id, status=201, headers=[("content-type", "application/json")],
+                       body=json.dumps({"charge": "ch_1"}))
+    assert done.response.status == 201 and not done.replayed
+    # A reordered body is the same request: the stored response comes back.
+    again = idem.reserve(key, request={**CHARGE, "body": {"currency": "EUR", "amount": 500}})
+    assert isinstance(again, Completed) and again.replayed
+    assert again.response.status == 201
+    assert json.loads(again.response.text()) == {"charge": "ch_1"}
+    assert ("content-type", "application/json") in again.response.headers
+
+
+def test_another_payload_is_key_reused_and_says_so(idem):
+    key = fresh_key()
+    reserved = idem.reserve(key, request=CHARGE)
+    idem.commit(reserved.reservation_id, status=201, body="ok")
+    with pytest.raises(KeyReused) as reused:
+        idem.reserve(key, request={**CHARGE, "body": {"amount": 900, "currency": "EUR"}})
+    assert reused.value.status == 422
+    assert reused.value.type.endswith("/key-reused")
+
+
+def test_release_makes_the_key_new_again(idem):
+    key = fresh_key()
+    first = idem.reserve(key, request=CHARGE)
+    idem.release(first.reservation_id)
+    second = idem.reserve(key, request=CHARGE)
+    assert isinstance(second, Reserved)
+    assert second.reservation_id != first.reservation_id
+
+
+def test_checkpoint_extend_and_get(idem):
+    key = fresh_key()
+    held = idem.reserve(key, request=CHARGE, lease_seconds=5)
+    record = idem.checkpoint(held.reservation_id, recovery_point="charged", data={"charge": "ch_9"})
+    assert record.recovery is not None and record.recovery.recovery_point == "charged"
+    assert record.recovery.data == {"charge": "ch_9"}
+    extended = idem.extend(held.reservation_id, lease_seconds=60)
+    assert extended.lease_expires_at > held.lease_expires_at
+    seen = idem.get(held.reservation_id)
+    assert seen.live and seen.state == "in_flight" and seen.attempt == 1
+    assert seen.recovery == record.recovery
+
+
+def test_bytes_bodies_round_trip(idem):
+    key = fresh_key()
+    held = idem.reserve(key, request=CHARGE)
+    payload = bytes(range(256))
+    idem.commit(held.reservation_id, status=200, body=payload)
+    replay = idem.reserve(key, request=CHARGE)
+    assert isinstance(replay, Completed) and replay.response.body == payload
+
+
+def test_prefer_wait_gets_the_replay_when_the_first_finishes(idem, server):
+    key = fresh_key()
+    held = idem.reserve(key, request=CHARGE)
+
+    def finish() -> None:
+        time.sleep(0.5)
+        with Client(server.base_url, token=TOKEN) as other:
+            other.commit(held.reservation_id, status=201, body="done")
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    started = time.monotonic()
+    answer = idem.reserve(key, request=CHARGE, wait=5)
+    thread.join()
+    assert isinstance(answer, Completed) and answer.response.text() == "done"
+    assert time.monotonic() - started < 5
+
+
+def test_tenants_do_not_share_keys(server, idem):
+    key = fresh_key()
+    idem.reserve(key, request=CHARGE)
+    with Client(server.base_url, token=OTHER_TOKEN) as globex:
+        assert isinstance(globex.reserve(key, request=CHARGE), Reserved)
+
+
+def test_a_wrong_token_is_unauthorized(server):
+    with Client(server.base_url, token="not-a-token") as stranger:
+        with pytest.raises(Unauthorized) as refused:
+            stranger.reserve(fresh_key(), request=CHARGE)
+    assert refused.value.status == 401
+
+
+def test_the_async_client(server):
+    async def flow() -> None:
+        async with AsyncClient(server.base_url, token=TOKEN) as idem:
+            key = fresh_key()
+            held = await idem.reserve(key, request=CHARGE)
+            assert isinstance(held, Reserved)
+            await idem.commit(held.reservation_id, status=201, body="async")
+            replay = await idem.reserve(key, request=CHARGE)
+            assert isinstance(replay, Completed) and replay.response.text() == "async"
+            with pytest.raises(KeyReused):
+                await idem.reserve(key, request={**CHARGE, "body": {"amount": 1}})
+
+    asyncio.run(flow())
