@@ -18,6 +18,7 @@ from .errors import (
     TenantLimit,
     Unauthorized,
 )
+from .guard import Guard, Holding, InFlight, NotExecuted
 from .keys import DERIVE_KEY_TAG, derive_key
 
 __all__ = [
@@ -26,12 +27,16 @@ __all__ = [
     "Completed",
     "DERIVE_KEY_TAG",
     "Extended",
+    "Guard",
+    "Holding",
     "IdemgateError",
+    "InFlight",
     "InvalidRequest",
     "KeyInvalid",
     "KeyMissing",
     "KeyReused",
     "LeaseLost",
+    "NotExecuted",
     "NotFound",
     "PayloadTooLarge",
     "Problem",

@@ -1,0 +1,168 @@
+"""One call around an effect: reserve, run it at most once, commit.
+
+::
+
+    guard = Guard(Client(url, token=token))
+    result = guard.run(key, charge, request={"method": "POST", "path": "/charges", "body": args})
+
+- a key already completed returns the stored result; the effect does not run;
+- a key another caller holds is waited for (``Prefer: wait``, then retries of
+  the same key) within ``wait_budget`` seconds, then :class:`InFlight` is
+  raised: the step belongs in the caller's dead-letter queue, never in a
+  second execution;
+- a key reused with another payload raises :class:`~idemgate_client.KeyReused`
+  and is never retried;
+- a takeover (the earlier holder's lease ran out) hands the effect
+  ``holding.attempt > 1`` and the recovery point that holder recorded: the
+  effect must reconcile (look for what it did) before acting again;
+- the effect's lease is extended while it runs;
+- an effect that raises :class:`NotExecuted` (it failed before acting)
+  releases the key, so a retry runs it; any other exception leaves the key in
+  flight until its lease ends, because the effect may have acted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping, TypeVar
+from uuid import UUID
+
+from .api import Client, Completed, RecoveryPoint, Reserved
+from .errors import IdemgateError, RequestInFlight
+
+__all__ = ["Guard", "Holding", "InFlight", "NotExecuted"]
+
+T = TypeVar("T")
+
+#: The longest single ``Prefer: wait`` asked for; the server caps it too.
+MAX_WAIT_SECONDS = 10
+
+
+class InFlight(IdemgateError):
+    """The key stayed held by another caller for the whole wait budget."""
+
+    def __init__(self, key: str, waited: float, lease_expires_at: datetime | None) -> None:
+        self.key = key
+        self.waited = waited
+        self.lease_expires_at = lease_expires_at
+        super().__init__(
+            f"the key is still in flight after {waited:.1f} s"
+            + (f" (its holder's lease ends at {lease_expires_at.isoformat()})" if lease_expires_at else "")
+        )
+
+
+class NotExecuted(Exception):
+    """Raised by an effect that failed before it acted: the key is released."""
+
+
+@dataclass
+class Holding:
+    """What the effect gets: its reservation, and how to record progress."""
+
+    reservation_id: UUID
+    attempt: int
+    """1 for a new key; more for a takeover, which must reconcile first."""
+    recovery: RecoveryPoint | None
+    """What an earlier holder of the key recorded with :meth:`checkpoint`."""
+    _client: Client = field(repr=False)
+
+    def checkpoint(self, recovery_point: str, data: Any = None) -> None:
+        """Records how far the effect got, for a holder that takes over."""
+        self._client.checkpoint(self.reservation_id, recovery_point=recovery_point, data=data)
+
+
+class _Heartbeat:
+    """Extends the lease every third of it while the effect runs."""
+
+    def __init__(self, client: Client, reserved: Reserved, lease_seconds: int | None) -> None:
+        left = (reserved.lease_expires_at - datetime.now(timezone.utc)).total_seconds()
+        self._every = max(0.2, min(left, float(lease_seconds or left)) / 3)
+        self._client = client
+        self._id = reserved.reservation_id
+        self._lease = lease_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="idemgate-lease", daemon=True)
+
+    def __enter__(self) -> "_Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self._client.extend(self._id, lease_seconds=self._lease)
+            except IdemgateError:
+                # Lost or unreachable: the commit will say so; keep trying
+                # while the store is away.
+                continue
+
+
+class Guard:
+    """Runs effects under idempotency keys, through one :class:`Client`."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        wait_budget: float = 30.0,
+        lease_seconds: int | None = None,
+        encode: Callable[[Any], str] = json.dumps,
+        decode: Callable[[str], Any] = json.loads,
+    ) -> None:
+        self.client = client
+        self.wait_budget = wait_budget
+        self.lease_seconds = lease_seconds
+        self.encode = encode
+        self.decode = decode
+
+    def run(
+        self,
+        key: str,
+        effect: Callable[[Holding], T],
+        *,
+        request: Mapping[str, Any] | None = None,
+        fingerprint: str | None = None,
+    ) -> T:
+        """The effect's result for ``key``: run now, or stored by an earlier run."""
+        reserved = self._reserve(key, request, fingerprint)
+        if isinstance(reserved, Completed):
+            return self.decode(reserved.response.text())  # type: ignore[no-any-return]
+        holding = Holding(reserved.reservation_id, reserved.attempt, reserved.recovery, self.client)
+        try:
+            with _Heartbeat(self.client, reserved, self.lease_seconds):
+                result = effect(holding)
+        except NotExecuted:
+            self.client.release(reserved.reservation_id)
+            raise
+        self.client.commit(reserved.reservation_id, status=200, body=self.encode(result))
+        return result
+
+    def _reserve(
+        self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None
+    ) -> Reserved | Completed:
+        started = time.monotonic()
+        while True:
+            left = self.wait_budget - (time.monotonic() - started)
+            wait = int(min(MAX_WAIT_SECONDS, max(0.0, left)))
+            try:
+                return self.client.reserve(
+                    key,
+                    request=request,
+                    fingerprint=fingerprint,
+                    lease_seconds=self.lease_seconds,
+                    wait=wait if wait > 0 else None,
+                )
+            except RequestInFlight as busy:
+                waited = time.monotonic() - started
+                left = self.wait_budget - waited
+                if left <= 0:
+                    raise InFlight(key, waited, busy.lease_expires_at) from busy
+                time.sleep(min(left, busy.retry_after or 1.0, 1.0))

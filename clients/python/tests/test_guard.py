@@ -1,0 +1,159 @@
+"""Guard.run against a real idemgate: at most one execution per key."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from idemgate_client import (
+    Client,
+    Guard,
+    Holding,
+    InFlight,
+    KeyReused,
+    NotExecuted,
+    Reserved,
+    derive_key,
+)
+
+from conftest import TOKEN
+
+CHARGE = {"method": "POST", "path": "/charges", "body": {"amount": 500}}
+
+
+def fresh_key() -> str:
+    return derive_key(tenant="acme", run=f"run-{uuid.uuid4()}", step=1, tool="charge")
+
+
+class Charges:
+    """A side effect that counts its executions."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = seconds
+        self.runs = 0
+        self.attempts: list[int] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, holding: Holding) -> dict[str, object]:
+        with self.lock:
+            self.runs += 1
+            n = self.runs
+        self.attempts.append(holding.attempt)
+        time.sleep(self.seconds)
+        return {"charge": f"ch_{n}", "attempt": holding.attempt}
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.base_url, token=TOKEN) as c:
+        yield c
+
+
+def test_a_retry_returns_the_stored_result_without_running(client):
+    guard, charge, key = Guard(client), Charges(), fresh_key()
+    first = guard.run(key, charge, request=CHARGE)
+    second = guard.run(key, charge, request=CHARGE)
+    assert first == second == {"charge": "ch_1", "attempt": 1}
+    assert charge.runs == 1
+
+
+def test_a_duplicate_while_the_first_runs_waits_for_its_result(client, server):
+    charge, key = Charges(seconds=1.0), fresh_key()
+    results: list[object] = []
+
+    def call() -> None:
+        with Client(server.base_url, token=TOKEN) as own:
+            results.append(Guard(own).run(key, charge, request=CHARGE))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert charge.runs == 1
+    assert results == [{"charge": "ch_1", "attempt": 1}] * 4
+
+
+def test_a_key_held_past_the_budget_is_in_flight_not_run(client, server):
+    slow, key = Charges(seconds=3.0), fresh_key()
+    holder = threading.Thread(target=lambda: Guard(Client(server.base_url, token=TOKEN)).run(key, slow, request=CHARGE))
+    holder.start()
+    time.sleep(0.3)
+    other = Charges()
+    started = time.monotonic()
+    with pytest.raises(InFlight) as busy:
+        Guard(client, wait_budget=1.0).run(key, other, request=CHARGE)
+    assert time.monotonic() - started < 2.5
+    assert busy.value.key == key and busy.value.lease_expires_at is not None
+    holder.join()
+    assert other.runs == 0 and slow.runs == 1
+
+
+def test_another_payload_is_key_reused_and_never_run(client):
+    guard, charge, key = Guard(client), Charges(), fresh_key()
+    guard.run(key, charge, request=CHARGE)
+    with pytest.raises(KeyReused):
+        guard.run(key, charge, request={**CHARGE, "body": {"amount": 900}})
+    assert charge.runs == 1
+
+
+def test_an_effect_that_did_not_act_releases_the_key(client):
+    guard, key = Guard(client), fresh_key()
+
+    def refused(_: Holding) -> object:
+        raise NotExecuted("the card was declined before anything was charged")
+
+    with pytest.raises(NotExecuted):
+        guard.run(key, refused, request=CHARGE)
+    charge = Charges()
+    assert guard.run(key, charge, request=CHARGE) == {"charge": "ch_1", "attempt": 1}
+
+
+def test_an_effect_that_failed_after_it_may_have_acted_keeps_the_key(client):
+    guard, key = Guard(client, wait_budget=1.0, lease_seconds=30), fresh_key()
+
+    def broke(_: Holding) -> object:
+        raise ConnectionError("the payment API hung up after the request was sent")
+
+    with pytest.raises(ConnectionError):
+        guard.run(key, broke, request=CHARGE)
+    charge = Charges()
+    with pytest.raises(InFlight):
+        guard.run(key, charge, request=CHARGE)
+    assert charge.runs == 0
+
+
+def test_the_lease_is_extended_while_a_long_effect_runs(client, server):
+    slow, key = Charges(seconds=3.5), fresh_key()
+    holder = threading.Thread(
+        target=lambda: Guard(Client(server.base_url, token=TOKEN), lease_seconds=1).run(key, slow, request=CHARGE)
+    )
+    holder.start()
+    time.sleep(2.0)  # two leases of 1 s: without the heartbeat, a takeover
+    other = Charges()
+    with pytest.raises(InFlight):
+        Guard(client, wait_budget=0.5, lease_seconds=1).run(key, other, request=CHARGE)
+    holder.join()
+    assert other.runs == 0 and slow.runs == 1
+
+
+def test_a_takeover_hands_the_attempt_and_the_recovery_point(client):
+    key = fresh_key()
+    # A holder that recorded its progress, then died: its lease ends.
+    dead = client.reserve(key, request=CHARGE, lease_seconds=1)
+    assert isinstance(dead, Reserved)
+    client.checkpoint(dead.reservation_id, recovery_point="charge-sent", data={"charge": "ch_7"})
+    time.sleep(1.3)
+    seen: list[Holding] = []
+
+    def reconcile(holding: Holding) -> dict[str, object]:
+        seen.append(holding)
+        assert holding.recovery is not None
+        return {"charge": holding.recovery.data["charge"], "reconciled": True}
+
+    result = Guard(client).run(key, reconcile, request=CHARGE)
+    assert result == {"charge": "ch_7", "reconciled": True}
+    assert seen[0].attempt == 2 and seen[0].recovery.recovery_point == "charge-sent"
