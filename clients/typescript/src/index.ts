@@ -1,3 +1,14 @@
-/** The caller's half of idemgate: keys, and (to come) the reservation API. */
+/** The caller's half of idemgate: keys derived from an attempt's identity, and typed calls of the reservation API. */
 export { DERIVE_KEY_TAG, derive_key } from "./keys.js";
 export type { Attempt } from "./keys.js";
+export { Client } from "./api.js";
+export { guard, InFlight, MAX_WAIT_SECONDS, NotExecuted } from "./guard.js";
+export type { GuardOptions, Holding } from "./guard.js";
+export type {
+  ClientOptions, CommitOptions, Completed, Extended, RecoveryPoint, RequestDescription, ReservationRecord,
+  Reserved, ReserveOptions, StoredResponse,
+} from "./api.js";
+export {
+  IdemgateError, Internal, InvalidRequest, KeyInvalid, KeyMissing, KeyReused, LeaseLost, NotFound,
+  PayloadTooLarge, Problem, RequestInFlight, ReservationGone, StoreUnavailable, TenantLimit, Unauthorized,
+} from "./errors.js";
