@@ -71,3 +71,97 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         process.kill()
+
+
+class Origin:
+    """A payments API that counts its charges, per idempotency key."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.charges: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.lock = threading.Lock()
+        origin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                self.rfile.read(length)
+                key = self.headers.get("idempotency-key", "")
+                with origin.lock:
+                    origin.calls[key] = origin.calls.get(key, 0) + 1
+                    call = origin.calls[key]
+                if self.path.startswith("/flaky") and call == 1:
+                    self._answer(503, b'{"error":"busy"}', {"retry-after": "1"})
+                    return
+                if self.path.startswith("/slow/"):
+                    time.sleep(int(self.path.rsplit("/", 1)[-1]) / 1000)
+                with origin.lock:
+                    origin.charges[key] = origin.charges.get(key, 0) + 1
+                    n = sum(origin.charges.values())
+                self._answer(201, f'{{"charge":"ch_{n}"}}'.encode())
+
+            def _answer(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Origin]]:
+    """`idemgate proxy` in front of a counting origin: (the proxy's URL, the origin)."""
+    binary = os.environ.get("IDEMGATE_BIN")
+    if not binary:
+        raise RuntimeError("set IDEMGATE_BIN to an idemgate binary (cargo build)")
+    origin = Origin()
+    work = tmp_path_factory.mktemp("proxy")
+    port, admin = _free_port(), _free_port()
+    log = work / "proxy.log"
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite://{work / 'proxy.db'}",
+        "IDEMGATE_PRUNE_INTERVAL": "0",
+        "RUST_LOG": "warn",
+    }
+    env.pop("IDEMGATE_CONFIG", None)
+    args = [binary, "proxy", "--upstream", origin.url, "--listen", f"127.0.0.1:{port}",
+            "--admin-listen", f"127.0.0.1:{admin}"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(args, env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"idemgate proxy exited: {log.read_text(errors='replace')}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{admin}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"idemgate proxy did not answer within 30 s: {log.read_text(errors='replace')}")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", origin
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    origin.close()

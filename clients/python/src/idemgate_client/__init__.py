@@ -20,9 +20,14 @@ from .errors import (
 )
 from .guard import Guard, Holding, InFlight, NotExecuted
 from .keys import DERIVE_KEY_TAG, derive_key
+from .retry import AsyncRetryTransport, Decision, RetryTransport, classify
 
 __all__ = [
     "AsyncClient",
+    "AsyncRetryTransport",
+    "Decision",
+    "RetryTransport",
+    "classify",
     "Client",
     "Completed",
     "DERIVE_KEY_TAG",

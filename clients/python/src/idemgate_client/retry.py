@@ -1,0 +1,198 @@
+"""Retrying calls to an API behind ``idemgate proxy`` (or any server of the
+Idempotency-Key draft) without executing anything twice.
+
+:func:`classify` is the table a caller follows, as the agent builders'
+guides have it:
+
+========================================  ==========================================
+what came back                            what to do
+========================================  ==========================================
+a timeout, a closed socket, 502/504       retry, the same key and the same body
+408, 425, 429, 503 (not stored: the       retry the same key after ``Retry-After``
+proxy released the key)
+409 ``request-in-flight``                 wait (``Retry-After``), retry the same key;
+                                          past the budget, the dead-letter queue
+422 ``key-reused``                        stop: never retried (a new key only when
+                                          a person changed the arguments)
+anything else (2xx, 4xx, 500)             the answer: a replayed 4xx or 500 is this
+                                          step's result
+========================================  ==========================================
+
+:class:`RetryTransport` applies it to every request that carries an
+idempotency key, as an httpx transport::
+
+    http = httpx.Client(transport=RetryTransport(httpx.HTTPTransport(), budget=30))
+    http.post(url, json=args, headers={"Idempotency-Key": derive_key(...)})
+
+A request without a key is sent once: retrying it could execute it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass
+
+import httpx
+
+__all__ = ["Decision", "classify", "RetryTransport", "AsyncRetryTransport"]
+
+#: Statuses the proxy returns without storing them, releasing the key.
+RELEASED = frozenset({408, 425, 429, 503})
+#: Gateway statuses that say nothing of whether the origin acted.
+UNKNOWN = frozenset({502, 504})
+
+
+class Decision(enum.Enum):
+    RETRY = "retry the same key"
+    WAIT = "wait, then retry the same key"
+    STOP = "stop: the key was used with another payload"
+    ANSWER = "the answer"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: Decision
+    #: Seconds to wait first, when the server said (``Retry-After``).
+    after: float | None = None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after", "").strip()
+    return float(value) if value.isdigit() else None
+
+
+def _slug(response: httpx.Response) -> str:
+    if "json" not in response.headers.get("content-type", ""):
+        return ""
+    try:
+        body = response.json()
+    except ValueError:
+        return ""
+    kind = body.get("type", "") if isinstance(body, dict) else ""
+    return str(kind).rsplit("/", 1)[-1]
+
+
+def classify(outcome: httpx.Response | Exception) -> Verdict:
+    """What to do about one attempt's outcome (see the module's table).
+
+    Only a 409's body is read (to tell ``request-in-flight`` from
+    ``lease-lost``): a streamed answer is never consumed here."""
+    if isinstance(outcome, Exception):
+        if isinstance(outcome, (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)):
+            return Verdict(Decision.RETRY)
+        return Verdict(Decision.ANSWER)
+    status = outcome.status_code
+    if status == 409 and _slug(outcome) != "lease-lost":
+        return Verdict(Decision.WAIT, _retry_after(outcome))
+    if status == 422:
+        return Verdict(Decision.STOP)
+    if status in RELEASED:
+        return Verdict(Decision.RETRY, _retry_after(outcome))
+    if status in UNKNOWN:
+        return Verdict(Decision.RETRY, _retry_after(outcome))
+    return Verdict(Decision.ANSWER)
+
+
+def _has_key(request: httpx.Request, header: str) -> bool:
+    return header in request.headers
+
+
+class RetryTransport(httpx.BaseTransport):
+    """Retries a keyed request per :func:`classify`, within ``budget`` seconds.
+
+    The request goes again as it was (same key, same body). When the budget
+    runs out, the last response is returned (a 409 says the step is still in
+    flight: the dead-letter queue's case) or the last error raised.
+    """
+
+    def __init__(
+        self,
+        transport: httpx.BaseTransport,
+        *,
+        budget: float = 30.0,
+        key_header: str = "idempotency-key",
+        backoff: float = 0.2,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self._transport = transport
+        self.budget = budget
+        self.key_header = key_header
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if not _has_key(request, self.key_header):
+            return self._transport.handle_request(request)
+        request.read()  # the body goes again, byte for byte
+        started = time.monotonic()
+        pause = self.backoff
+        while True:
+            try:
+                outcome: httpx.Response | Exception = self._transport.handle_request(request)
+            except httpx.TransportError as e:
+                outcome = e
+            if isinstance(outcome, httpx.Response) and outcome.status_code == 409:
+                outcome.read()  # a small problem body: which 409 it is
+            verdict = classify(outcome)
+            left = self.budget - (time.monotonic() - started)
+            if verdict.decision in (Decision.ANSWER, Decision.STOP) or left <= 0:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                return outcome
+            if isinstance(outcome, httpx.Response):
+                outcome.close()
+            wait = verdict.after if verdict.after is not None else pause
+            time.sleep(max(0.0, min(wait, left)))
+            pause = min(pause * 2, self.max_backoff)
+
+    def close(self) -> None:
+        self._transport.close()
+
+
+class AsyncRetryTransport(httpx.AsyncBaseTransport):
+    """As :class:`RetryTransport`, for ``httpx.AsyncClient``."""
+
+    def __init__(
+        self,
+        transport: httpx.AsyncBaseTransport,
+        *,
+        budget: float = 30.0,
+        key_header: str = "idempotency-key",
+        backoff: float = 0.2,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self._transport = transport
+        self.budget = budget
+        self.key_header = key_header
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not _has_key(request, self.key_header):
+            return await self._transport.handle_async_request(request)
+        await request.aread()
+        started = time.monotonic()
+        pause = self.backoff
+        while True:
+            try:
+                outcome: httpx.Response | Exception = await self._transport.handle_async_request(request)
+            except httpx.TransportError as e:
+                outcome = e
+            if isinstance(outcome, httpx.Response) and outcome.status_code == 409:
+                await outcome.aread()  # a small problem body: which 409 it is
+            verdict = classify(outcome)
+            left = self.budget - (time.monotonic() - started)
+            if verdict.decision in (Decision.ANSWER, Decision.STOP) or left <= 0:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                return outcome
+            if isinstance(outcome, httpx.Response):
+                await outcome.aclose()
+            wait = verdict.after if verdict.after is not None else pause
+            await asyncio.sleep(max(0.0, min(wait, left)))
+            pause = min(pause * 2, self.max_backoff)
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()

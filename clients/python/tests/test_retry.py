@@ -1,0 +1,132 @@
+"""The retry table, as a classifier and as a transport in front of a real idemgate proxy."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from idemgate_client import Decision, RetryTransport, classify, derive_key
+
+
+def response(status: int, slug: str | None = None, retry_after: str | None = None) -> httpx.Response:
+    headers = {"retry-after": retry_after} if retry_after else {}
+    if slug is None:
+        return httpx.Response(status, headers=headers)
+    body = {"type": f"https://idemgate.dev/problems/{slug}", "status": status}
+    return httpx.Response(status, json=body, headers={**headers, "content-type": "application/problem+json"})
+
+
+REQUEST = httpx.Request("POST", "http://api.invalid/charges")
+
+
+@pytest.mark.parametrize(
+    ("outcome", "decision", "after"),
+    [
+        (httpx.ReadTimeout("timed out", request=REQUEST), Decision.RETRY, None),
+        (httpx.ConnectError("refused", request=REQUEST), Decision.RETRY, None),
+        (httpx.RemoteProtocolError("peer closed", request=REQUEST), Decision.RETRY, None),
+        (response(502), Decision.RETRY, None),
+        (response(504, "upstream-timeout"), Decision.RETRY, None),
+        (response(503, "store-unavailable", "2"), Decision.RETRY, 2.0),
+        (response(429, "tenant-limit", "3"), Decision.RETRY, 3.0),
+        (response(408), Decision.RETRY, None),
+        (response(425), Decision.RETRY, None),
+        (response(409, "request-in-flight", "4"), Decision.WAIT, 4.0),
+        (response(409, "lease-lost"), Decision.ANSWER, None),
+        (response(422, "key-reused"), Decision.STOP, None),
+        (response(500), Decision.ANSWER, None),
+        (response(402), Decision.ANSWER, None),
+        (response(400, "key-invalid"), Decision.ANSWER, None),
+        (response(201), Decision.ANSWER, None),
+        (ValueError("not a network error"), Decision.ANSWER, None),
+    ],
+)
+def test_the_table(outcome, decision, after):
+    verdict = classify(outcome)
+    assert verdict.decision is decision
+    assert verdict.after == after
+
+
+def key() -> str:
+    return derive_key(tenant="acme", run=f"run-{uuid.uuid4()}", step=1, tool="charge")
+
+
+def client(budget: float = 10.0, timeout: float = 10.0) -> httpx.Client:
+    return httpx.Client(transport=RetryTransport(httpx.HTTPTransport(), budget=budget, backoff=0.1), timeout=timeout)
+
+
+def test_a_timeout_retries_the_same_key_and_gets_the_one_charge(proxied):
+    url, origin = proxied
+    k = key()
+    with client(timeout=0.5) as http:
+        # The origin takes 1.5 s; the client gives up after 0.5 s and sends
+        # again: the proxy answers 409 while the first runs, then the replay.
+        answer = http.post(f"{url}/slow/1500", json={"amount": 500}, headers={"Idempotency-Key": k})
+    assert answer.status_code == 201
+    assert origin.charges[k] == 1
+
+
+def test_a_released_503_is_retried_and_charges_once(proxied):
+    url, origin = proxied
+    k = key()
+    with client() as http:
+        answer = http.post(f"{url}/flaky", json={"amount": 500}, headers={"Idempotency-Key": k})
+    assert answer.status_code == 201
+    assert origin.calls[k] == 2 and origin.charges[k] == 1
+
+
+def test_key_reused_is_not_retried(proxied):
+    url, origin = proxied
+    k = key()
+    with client() as http:
+        assert http.post(f"{url}/charge", json={"amount": 500}, headers={"Idempotency-Key": k}).status_code == 201
+        again = http.post(f"{url}/charge", json={"amount": 900}, headers={"Idempotency-Key": k})
+    assert again.status_code == 422
+    assert origin.calls[k] == 1
+
+
+def test_in_flight_past_the_budget_returns_the_409(proxied):
+    url, origin = proxied
+    k = key()
+    import threading
+
+    first = threading.Thread(
+        target=lambda: httpx.post(f"{url}/slow/3000", json={"amount": 1}, headers={"Idempotency-Key": k}, timeout=10)
+    )
+    first.start()
+    import time
+
+    time.sleep(0.3)
+    with client(budget=1.0) as http:
+        answer = http.post(f"{url}/slow/3000", json={"amount": 1}, headers={"Idempotency-Key": k})
+    first.join()
+    assert answer.status_code == 409
+    assert origin.charges[k] == 1
+
+
+def test_a_request_without_a_key_is_sent_once(proxied):
+    url, origin = proxied
+    with client() as http:
+        answer = http.post(f"{url}/flaky", json={"amount": 1})
+    assert answer.status_code == 503
+    assert origin.calls[""] >= 1
+
+
+def test_the_async_transport_retries_a_timeout_too(proxied):
+    import asyncio
+
+    from idemgate_client import AsyncRetryTransport
+
+    url, origin = proxied
+    k = key()
+
+    async def call() -> httpx.Response:
+        transport = AsyncRetryTransport(httpx.AsyncHTTPTransport(), budget=10, backoff=0.1)
+        async with httpx.AsyncClient(transport=transport, timeout=0.5) as http:
+            return await http.post(f"{url}/slow/1500", json={"amount": 7}, headers={"Idempotency-Key": k})
+
+    answer = asyncio.run(call())
+    assert answer.status_code == 201
+    assert origin.charges[k] == 1
