@@ -4,6 +4,8 @@ export type { Attempt } from "./keys.js";
 export { Client } from "./api.js";
 export { guard, InFlight, MAX_WAIT_SECONDS, NotExecuted } from "./guard.js";
 export type { GuardOptions, Holding } from "./guard.js";
+export { classify, isNetworkError, RELEASED, retryingFetch, UNKNOWN } from "./retry.js";
+export type { Decision, RetryOptions, Verdict } from "./retry.js";
 export type {
   ClientOptions, CommitOptions, Completed, Extended, RecoveryPoint, RequestDescription, ReservationRecord,
   Reserved, ReserveOptions, StoredResponse,

@@ -71,3 +71,85 @@ export async function startServer(): Promise<Server> {
     },
   };
 }
+
+/** A payments API that counts its charges, per idempotency key. */
+export interface Origin {
+  url: string;
+  charges: Map<string, number>;
+  calls: Map<string, number>;
+  close(): Promise<void>;
+}
+
+export async function startOrigin(): Promise<Origin> {
+  const { createServer: createHttpServer } = await import("node:http");
+  const charges = new Map<string, number>();
+  const calls = new Map<string, number>();
+  let total = 0;
+  const server = createHttpServer((req, res) => {
+    req.resume();
+    req.on("end", () => {
+      const key = String(req.headers["idempotency-key"] ?? "");
+      const call = (calls.get(key) ?? 0) + 1;
+      calls.set(key, call);
+      const path = req.url ?? "/";
+      if (path.startsWith("/flaky") && call === 1) {
+        res.writeHead(503, { "content-type": "application/json", "retry-after": "1" });
+        res.end('{"error":"busy"}');
+        return;
+      }
+      const delay = path.startsWith("/slow/") ? Number(path.split("/").pop()) : 0;
+      setTimeout(() => {
+        charges.set(key, (charges.get(key) ?? 0) + 1);
+        total += 1;
+        res.writeHead(201, { "content-type": "application/json" });
+        res.end(JSON.stringify({ charge: `ch_${total}` }));
+      }, delay);
+    });
+  });
+  await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));
+  const address = server.address();
+  const port = typeof address === "object" && address ? address.port : 0;
+  return {
+    url: `http://127.0.0.1:${port}`,
+    charges,
+    calls,
+    close: () => new Promise((r) => server.close(() => r())),
+  };
+}
+
+/** `idemgate proxy` in front of `upstream`, on a SQLite file of its own. */
+export async function startProxy(upstream: string): Promise<Server> {
+  const binary = process.env["IDEMGATE_BIN"];
+  if (!binary) throw new Error("set IDEMGATE_BIN to an idemgate binary (cargo build)");
+  const dir = mkdtempSync(join(tmpdir(), "idemgate-ts-proxy-"));
+  const [port, admin] = [await freePort(), await freePort()];
+  const env: NodeJS.ProcessEnv = { ...process.env, DATABASE_URL: `sqlite://${join(dir, "proxy.db")}`, IDEMGATE_PRUNE_INTERVAL: "0", RUST_LOG: "warn" };
+  delete env["IDEMGATE_CONFIG"];
+  let log = "";
+  const child = spawn(binary, ["proxy", "--upstream", upstream, "--listen", `127.0.0.1:${port}`, "--admin-listen", `127.0.0.1:${admin}`], { env, stdio: ["ignore", "pipe", "pipe"] });
+  child.stdout?.on("data", (d: Buffer) => (log += d.toString()));
+  child.stderr?.on("data", (d: Buffer) => (log += d.toString()));
+  const deadline = Date.now() + 30_000;
+  for (;;) {
+    if (child.exitCode !== null) throw new Error(`idemgate proxy exited: ${log}`);
+    try {
+      if ((await fetch(`http://127.0.0.1:${admin}/healthz`)).ok) break;
+    } catch {
+      // not listening yet
+    }
+    if (Date.now() > deadline) {
+      child.kill("SIGKILL");
+      throw new Error(`idemgate proxy did not answer within 30 s: ${log}`);
+    }
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  return {
+    baseUrl: `http://127.0.0.1:${port}`,
+    stop: async () => {
+      const exited = new Promise((r) => child.once("exit", r));
+      child.kill("SIGTERM");
+      await exited;
+      rmSync(dir, { recursive: true, force: true });
+    },
+  };
+}
