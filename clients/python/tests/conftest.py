@@ -30,19 +30,37 @@ class Server:
         self.log = log
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    binary = os.environ.get("IDEMGATE_BIN")
-    if not binary:
-        raise RuntimeError(
-            "set IDEMGATE_BIN to an idemgate binary (cargo build; IDEMGATE_BIN=target/debug/idemgate)"
-        )
-    work = tmp_path_factory.mktemp("idemgate")
+def _postgres_url() -> str | None:
+    """A fresh PostgreSQL database for the server, made with psql on the admin URL
+    (IDEMGATE_CLIENT_TEST_PG, default postgres://postgres@127.0.0.1:5432/postgres);
+    None when there is no PostgreSQL to use."""
+    import shutil
+    import uuid
+
+    admin = os.environ.get("IDEMGATE_CLIENT_TEST_PG", "postgres://postgres@127.0.0.1:5432/postgres")
+    if shutil.which("psql") is None:
+        return None
+    name = f"idemgate_clients_{uuid.uuid4().hex[:12]}"
+    made = subprocess.run(["psql", admin, "-q", "-c", f'CREATE DATABASE "{name}"'],
+                          capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        return None
+    return admin.rsplit("/", 1)[0] + f"/{name}"
+
+
+def _drop(url: str) -> None:
+    admin = os.environ.get("IDEMGATE_CLIENT_TEST_PG", "postgres://postgres@127.0.0.1:5432/postgres")
+    name = url.rsplit("/", 1)[1]
+    subprocess.run(["psql", admin, "-q", "-c", f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'],
+                   capture_output=True, timeout=30)
+
+
+def _serve(binary: str, database_url: str, work: Path) -> Server:
     port = _free_port()
     log = work / "server.log"
     env = {
         **os.environ,
-        "DATABASE_URL": f"sqlite://{work / 'keys.db'}",
+        "DATABASE_URL": database_url,
         "IDEMGATE_LISTEN": f"127.0.0.1:{port}",
         "IDEMGATE_TOKENS": f"acme:{TOKEN},globex:{OTHER_TOKEN}",
         "IDEMGATE_PRUNE_INTERVAL": "0",
@@ -65,13 +83,36 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             process.kill()
             raise RuntimeError(f"idemgate serve did not answer within 30 s: {log.read_text(errors='replace')}")
         time.sleep(0.05)
-    yield Server(base_url, process, log)
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    return Server(base_url, process, log)
 
+
+@pytest.fixture(scope="session", params=["sqlite", "postgres"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`idemgate serve` on each store: a SQLite file, and a PostgreSQL database
+    of its own (required where IDEMGATE_CLIENT_TEST_REQUIRE_PG is set, as in CI)."""
+    binary = os.environ.get("IDEMGATE_BIN")
+    if not binary:
+        raise RuntimeError(
+            "set IDEMGATE_BIN to an idemgate binary (cargo build; IDEMGATE_BIN=target/debug/idemgate)"
+        )
+    work = tmp_path_factory.mktemp(f"idemgate-{request.param}")
+    database_url = f"sqlite://{work / 'keys.db'}"
+    if request.param == "postgres":
+        made = _postgres_url()
+        if made is None:
+            if os.environ.get("IDEMGATE_CLIENT_TEST_REQUIRE_PG"):
+                raise RuntimeError("no PostgreSQL to test on (psql on IDEMGATE_CLIENT_TEST_PG)")
+            pytest.skip("no PostgreSQL (psql on IDEMGATE_CLIENT_TEST_PG); CI requires it")
+        database_url = made
+    served = _serve(binary, database_url, work)
+    yield served
+    served.process.terminate()
+    try:
+        served.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        served.process.kill()
+    if request.param == "postgres":
+        _drop(database_url)
 
 class Origin:
     """A payments API that counts its charges, per idempotency key."""
