@@ -157,3 +157,41 @@ def test_a_takeover_hands_the_attempt_and_the_recovery_point(client):
     result = Guard(client).run(key, reconcile, request=CHARGE)
     assert result == {"charge": "ch_7", "reconciled": True}
     assert seen[0].attempt == 2 and seen[0].recovery.recovery_point == "charge-sent"
+
+
+def test_the_async_guard(server):
+    import asyncio
+
+    from idemgate_client import AsyncClient, AsyncGuard, AsyncHolding
+
+    runs = 0
+
+    async def charge(holding: AsyncHolding) -> dict[str, object]:
+        nonlocal runs
+        runs += 1
+        await holding.checkpoint("started")
+        await asyncio.sleep(1.5)  # longer than the 1 s lease: the heartbeat keeps it
+        return {"charge": "ch_async", "attempt": holding.attempt}
+
+    async def flow() -> None:
+        key = fresh_key()
+        async with AsyncClient(server.base_url, token=TOKEN) as a, AsyncClient(server.base_url, token=TOKEN) as b:
+            results = await asyncio.gather(
+                AsyncGuard(a, lease_seconds=1).run(key, charge, request=CHARGE),
+                AsyncGuard(b, lease_seconds=1).run(key, charge, request=CHARGE),
+            )
+            assert results == [{"charge": "ch_async", "attempt": 1}] * 2
+            with pytest.raises(KeyReused):
+                await AsyncGuard(a).run(key, charge, request={**CHARGE, "body": {"amount": 1}})
+
+            released = fresh_key()
+
+            async def declined(_: AsyncHolding) -> object:
+                raise NotExecuted("declined")
+
+            with pytest.raises(NotExecuted):
+                await AsyncGuard(a).run(released, declined, request=CHARGE)
+            assert isinstance(await a.reserve(released, request=CHARGE), Reserved)
+
+    asyncio.run(flow())
+    assert runs == 1

@@ -18,12 +18,14 @@ from .errors import (
     TenantLimit,
     Unauthorized,
 )
-from .guard import Guard, Holding, InFlight, NotExecuted
+from .guard import AsyncGuard, AsyncHolding, Guard, Holding, InFlight, NotExecuted
 from .keys import DERIVE_KEY_TAG, derive_key
 from .retry import AsyncRetryTransport, Decision, RetryTransport, classify
 
 __all__ = [
     "AsyncClient",
+    "AsyncGuard",
+    "AsyncHolding",
     "AsyncRetryTransport",
     "Decision",
     "RetryTransport",

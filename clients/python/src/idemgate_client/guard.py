@@ -23,18 +23,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 from uuid import UUID
 
-from .api import Client, Completed, RecoveryPoint, Reserved
+from .api import AsyncClient, Client, Completed, RecoveryPoint, Reserved
 from .errors import IdemgateError, RequestInFlight
 
-__all__ = ["Guard", "Holding", "InFlight", "NotExecuted"]
+__all__ = ["AsyncGuard", "AsyncHolding", "Guard", "Holding", "InFlight", "NotExecuted"]
 
 T = TypeVar("T")
 
@@ -166,3 +167,93 @@ class Guard:
                 if left <= 0:
                     raise InFlight(key, waited, busy.lease_expires_at) from busy
                 time.sleep(min(left, busy.retry_after or 1.0, 1.0))
+
+
+@dataclass
+class AsyncHolding:
+    """As :class:`Holding`, for :class:`AsyncGuard`."""
+
+    reservation_id: UUID
+    attempt: int
+    recovery: RecoveryPoint | None
+    _client: AsyncClient = field(repr=False)
+
+    async def checkpoint(self, recovery_point: str, data: Any = None) -> None:
+        """Records how far the effect got, for a holder that takes over."""
+        await self._client.checkpoint(self.reservation_id, recovery_point=recovery_point, data=data)
+
+
+class AsyncGuard:
+    """As :class:`Guard`, over an :class:`AsyncClient`, for async effects."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        *,
+        wait_budget: float = 30.0,
+        lease_seconds: int | None = None,
+        encode: Callable[[Any], str] = json.dumps,
+        decode: Callable[[str], Any] = json.loads,
+    ) -> None:
+        self.client = client
+        self.wait_budget = wait_budget
+        self.lease_seconds = lease_seconds
+        self.encode = encode
+        self.decode = decode
+
+    async def run(
+        self,
+        key: str,
+        effect: Callable[[AsyncHolding], Awaitable[T]],
+        *,
+        request: Mapping[str, Any] | None = None,
+        fingerprint: str | None = None,
+    ) -> T:
+        """The effect's result for ``key``: run now, or stored by an earlier run."""
+        reserved = await self._reserve(key, request, fingerprint)
+        if isinstance(reserved, Completed):
+            return self.decode(reserved.response.text())  # type: ignore[no-any-return]
+        holding = AsyncHolding(reserved.reservation_id, reserved.attempt, reserved.recovery, self.client)
+        left = (reserved.lease_expires_at - datetime.now(timezone.utc)).total_seconds()
+        every = max(0.2, min(left, float(self.lease_seconds or left)) / 3)
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(every)
+                try:
+                    await self.client.extend(reserved.reservation_id, lease_seconds=self.lease_seconds)
+                except IdemgateError:
+                    continue
+
+        heartbeat = asyncio.create_task(beat())
+        try:
+            result = await effect(holding)
+        except NotExecuted:
+            await self.client.release(reserved.reservation_id)
+            raise
+        finally:
+            heartbeat.cancel()
+        await self.client.commit(reserved.reservation_id, status=200, body=self.encode(result))
+        return result
+
+    async def _reserve(
+        self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None
+    ) -> Reserved | Completed:
+        started = time.monotonic()
+        while True:
+            left = self.wait_budget - (time.monotonic() - started)
+            wait = int(min(MAX_WAIT_SECONDS, max(0.0, left)))
+            try:
+                return await self.client.reserve(
+                    key,
+                    request=request,
+                    fingerprint=fingerprint,
+                    lease_seconds=self.lease_seconds,
+                    wait=wait if wait > 0 else None,
+                )
+            except RequestInFlight as busy:
+                waited = time.monotonic() - started
+                left = self.wait_budget - waited
+                if left <= 0:
+                    raise InFlight(key, waited, busy.lease_expires_at) from busy
+                await asyncio.sleep(min(left, busy.retry_after or 1.0, 1.0))
