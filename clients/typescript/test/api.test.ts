@@ -1,88 +1,93 @@
 // The typed reservation calls against a real idemgate.
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
-import { after, before, test } from "node:test";
+import { after, before, describe, test } from "node:test";
 
 import { Client, KeyReused, RequestInFlight, Unauthorized, derive_key } from "../src/index.js";
-import { OTHER_TOKEN, TOKEN, startServer, type Server } from "./server.js";
+import { OTHER_TOKEN, TOKEN, postgresWanted, startServer, type Server, type Store } from "./server.js";
 
 const CHARGE = { method: "POST", path: "/charges", body: { amount: 500, currency: "EUR" } };
-let server: Server;
-let idem: Client;
 
 const freshKey = () => derive_key({ tenant: "acme", run: `run-${randomUUID()}`, step: 1, tool: "charge" });
 
-before(async () => {
-  server = await startServer();
-  idem = new Client(server.baseUrl, { token: TOKEN });
-});
-after(async () => server.stop());
+const stores: Store[] = postgresWanted() ? ["sqlite", "postgres"] : ["sqlite"];
 
-test("reserve, a duplicate's 409, commit, the replay", async () => {
-  const key = freshKey();
-  const first = await idem.reserve(key, { request: CHARGE });
-  assert.equal(first.kind, "reserved");
-  if (first.kind !== "reserved") return;
-  assert.equal(first.attempt, 1);
-  await assert.rejects(idem.reserve(key, { request: CHARGE }), (e: unknown) => {
-    assert.ok(e instanceof RequestInFlight);
-    assert.equal(e.status, 409);
-    assert.ok((e.retryAfter ?? 0) >= 1);
-    assert.ok(e.leaseExpiresAt instanceof Date);
-    return true;
+for (const store of stores) describe(store, () => {
+  let server: Server;
+  let idem: Client;
+
+  before(async () => {
+    server = await startServer(store);
+    idem = new Client(server.baseUrl, { token: TOKEN });
   });
-  const done = await idem.commit(first.reservationId, { status: 201, headers: [["content-type", "application/json"]], body: '{"charge":"ch_1"}' });
-  assert.equal(done.response.status, 201);
-  const again = await idem.reserve(key, { request: { ...CHARGE, body: { currency: "EUR", amount: 500 } } });
-  assert.equal(again.kind, "completed");
-  if (again.kind !== "completed") return;
-  assert.ok(again.replayed);
-  assert.deepEqual(JSON.parse(again.response.text()), { charge: "ch_1" });
-});
+  after(async () => server.stop());
 
-test("another payload is KeyReused", async () => {
-  const key = freshKey();
-  const held = await idem.reserve(key, { request: CHARGE });
-  assert.equal(held.kind, "reserved");
-  if (held.kind !== "reserved") return;
-  await idem.commit(held.reservationId, { status: 201, body: "ok" });
-  await assert.rejects(idem.reserve(key, { request: { ...CHARGE, body: { amount: 900 } } }), KeyReused);
-});
+  test("reserve, a duplicate's 409, commit, the replay", async () => {
+    const key = freshKey();
+    const first = await idem.reserve(key, { request: CHARGE });
+    assert.equal(first.kind, "reserved");
+    if (first.kind !== "reserved") return;
+    assert.equal(first.attempt, 1);
+    await assert.rejects(idem.reserve(key, { request: CHARGE }), (e: unknown) => {
+      assert.ok(e instanceof RequestInFlight);
+      assert.equal(e.status, 409);
+      assert.ok((e.retryAfter ?? 0) >= 1);
+      assert.ok(e.leaseExpiresAt instanceof Date);
+      return true;
+    });
+    const done = await idem.commit(first.reservationId, { status: 201, headers: [["content-type", "application/json"]], body: '{"charge":"ch_1"}' });
+    assert.equal(done.response.status, 201);
+    const again = await idem.reserve(key, { request: { ...CHARGE, body: { currency: "EUR", amount: 500 } } });
+    assert.equal(again.kind, "completed");
+    if (again.kind !== "completed") return;
+    assert.ok(again.replayed);
+    assert.deepEqual(JSON.parse(again.response.text()), { charge: "ch_1" });
+  });
 
-test("release, checkpoint, extend, get", async () => {
-  const key = freshKey();
-  const first = await idem.reserve(key, { request: CHARGE });
-  if (first.kind !== "reserved") throw new Error("not reserved");
-  await idem.release(first.reservationId);
-  const second = await idem.reserve(key, { request: CHARGE, leaseSeconds: 5 });
-  if (second.kind !== "reserved") throw new Error("not reserved after release");
-  assert.notEqual(second.reservationId, first.reservationId);
-  const record = await idem.checkpoint(second.reservationId, "charged", { charge: "ch_9" });
-  assert.deepEqual(record.recovery, { recoveryPoint: "charged", data: { charge: "ch_9" } });
-  const extended = await idem.extend(second.reservationId, 60);
-  assert.ok(extended.leaseExpiresAt > second.leaseExpiresAt);
-  const seen = await idem.get(second.reservationId);
-  assert.equal(seen.live, true);
-  assert.equal(seen.state, "in_flight");
-});
+  test("another payload is KeyReused", async () => {
+    const key = freshKey();
+    const held = await idem.reserve(key, { request: CHARGE });
+    assert.equal(held.kind, "reserved");
+    if (held.kind !== "reserved") return;
+    await idem.commit(held.reservationId, { status: 201, body: "ok" });
+    await assert.rejects(idem.reserve(key, { request: { ...CHARGE, body: { amount: 900 } } }), KeyReused);
+  });
 
-test("bytes round trip; Prefer: wait gets the replay", async () => {
-  const key = freshKey();
-  const held = await idem.reserve(key, { request: CHARGE });
-  if (held.kind !== "reserved") throw new Error("not reserved");
-  const payload = Uint8Array.from({ length: 256 }, (_, i) => i);
-  setTimeout(() => void idem.commit(held.reservationId, { status: 200, body: payload }), 500);
-  const answer = await idem.reserve(key, { request: CHARGE, wait: 5 });
-  assert.equal(answer.kind, "completed");
-  if (answer.kind !== "completed") return;
-  assert.deepEqual(answer.response.body, payload);
-});
+  test("release, checkpoint, extend, get", async () => {
+    const key = freshKey();
+    const first = await idem.reserve(key, { request: CHARGE });
+    if (first.kind !== "reserved") throw new Error("not reserved");
+    await idem.release(first.reservationId);
+    const second = await idem.reserve(key, { request: CHARGE, leaseSeconds: 5 });
+    if (second.kind !== "reserved") throw new Error("not reserved after release");
+    assert.notEqual(second.reservationId, first.reservationId);
+    const record = await idem.checkpoint(second.reservationId, "charged", { charge: "ch_9" });
+    assert.deepEqual(record.recovery, { recoveryPoint: "charged", data: { charge: "ch_9" } });
+    const extended = await idem.extend(second.reservationId, 60);
+    assert.ok(extended.leaseExpiresAt > second.leaseExpiresAt);
+    const seen = await idem.get(second.reservationId);
+    assert.equal(seen.live, true);
+    assert.equal(seen.state, "in_flight");
+  });
 
-test("tenants apart; a wrong token is Unauthorized", async () => {
-  const key = freshKey();
-  await idem.reserve(key, { request: CHARGE });
-  const globex = new Client(server.baseUrl, { token: OTHER_TOKEN });
-  assert.equal((await globex.reserve(key, { request: CHARGE })).kind, "reserved");
-  const stranger = new Client(server.baseUrl, { token: "not-a-token" });
-  await assert.rejects(stranger.reserve(freshKey(), { request: CHARGE }), Unauthorized);
+  test("bytes round trip; Prefer: wait gets the replay", async () => {
+    const key = freshKey();
+    const held = await idem.reserve(key, { request: CHARGE });
+    if (held.kind !== "reserved") throw new Error("not reserved");
+    const payload = Uint8Array.from({ length: 256 }, (_, i) => i);
+    setTimeout(() => void idem.commit(held.reservationId, { status: 200, body: payload }), 500);
+    const answer = await idem.reserve(key, { request: CHARGE, wait: 5 });
+    assert.equal(answer.kind, "completed");
+    if (answer.kind !== "completed") return;
+    assert.deepEqual(answer.response.body, payload);
+  });
+
+  test("tenants apart; a wrong token is Unauthorized", async () => {
+    const key = freshKey();
+    await idem.reserve(key, { request: CHARGE });
+    const globex = new Client(server.baseUrl, { token: OTHER_TOKEN });
+    assert.equal((await globex.reserve(key, { request: CHARGE })).kind, "reserved");
+    const stranger = new Client(server.baseUrl, { token: "not-a-token" });
+    await assert.rejects(stranger.reserve(freshKey(), { request: CHARGE }), Unauthorized);
+  });
 });

@@ -1,6 +1,7 @@
 // A real `idemgate serve` for the tests: the binary named by IDEMGATE_BIN
 // (.ci/clients builds it and sets it), on a SQLite file of its own.
-import { spawn, type ChildProcess } from "node:child_process";
+import { spawn, spawnSync, type ChildProcess } from "node:child_process";
+import { randomUUID } from "node:crypto";
 import { mkdtempSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
@@ -26,16 +27,45 @@ async function freePort(): Promise<number> {
   });
 }
 
-export async function startServer(): Promise<Server> {
+const ADMIN = process.env["IDEMGATE_CLIENT_TEST_PG"] ?? "postgres://postgres@127.0.0.1:5432/postgres";
+
+/** A fresh PostgreSQL database made with psql on IDEMGATE_CLIENT_TEST_PG, or undefined when there is none. */
+function createDatabase(): string | undefined {
+  const name = `idemgate_clients_ts_${randomUUID().replaceAll("-", "").slice(0, 12)}`;
+  const made = spawnSync("psql", [ADMIN, "-q", "-c", `CREATE DATABASE "${name}"`], { encoding: "utf8", timeout: 30_000 });
+  if (made.status !== 0) return undefined;
+  return `${ADMIN.slice(0, ADMIN.lastIndexOf("/"))}/${name}`;
+}
+
+function dropDatabase(url: string): void {
+  const name = url.slice(url.lastIndexOf("/") + 1);
+  spawnSync("psql", [ADMIN, "-q", "-c", `DROP DATABASE IF EXISTS "${name}" WITH (FORCE)`], { timeout: 30_000 });
+}
+
+export type Store = "sqlite" | "postgres";
+
+/** Whether PostgreSQL tests run: psql works, or CI requires them (they then fail loudly). */
+export function postgresWanted(): boolean {
+  if (process.env["IDEMGATE_CLIENT_TEST_REQUIRE_PG"]) return true;
+  return spawnSync("psql", [ADMIN, "-q", "-c", "SELECT 1"], { timeout: 10_000 }).status === 0;
+}
+
+export async function startServer(store: Store = "sqlite"): Promise<Server> {
   const binary = process.env["IDEMGATE_BIN"];
   if (!binary) {
     throw new Error("set IDEMGATE_BIN to an idemgate binary (cargo build; IDEMGATE_BIN=target/debug/idemgate)");
   }
   const dir = mkdtempSync(join(tmpdir(), "idemgate-ts-"));
   const port = await freePort();
+  let databaseUrl = `sqlite://${join(dir, "keys.db")}`;
+  if (store === "postgres") {
+    const made = createDatabase();
+    if (made === undefined) throw new Error(`no PostgreSQL to test on (psql on ${ADMIN})`);
+    databaseUrl = made;
+  }
   const env: NodeJS.ProcessEnv = {
     ...process.env,
-    DATABASE_URL: `sqlite://${join(dir, "keys.db")}`,
+    DATABASE_URL: databaseUrl,
     IDEMGATE_LISTEN: `127.0.0.1:${port}`,
     IDEMGATE_TOKENS: `acme:${TOKEN},globex:${OTHER_TOKEN}`,
     IDEMGATE_PRUNE_INTERVAL: "0",
@@ -68,6 +98,7 @@ export async function startServer(): Promise<Server> {
       child.kill("SIGTERM");
       await exited;
       rmSync(dir, { recursive: true, force: true });
+      if (store === "postgres") dropDatabase(databaseUrl);
     },
   };
 }
