@@ -23,6 +23,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(process: subprocess.Popen[bytes], url: str, log: Path, what: str) -> None:
+    """Until ``url`` answers 200; fails with the log if the process exits or 30 s pass."""
+    deadline = time.monotonic() + 30
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited: {log.read_text(errors='replace')}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{what} did not answer within 30 s: {log.read_text(errors='replace')}")
+        time.sleep(0.05)
+
+
 class Server:
     def __init__(self, base_url: str, process: subprocess.Popen[bytes], log: Path) -> None:
         self.base_url = base_url
@@ -70,19 +87,7 @@ def _serve(binary: str, database_url: str, work: Path) -> Server:
     with open(log, "wb") as out:
         process = subprocess.Popen([binary, "serve"], env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"idemgate serve exited: {log.read_text(errors='replace')}")
-        try:
-            if httpx.get(f"{base_url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"idemgate serve did not answer within 30 s: {log.read_text(errors='replace')}")
-        time.sleep(0.05)
+    _wait_healthy(process, f"{base_url}/healthz", log, "idemgate serve")
     return Server(base_url, process, log)
 
 
@@ -186,19 +191,7 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Ori
             "--admin-listen", f"127.0.0.1:{admin}"]
     with open(log, "wb") as out:
         process = subprocess.Popen(args, env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"idemgate proxy exited: {log.read_text(errors='replace')}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{admin}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"idemgate proxy did not answer within 30 s: {log.read_text(errors='replace')}")
-        time.sleep(0.05)
+    _wait_healthy(process, f"http://127.0.0.1:{admin}/healthz", log, "idemgate proxy")
     yield f"http://127.0.0.1:{port}", origin
     process.terminate()
     try:

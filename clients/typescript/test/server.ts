@@ -50,6 +50,24 @@ export function postgresWanted(): boolean {
   return spawnSync("psql", [ADMIN, "-q", "-c", "SELECT 1"], { timeout: 10_000 }).status === 0;
 }
 
+/** Until `url` answers 200; fails with the log if the process exits or 30 s pass. */
+async function waitHealthy(child: ChildProcess, url: string, log: () => string, what: string): Promise<void> {
+  const deadline = Date.now() + 30_000;
+  for (;;) {
+    if (child.exitCode !== null) throw new Error(`${what} exited: ${log()}`);
+    try {
+      if ((await fetch(url)).ok) return;
+    } catch {
+      // not listening yet
+    }
+    if (Date.now() > deadline) {
+      child.kill("SIGKILL");
+      throw new Error(`${what} did not answer within 30 s: ${log()}`);
+    }
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
 export async function startServer(store: Store = "sqlite"): Promise<Server> {
   const binary = process.env["IDEMGATE_BIN"];
   if (!binary) {
@@ -77,20 +95,7 @@ export async function startServer(store: Store = "sqlite"): Promise<Server> {
   child.stdout?.on("data", (d: Buffer) => (log += d.toString()));
   child.stderr?.on("data", (d: Buffer) => (log += d.toString()));
   const baseUrl = `http://127.0.0.1:${port}`;
-  const deadline = Date.now() + 30_000;
-  for (;;) {
-    if (child.exitCode !== null) throw new Error(`idemgate serve exited: ${log}`);
-    try {
-      if ((await fetch(`${baseUrl}/healthz`)).ok) break;
-    } catch {
-      // not listening yet
-    }
-    if (Date.now() > deadline) {
-      child.kill("SIGKILL");
-      throw new Error(`idemgate serve did not answer within 30 s: ${log}`);
-    }
-    await new Promise((r) => setTimeout(r, 50));
-  }
+  await waitHealthy(child, `${baseUrl}/healthz`, () => log, "idemgate serve");
   return {
     baseUrl,
     stop: async () => {
@@ -160,20 +165,7 @@ export async function startProxy(upstream: string): Promise<Server> {
   const child = spawn(binary, ["proxy", "--upstream", upstream, "--listen", `127.0.0.1:${port}`, "--admin-listen", `127.0.0.1:${admin}`], { env, stdio: ["ignore", "pipe", "pipe"] });
   child.stdout?.on("data", (d: Buffer) => (log += d.toString()));
   child.stderr?.on("data", (d: Buffer) => (log += d.toString()));
-  const deadline = Date.now() + 30_000;
-  for (;;) {
-    if (child.exitCode !== null) throw new Error(`idemgate proxy exited: ${log}`);
-    try {
-      if ((await fetch(`http://127.0.0.1:${admin}/healthz`)).ok) break;
-    } catch {
-      // not listening yet
-    }
-    if (Date.now() > deadline) {
-      child.kill("SIGKILL");
-      throw new Error(`idemgate proxy did not answer within 30 s: ${log}`);
-    }
-    await new Promise((r) => setTimeout(r, 50));
-  }
+  await waitHealthy(child, `http://127.0.0.1:${admin}/healthz`, () => log, "idemgate proxy");
   return {
     baseUrl: `http://127.0.0.1:${port}`,
     stop: async () => {

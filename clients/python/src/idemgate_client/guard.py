@@ -106,6 +106,21 @@ class _Heartbeat:
                 continue
 
 
+def _wait_for(budget: float, started: float) -> int | None:
+    """The ``Prefer: wait`` seconds for the next reserve (None: ask none)."""
+    wait = int(min(MAX_WAIT_SECONDS, max(0.0, budget - (time.monotonic() - started))))
+    return wait if wait > 0 else None
+
+
+def _pause(key: str, busy: RequestInFlight, budget: float, started: float) -> float:
+    """How long to sleep before reserving again; raises InFlight past the budget."""
+    waited = time.monotonic() - started
+    left = budget - waited
+    if left <= 0:
+        raise InFlight(key, waited, busy.lease_expires_at) from busy
+    return min(left, busy.retry_after or 1.0, 1.0)
+
+
 class Guard:
     """Runs effects under idempotency keys, through one :class:`Client`."""
 
@@ -151,22 +166,16 @@ class Guard:
     ) -> Reserved | Completed:
         started = time.monotonic()
         while True:
-            left = self.wait_budget - (time.monotonic() - started)
-            wait = int(min(MAX_WAIT_SECONDS, max(0.0, left)))
             try:
                 return self.client.reserve(
                     key,
                     request=request,
                     fingerprint=fingerprint,
                     lease_seconds=self.lease_seconds,
-                    wait=wait if wait > 0 else None,
+                    wait=_wait_for(self.wait_budget, started),
                 )
             except RequestInFlight as busy:
-                waited = time.monotonic() - started
-                left = self.wait_budget - waited
-                if left <= 0:
-                    raise InFlight(key, waited, busy.lease_expires_at) from busy
-                time.sleep(min(left, busy.retry_after or 1.0, 1.0))
+                time.sleep(_pause(key, busy, self.wait_budget, started))
 
 
 @dataclass
@@ -241,19 +250,13 @@ class AsyncGuard:
     ) -> Reserved | Completed:
         started = time.monotonic()
         while True:
-            left = self.wait_budget - (time.monotonic() - started)
-            wait = int(min(MAX_WAIT_SECONDS, max(0.0, left)))
             try:
                 return await self.client.reserve(
                     key,
                     request=request,
                     fingerprint=fingerprint,
                     lease_seconds=self.lease_seconds,
-                    wait=wait if wait > 0 else None,
+                    wait=_wait_for(self.wait_budget, started),
                 )
             except RequestInFlight as busy:
-                waited = time.monotonic() - started
-                left = self.wait_budget - waited
-                if left <= 0:
-                    raise InFlight(key, waited, busy.lease_expires_at) from busy
-                await asyncio.sleep(min(left, busy.retry_after or 1.0, 1.0))
+                await asyncio.sleep(_pause(key, busy, self.wait_budget, started))

@@ -99,6 +99,15 @@ def _has_key(request: httpx.Request, header: str) -> bool:
     return header in request.headers
 
 
+def _next(outcome: httpx.Response | Exception, left: float, pause: float) -> float | None:
+    """Seconds to wait before the next attempt, or None when ``outcome`` is final."""
+    verdict = classify(outcome)
+    if verdict.decision in (Decision.ANSWER, Decision.STOP) or left <= 0:
+        return None
+    wait = verdict.after if verdict.after is not None else pause
+    return max(0.0, min(wait, left))
+
+
 class RetryTransport(httpx.BaseTransport):
     """Retries a keyed request per :func:`classify`, within ``budget`` seconds.
 
@@ -135,16 +144,14 @@ class RetryTransport(httpx.BaseTransport):
                 outcome = e
             if isinstance(outcome, httpx.Response) and outcome.status_code == 409:
                 outcome.read()  # a small problem body: which 409 it is
-            verdict = classify(outcome)
-            left = self.budget - (time.monotonic() - started)
-            if verdict.decision in (Decision.ANSWER, Decision.STOP) or left <= 0:
+            wait = _next(outcome, self.budget - (time.monotonic() - started), pause)
+            if wait is None:
                 if isinstance(outcome, Exception):
                     raise outcome
                 return outcome
             if isinstance(outcome, httpx.Response):
                 outcome.close()
-            wait = verdict.after if verdict.after is not None else pause
-            time.sleep(max(0.0, min(wait, left)))
+            time.sleep(wait)
             pause = min(pause * 2, self.max_backoff)
 
     def close(self) -> None:
@@ -182,16 +189,14 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
                 outcome = e
             if isinstance(outcome, httpx.Response) and outcome.status_code == 409:
                 await outcome.aread()  # a small problem body: which 409 it is
-            verdict = classify(outcome)
-            left = self.budget - (time.monotonic() - started)
-            if verdict.decision in (Decision.ANSWER, Decision.STOP) or left <= 0:
+            wait = _next(outcome, self.budget - (time.monotonic() - started), pause)
+            if wait is None:
                 if isinstance(outcome, Exception):
                     raise outcome
                 return outcome
             if isinstance(outcome, httpx.Response):
                 await outcome.aclose()
-            wait = verdict.after if verdict.after is not None else pause
-            await asyncio.sleep(max(0.0, min(wait, left)))
+            await asyncio.sleep(wait)
             pause = min(pause * 2, self.max_backoff)
 
     async def aclose(self) -> None:
