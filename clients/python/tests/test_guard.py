@@ -195,3 +195,25 @@ def test_the_async_guard(server):
 
     asyncio.run(flow())
     assert runs == 1
+
+
+def test_the_decorator_form(client):
+    guard = Guard(client)
+    run = f"run-{uuid.uuid4()}"
+    made: list[tuple[int, dict[str, int]]] = []
+
+    @guard.effect(
+        key=lambda run, step, args: derive_key(tenant="acme", run=run, step=step, tool="charge"),
+        request=lambda run, step, args: {"method": "POST", "path": "/charges", "body": args},
+    )
+    def charge(holding: Holding, run: str, step: int, args: dict[str, int]) -> dict[str, object]:
+        made.append((step, args))
+        return {"step": step, "amount": args["amount"], "attempt": holding.attempt}
+
+    assert charge(run, 1, {"amount": 500}) == {"step": 1, "amount": 500, "attempt": 1}
+    assert charge(run, 1, {"amount": 500}) == {"step": 1, "amount": 500, "attempt": 1}
+    assert charge(run, 2, {"amount": 700}) == {"step": 2, "amount": 700, "attempt": 1}
+    with pytest.raises(KeyReused):
+        charge(run, 2, {"amount": 900})
+    assert made == [(1, {"amount": 500}), (2, {"amount": 700})]
+    assert charge.__name__ == "charge"

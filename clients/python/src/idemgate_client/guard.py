@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -160,6 +161,36 @@ class Guard:
             raise
         self.client.commit(reserved.reservation_id, status=200, body=self.encode(result))
         return result
+
+    def effect(
+        self,
+        key: Callable[..., str],
+        request: Callable[..., Mapping[str, Any]] | None = None,
+    ) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """The decorator form of :meth:`run`: ``key`` (and ``request``) are
+        computed from the call's arguments; the function gets the
+        :class:`Holding` first, then those arguments::
+
+            @guard.effect(key=lambda run, step, args: derive_key(tenant="acme", run=run, step=step, tool="charge"),
+                          request=lambda run, step, args: {"method": "POST", "path": "/charges", "body": args})
+            def charge(holding, run, step, args):
+                return payments.charge(**args)
+
+            charge(run_id, 3, {"amount": 500})   # at most once per (run, step)
+        """
+
+        def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+            @functools.wraps(fn)
+            def guarded(*args: Any, **kwargs: Any) -> T:
+                return self.run(
+                    key(*args, **kwargs),
+                    lambda holding: fn(holding, *args, **kwargs),
+                    request=request(*args, **kwargs) if request is not None else None,
+                )
+
+            return guarded
+
+        return decorate
 
     def _reserve(
         self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None
