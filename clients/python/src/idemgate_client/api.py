@@ -17,9 +17,9 @@ Errors are the exceptions of :mod:`idemgate_client.errors` (``KeyReused``,
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Generic, Mapping, TypeVar, Union
 from uuid import UUID
 
 import httpx
@@ -209,8 +209,79 @@ def _auth(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Call(Generic[T]):
+    """One operation: the request to send and how to read its answer. The
+    sync and the async client send the same calls; only the I/O differs."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], T]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    json: Any = None
+
+
+def _reserve_call(
+    key: str,
+    request: Mapping[str, Any] | None,
+    fingerprint: str | None,
+    lease_seconds: int | None,
+    ttl_seconds: int | None,
+    wait: int | None,
+) -> _Call[Reservation]:
+    body = _reserve_body(request, fingerprint, lease_seconds, ttl_seconds)
+    return _Call("POST", "/v1/reservations", _reservation, _headers(key, wait), body)
+
+
+def _commit_call(
+    reservation_id: UUID | str, status: int, headers: list[tuple[str, str]] | None, body: str | bytes | None
+) -> _Call[Completed]:
+    return _Call(
+        "POST",
+        f"/v1/reservations/{reservation_id}/commit",
+        lambda r: _completed(_ok(r).json(), replayed=False),
+        json=_commit_body(status, headers, body),
+    )
+
+
+def _no_content(response: httpx.Response) -> None:
+    _ok(response)
+
+
+def _release_call(reservation_id: UUID | str) -> _Call[None]:
+    return _Call("POST", f"/v1/reservations/{reservation_id}/release", _no_content)
+
+
+def _extended(response: httpx.Response) -> Extended:
+    value = _ok(response).json()
+    return Extended(UUID(value["reservation_id"]), _dt(value["lease_expires_at"]))  # type: ignore[arg-type]
+
+
+def _extend_call(reservation_id: UUID | str, lease_seconds: int | None) -> _Call[Extended]:
+    body = {} if lease_seconds is None else {"lease_seconds": lease_seconds}
+    return _Call("POST", f"/v1/reservations/{reservation_id}/extend", _extended, json=body)
+
+
+def _checkpoint_call(reservation_id: UUID | str, recovery_point: str, data: Any) -> _Call[Record]:
+    body: dict[str, Any] = {"recovery_point": recovery_point}
+    if data is not None:
+        body["data"] = data
+    return _Call(
+        "POST", f"/v1/reservations/{reservation_id}/checkpoint", lambda r: _record(_ok(r).json()), json=body
+    )
+
+
+def _get_call(reservation_id: UUID | str) -> _Call[Record]:
+    return _Call("GET", f"/v1/reservations/{reservation_id}", lambda r: _record(_ok(r).json()))
+
+
 class Client:
-    """The reservation API over an ``httpx.Client`` (pass ``http=`` to bring your own)."""
+    """The reservation API over an ``httpx.Client``. With ``http=`` (your own
+    client, its transport, retries or instrumentation) ``base_url`` and
+    ``timeout`` are that client's to set."""
 
     def __init__(
         self,
@@ -234,6 +305,12 @@ class Client:
         if self._owned:
             self._http.close()
 
+    def _do(self, call: _Call[T]) -> T:
+        kwargs: dict[str, Any] = {"headers": {**self._auth, **call.headers}}
+        if call.json is not None:
+            kwargs["json"] = call.json
+        return call.parse(self._http.request(call.method, call.path, **kwargs))
+
     def reserve(
         self,
         key: str,
@@ -250,12 +327,7 @@ class Client:
         the server holds the call up to that many seconds first),
         ``KeyReused`` for another payload under the key.
         """
-        response = self._http.post(
-            "/v1/reservations",
-            headers={**self._auth, **_headers(key, wait)},
-            json=_reserve_body(request, fingerprint, lease_seconds, ttl_seconds),
-        )
-        return _reservation(response)
+        return self._do(_reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait))
 
     def commit(
         self,
@@ -266,38 +338,23 @@ class Client:
         body: str | bytes | None = None,
     ) -> Completed:
         """Stores the effect's response and completes the key."""
-        response = self._http.post(
-            f"/v1/reservations/{reservation_id}/commit",
-            headers=self._auth,
-            json=_commit_body(status, headers, body),
-        )
-        return _completed(_ok(response).json(), replayed=False)
+        return self._do(_commit_call(reservation_id, status, headers, body))
 
     def release(self, reservation_id: UUID | str) -> None:
         """Gives the key up: the effect did not happen, a retry may run it."""
-        _ok(self._http.post(f"/v1/reservations/{reservation_id}/release", headers=self._auth))
+        self._do(_release_call(reservation_id))
 
     def extend(self, reservation_id: UUID | str, *, lease_seconds: int | None = None) -> Extended:
         """Keeps holding the key while a long effect runs."""
-        body = {} if lease_seconds is None else {"lease_seconds": lease_seconds}
-        value = _ok(
-            self._http.post(f"/v1/reservations/{reservation_id}/extend", headers=self._auth, json=body)
-        ).json()
-        return Extended(UUID(value["reservation_id"]), _dt(value["lease_expires_at"]))  # type: ignore[arg-type]
+        return self._do(_extend_call(reservation_id, lease_seconds))
 
     def checkpoint(self, reservation_id: UUID | str, *, recovery_point: str, data: Any = None) -> Record:
         """Records how far a multi-step effect got, for a holder that takes over."""
-        body: dict[str, Any] = {"recovery_point": recovery_point}
-        if data is not None:
-            body["data"] = data
-        response = self._http.post(
-            f"/v1/reservations/{reservation_id}/checkpoint", headers=self._auth, json=body
-        )
-        return _record(_ok(response).json())
+        return self._do(_checkpoint_call(reservation_id, recovery_point, data))
 
     def get(self, reservation_id: UUID | str) -> Record:
         """What the reservation id shows now."""
-        return _record(_ok(self._http.get(f"/v1/reservations/{reservation_id}", headers=self._auth)).json())
+        return self._do(_get_call(reservation_id))
 
 
 class AsyncClient:
@@ -325,6 +382,12 @@ class AsyncClient:
         if self._owned:
             await self._http.aclose()
 
+    async def _do(self, call: _Call[T]) -> T:
+        kwargs: dict[str, Any] = {"headers": {**self._auth, **call.headers}}
+        if call.json is not None:
+            kwargs["json"] = call.json
+        return call.parse(await self._http.request(call.method, call.path, **kwargs))
+
     async def reserve(
         self,
         key: str,
@@ -335,12 +398,7 @@ class AsyncClient:
         ttl_seconds: int | None = None,
         wait: int | None = None,
     ) -> Reservation:
-        response = await self._http.post(
-            "/v1/reservations",
-            headers={**self._auth, **_headers(key, wait)},
-            json=_reserve_body(request, fingerprint, lease_seconds, ttl_seconds),
-        )
-        return _reservation(response)
+        return await self._do(_reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait))
 
     async def commit(
         self,
@@ -350,31 +408,16 @@ class AsyncClient:
         headers: list[tuple[str, str]] | None = None,
         body: str | bytes | None = None,
     ) -> Completed:
-        response = await self._http.post(
-            f"/v1/reservations/{reservation_id}/commit",
-            headers=self._auth,
-            json=_commit_body(status, headers, body),
-        )
-        return _completed(_ok(response).json(), replayed=False)
+        return await self._do(_commit_call(reservation_id, status, headers, body))
 
     async def release(self, reservation_id: UUID | str) -> None:
-        _ok(await self._http.post(f"/v1/reservations/{reservation_id}/release", headers=self._auth))
+        await self._do(_release_call(reservation_id))
 
     async def extend(self, reservation_id: UUID | str, *, lease_seconds: int | None = None) -> Extended:
-        body = {} if lease_seconds is None else {"lease_seconds": lease_seconds}
-        value = _ok(
-            await self._http.post(f"/v1/reservations/{reservation_id}/extend", headers=self._auth, json=body)
-        ).json()
-        return Extended(UUID(value["reservation_id"]), _dt(value["lease_expires_at"]))  # type: ignore[arg-type]
+        return await self._do(_extend_call(reservation_id, lease_seconds))
 
     async def checkpoint(self, reservation_id: UUID | str, *, recovery_point: str, data: Any = None) -> Record:
-        body: dict[str, Any] = {"recovery_point": recovery_point}
-        if data is not None:
-            body["data"] = data
-        response = await self._http.post(
-            f"/v1/reservations/{reservation_id}/checkpoint", headers=self._auth, json=body
-        )
-        return _record(_ok(response).json())
+        return await self._do(_checkpoint_call(reservation_id, recovery_point, data))
 
     async def get(self, reservation_id: UUID | str) -> Record:
-        return _record(_ok(await self._http.get(f"/v1/reservations/{reservation_id}", headers=self._auth)).json())
+        return await self._do(_get_call(reservation_id))

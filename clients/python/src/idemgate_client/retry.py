@@ -95,10 +95,6 @@ def classify(outcome: httpx.Response | Exception) -> Verdict:
     return Verdict(Decision.ANSWER)
 
 
-def _has_key(request: httpx.Request, header: str) -> bool:
-    return header in request.headers
-
-
 def _next(outcome: httpx.Response | Exception, left: float, pause: float) -> float | None:
     """Seconds to wait before the next attempt, or None when ``outcome`` is final."""
     verdict = classify(outcome)
@@ -132,7 +128,7 @@ class RetryTransport(httpx.BaseTransport):
         self.max_backoff = max_backoff
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if not _has_key(request, self.key_header):
+        if self.key_header not in request.headers:
             return self._transport.handle_request(request)
         request.read()  # the body goes again, byte for byte
         started = time.monotonic()
@@ -177,7 +173,7 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
         self.max_backoff = max_backoff
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if not _has_key(request, self.key_header):
+        if self.key_header not in request.headers:
             return await self._transport.handle_async_request(request)
         await request.aread()
         started = time.monotonic()
