@@ -106,6 +106,8 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
                 key_hash: key_hash.clone(),
                 reservation_id: reservation.reservation_id,
                 lease_ends: reserved_at + policy.lease,
+                expires_at: reservation.expires_at,
+                lease_refused: false,
             };
             let req = Request::from_parts(parts, Body::from(body));
             // A task of its own: a client that hangs up (or gets its 504 at

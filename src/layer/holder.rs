@@ -1,19 +1,22 @@
 //! The holder of a reserved key: calls the inner service while keeping the
 //! key's lease alive, answers its client (at the answer timeout with a `504`
-//! if the call is slower, which then runs on), and settles the key: released,
-//! stored, stored as a tombstone, or left in flight.
+//! if the response head is slower, and the call then runs on), and settles
+//! the key: released, stored, stored as a tombstone, or left in flight. A
+//! body that is not all there at once is streamed to the client and
+//! recorded as it passes ([`super::passing`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::Response;
+use chrono::{DateTime, Utc};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::deferred::retry_commit;
-use super::headers::{IDEMPOTENCY_BODY_OMITTED, storable};
+use super::headers::storable;
 use super::policy::{Door, LayerPolicy};
 use super::produce::{Produced, produce};
 use super::shared::{Inner, Shared};
@@ -37,6 +40,9 @@ pub(crate) enum Settled {
     /// The client got its `504` at the answer timeout; the call runs on,
     /// and its answer will be stored.
     RunningOn,
+    /// The client got the head; the body streams to it and is recorded as
+    /// it passes, the key settled when it ends.
+    Streaming,
     /// The commit was refused (the lease ended and another caller took over)
     /// or failed: nothing is stored.
     NotStored,
@@ -52,6 +58,7 @@ impl Settled {
             Settled::InFlight => "in_flight",
             Settled::Deferred => "deferred",
             Settled::RunningOn => "running_on",
+            Settled::Streaming => "streaming",
             Settled::NotStored => "not_stored",
         }
     }
@@ -67,6 +74,12 @@ pub(crate) struct Holder {
     /// When the lease ends, on this process's clock (no later than the
     /// store's).
     pub lease_ends: Instant,
+    /// When the key is forgotten: the `Idempotency-Expires` of a streamed
+    /// response, whose head goes out before its commit.
+    pub expires_at: DateTime<Utc>,
+    /// The store refused to extend the lease (the key was taken over): no
+    /// more beats.
+    pub lease_refused: bool,
 }
 
 /// What the holder answers its client with, and what became of the key.
@@ -75,27 +88,26 @@ pub(crate) type Reply = oneshot::Sender<(Settled, Response)>;
 impl Holder {
     /// Calls the inner service, answers the client through `reply`, and
     /// settles the key — after the client's answer, when the call outlives
-    /// [`LayerPolicy::answer_timeout`](super::LayerPolicy::answer_timeout).
-    /// Counted as background work until it ends, so a shutdown waits for
-    /// it ([`IdempotencyLayer::finish_deferred`](super::IdempotencyLayer::finish_deferred)).
+    /// [`LayerPolicy::answer_timeout`](super::LayerPolicy::answer_timeout)
+    /// or its body streams. Counted as background work until it ends, so a
+    /// shutdown waits for it
+    /// ([`IdempotencyLayer::finish_deferred`](super::IdempotencyLayer::finish_deferred)).
     pub async fn run(mut self, inner: Inner, req: http::Request<Body>, reply: Reply) {
         let _held = self.shared.deferred.hold();
+        let started = Instant::now();
         let mut reply = Some(reply);
         let call = produce(self.shared.clone(), inner, req);
-        let Some(produced) = self.keeping_the_lease(call, &mut reply).await else {
-            tracing::warn!(
-                key.hash = %self.key_hash,
-                "the call ran past its bound and was abandoned; whether it acted is unknown, so \
-                 its key stays in flight until its lease ends"
-            );
-            if let Some(reply) = reply {
-                let after = self.shared.policy.abandon_after.unwrap_or_default();
-                let res = timed_out(&self.shared.policy, after, false);
-                let _ = reply.send((Settled::InFlight, res));
-            }
+        let Some(produced) = self.keeping_the_lease(call, &mut reply, started).await else {
+            self.abandoned(reply);
             return;
         };
-        let (settled, res) = self.settle(produced).await;
+        let (settled, res) = match produced {
+            Produced::Streaming(parts, first, body) => {
+                self.stream(parts, first, body, reply, started).await;
+                return;
+            }
+            produced => self.settle(produced).await,
+        };
         match reply {
             Some(reply) => {
                 // The client may have hung up: the key is settled all the same.
@@ -110,6 +122,20 @@ impl Holder {
         }
     }
 
+    /// The call ran past its bound and was dropped.
+    pub(super) fn abandoned(&self, reply: Option<Reply>) {
+        tracing::warn!(
+            key.hash = %self.key_hash,
+            "the call ran past its bound and was abandoned; whether it acted is unknown, so \
+             its key stays in flight until its lease ends"
+        );
+        if let Some(reply) = reply {
+            let after = self.shared.policy.abandon_after.unwrap_or_default();
+            let res = timed_out(&self.shared.policy, after, false);
+            let _ = reply.send((Settled::InFlight, res));
+        }
+    }
+
     /// Drives `call` while extending the lease every third of its length,
     /// so that a handler or origin slower than the lease keeps its key: a
     /// retry meanwhile is a 409, not a takeover and a second execution. A
@@ -118,24 +144,31 @@ impl Holder {
     /// already taken over) stops the heartbeat; a store that is away is tried
     /// again at the next beat.
     ///
-    /// At the answer timeout the client gets its `504` through `reply` and
-    /// the call goes on; at the abandon bound the call is dropped (`None`).
-    async fn keeping_the_lease<F: Future>(
+    /// At the answer timeout (counted from `started`) the client gets its
+    /// `504` through `reply`, if it has not had its answer, and the call goes
+    /// on; at the abandon bound the call is dropped (`None`).
+    pub(super) async fn keeping_the_lease<F: Future>(
         &mut self,
         call: F,
         reply: &mut Option<Reply>,
+        started: Instant,
     ) -> Option<F::Output> {
         let policy = &self.shared.policy;
-        let started = Instant::now();
         let answer_by = policy.answer_timeout.map(|t| started + t);
         let give_up = policy.abandon_after.map(|t| started + t);
         let lease = policy.lease;
         let seconds = u32::try_from(lease.as_secs()).unwrap_or(u32::MAX).max(1);
         let beat = (lease / 3).max(Duration::from_millis(500));
-        let mut next_beat = started + beat;
+        // The first beat a third of a lease after the last one the store
+        // heard of (the claim, or the beat before a streamed body).
+        let now = Instant::now();
+        let mut next_beat = self
+            .lease_ends
+            .checked_sub(lease)
+            .map_or(now, |heard| (heard + beat).max(now));
         let mut call = std::pin::pin!(call);
-        let mut beating = true;
         loop {
+            let beating = !self.lease_refused;
             tokio::select! {
                 out = &mut call => return Some(out),
                 () = tokio::time::sleep_until(next_beat), if beating => {
@@ -151,7 +184,7 @@ impl Holder {
                                 reason = ?refusal,
                                 "the lease could not be extended; the call runs on, but its response may not be stored"
                             );
-                            beating = false;
+                            self.lease_refused = true;
                         }
                         Err(e) => tracing::warn!(
                             key.hash = %self.key_hash,
@@ -201,20 +234,6 @@ impl Holder {
                 let settled = self.commit(stored, &mut parts.headers).await;
                 (settled, Response::from_parts(parts, Body::from(bytes)))
             }
-            Produced::Over(mut parts, body) => {
-                let mut headers = storable(&parts.headers, &policy.store_headers_deny);
-                headers.push((IDEMPOTENCY_BODY_OMITTED.as_str().to_owned(), "true".into()));
-                let stored = StoredResponse {
-                    status: parts.status.as_u16(),
-                    headers,
-                    body: Vec::new(),
-                };
-                let settled = match self.commit(stored, &mut parts.headers).await {
-                    Settled::Stored => Settled::Tombstone,
-                    other => other,
-                };
-                (settled, Response::from_parts(parts, body))
-            }
             Produced::BodyFailed(why) => {
                 let e = match policy.door {
                     Door::Proxy => {
@@ -227,11 +246,16 @@ impl Holder {
                 };
                 (Settled::InFlight, policy.problem(e))
             }
+            // Taken by `run` before it settles anything.
+            Produced::Streaming(..) => (
+                Settled::InFlight,
+                policy.problem(ApiError::Internal("a stream settled as a whole".into())),
+            ),
         }
     }
 
     /// Forgets the key: the origin did not act.
-    async fn release(&self) {
+    pub(super) async fn release(&self) {
         match self
             .shared
             .engine
@@ -252,7 +276,11 @@ impl Holder {
 
     /// Stores the response; on success adds `Idempotency-Expires` to the
     /// client's copy.
-    async fn commit(&self, stored: StoredResponse, headers: &mut http::HeaderMap) -> Settled {
+    pub(super) async fn commit(
+        &self,
+        stored: StoredResponse,
+        headers: &mut http::HeaderMap,
+    ) -> Settled {
         let engine = &self.shared.engine;
         match engine
             .commit(&self.tenant, self.reservation_id, &stored)

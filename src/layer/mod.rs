@@ -20,6 +20,22 @@
 //! decoded for that retry. Once the key is reserved, the call runs
 //! in a task of its own, so a client that hangs up does not cancel it.
 //!
+//! A response whose body is not all there when its head is (server-sent
+//! events, a slow chunked answer) is streamed: the client gets each chunk as
+//! the service produces it, a copy is recorded, and the key is committed when
+//! the body ends — before the client's body ends, so a client that has the
+//! whole answer and retries at once is replayed. A body that fails midway
+//! fails the client's body too and leaves the key in flight (its outcome is
+//! unknown).
+//!
+//! A request may say when its first attempt was sent
+//! (`Idempotency-First-Sent`, an HTTP-date); one first sent longer ago than
+//! its key is remembered is refused with `412 first-sent-too-old` before the
+//! service is called. With [`KeyPolicy::repeatability`](crate::key::KeyPolicy::repeatability)
+//! on, OASIS Repeatable Requests' `Repeatability-Request-ID` and
+//! `Repeatability-First-Sent` name the key too, answered with
+//! `Repeatability-Result`.
+//!
 //! Retries of a completed key are answered from the engine's in-process
 //! replay cache of completed records, without a database round trip, until
 //! the key expires: [`Engine::new`](crate::engine::Engine::new) gives it
@@ -98,11 +114,13 @@ mod holder;
     reason = "tower-http's layout: layer.rs, service.rs, future.rs"
 )]
 mod layer;
+mod passing;
 mod path;
 mod policy;
 mod produce;
 mod service;
 mod shared;
+mod tee;
 
 pub use future::ResponseFuture;
 pub use headers::{

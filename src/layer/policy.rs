@@ -130,8 +130,10 @@ pub struct LayerPolicy {
     /// that was not extended (the process died or stalled) takes the key
     /// over.
     pub lease: Duration,
-    /// How long the client waits for the inner service's whole answer
-    /// (`None`, the default: as long as it takes). Past it the client gets
+    /// How long the client waits for the head of the inner service's answer
+    /// (`None`, the default: as long as it takes); a body that is still
+    /// coming then streams to the client for as long as it takes (within
+    /// [`abandon_after`](Self::abandon_after)). Past it the client gets
     /// `504 upstream-timeout`, but the call is not abandoned: it runs on, its
     /// key in flight and its lease kept alive, and an answer that comes late
     /// is stored, so the retry gets the replay. Not-guarded requests get the

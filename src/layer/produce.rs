@@ -1,19 +1,18 @@
-//! What the inner service produced: its response, read as far as the key
-//! needs it (the whole body, up to the limit, when it is to be stored), or
-//! the error it failed with.
+//! What the inner service produced: its response, with as much of its body
+//! as was there at once (all of it, for most answers of an in-process
+//! service), or the error it failed with.
 
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::response::Response;
-use futures::StreamExt;
-use http_body::Frame;
-use http_body_util::{BodyExt, BodyStream, StreamBody};
+use futures::FutureExt;
+use http_body_util::BodyExt;
 
 use super::shared::{Inner, Shared};
 use super::{NotExecuted, OutcomeUnknown};
 
-/// What the inner service produced, read as far as the key needs it.
+/// What the inner service produced.
 pub(super) enum Produced {
     /// The service failed: whether the effect happened is unknown.
     Failed(String),
@@ -21,28 +20,19 @@ pub(super) enum Produced {
     NotExecuted(Response),
     /// Marked [`OutcomeUnknown`].
     Unknown(Response),
-    /// The response with its whole body.
+    /// The response with its whole body, which was there at once and is
+    /// within the limit: stored before the client gets it.
     Whole(http::response::Parts, Bytes),
-    /// The body is over the limit: what was read, then the rest.
-    Over(http::response::Parts, Body),
-    /// The body broke off.
+    /// The response, the chunks of its body that were there at once, and
+    /// the rest, still coming (or over the limit): streamed to the client
+    /// as it arrives, and recorded as it passes.
+    Streaming(http::response::Parts, Vec<Bytes>, Body),
+    /// The body broke off before the head was answered.
     BodyFailed(String),
 }
 
-/// The response body, read up to the limit.
-pub(super) enum Buffered {
-    /// All of it.
-    Whole(Bytes),
-    /// Over the limit: what was read, then the rest, for the client.
-    Over(Body),
-    /// It broke off.
-    Failed(String),
-}
-
-// === impl Holder ===
-
-/// Calls the inner service and reads its response as far as the key needs:
-/// the whole body, up to the limit, when it is to be stored.
+/// Calls the inner service and takes, without waiting, what of its
+/// response body is already there.
 pub(super) async fn produce(
     shared: Arc<Shared>,
     inner: Inner,
@@ -61,39 +51,38 @@ pub(super) async fn produce(
     if res.extensions().get::<OutcomeUnknown>().is_some() {
         return Produced::Unknown(res);
     }
-    let (parts, body) = res.into_parts();
-    match buffer(body, policy.max_body_bytes).await {
-        Buffered::Whole(bytes) => Produced::Whole(parts, bytes),
-        Buffered::Over(body) => Produced::Over(parts, body),
-        Buffered::Failed(why) => Produced::BodyFailed(why),
-    }
-}
-
-/// Reads `body` up to `limit` bytes.
-async fn buffer(mut body: Body, limit: usize) -> Buffered {
+    let (parts, mut body) = res.into_parts();
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut total = 0usize;
     loop {
-        let frame = match body.frame().await {
+        // Only what is ready: a stream's first byte goes to the client as
+        // soon as it comes, never held back for the rest.
+        let Some(frame) = body.frame().now_or_never() else {
+            return Produced::Streaming(parts, chunks, body);
+        };
+        match frame {
             None => break,
-            Some(Err(e)) => return Buffered::Failed(e.to_string()),
-            Some(Ok(frame)) => frame,
-        };
-        // Trailers are neither stored nor replayed.
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        total += data.len();
-        chunks.push(data);
-        if total > limit {
-            let prefix = futures::stream::iter(chunks.into_iter().map(|c| Ok(Frame::data(c))));
-            let rest = BodyStream::new(body);
-            return Buffered::Over(Body::new(StreamBody::new(prefix.chain(rest))));
+            Some(Err(e)) => return Produced::BodyFailed(e.to_string()),
+            Some(Ok(frame)) => {
+                // Trailers are neither stored nor replayed.
+                if let Ok(data) = frame.into_data() {
+                    total += data.len();
+                    chunks.push(data);
+                    if total > policy.max_body_bytes {
+                        return Produced::Streaming(parts, chunks, body);
+                    }
+                }
+            }
         }
     }
-    Buffered::Whole(match chunks.len() {
+    Produced::Whole(parts, concat(chunks))
+}
+
+/// The chunks as one buffer (without a copy for one chunk).
+pub(super) fn concat(mut chunks: Vec<Bytes>) -> Bytes {
+    match chunks.len() {
         0 => Bytes::new(),
         1 => chunks.swap_remove(0),
         _ => Bytes::from(chunks.concat()),
-    })
+    }
 }

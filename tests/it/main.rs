@@ -41,6 +41,7 @@ mod slow_origin;
 mod sqlite_faults;
 mod store_contract;
 mod storms;
+mod streaming;
 mod tenants;
 mod waiting;
 mod zero_setup;

@@ -64,6 +64,7 @@ fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
                 .collect::<Vec<_>>(),
             "sealed_at_rest": sealed,
             "over_the_limit": "passed through; replayed with its status and headers, an empty body and Idempotency-Body-Omitted: true",
+            "streamed": "a response body is passed to the client as it arrives and recorded as it passes; the client's response ends once the key is settled",
         },
         "proxy": {
             "require_key": policy.require_key,
