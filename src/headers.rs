@@ -23,6 +23,22 @@ pub fn set_expires(headers: &mut HeaderMap, expires_at: DateTime<Utc>) {
     }
 }
 
+/// Answers a request of the OASIS Repeatable Requests dialect with
+/// `Repeatability-Result: accepted` or `rejected`; nothing for a request of
+/// the other dialect, or for no result.
+pub fn set_repeatability_result(
+    headers: &mut HeaderMap,
+    dialect: crate::key::Dialect,
+    result: Option<&'static str>,
+) {
+    if let (crate::key::Dialect::Repeatability, Some(result)) = (dialect, result) {
+        headers.insert(
+            crate::key::dialect::REPEATABILITY_RESULT,
+            HeaderValue::from_static(result),
+        );
+    }
+}
+
 /// Marks a response as a replay.
 pub fn mark_replayed(headers: &mut HeaderMap) {
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));

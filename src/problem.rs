@@ -83,6 +83,11 @@ pub enum ApiError {
     /// 409 lease-lost.
     #[error("{0}")]
     LeaseLost(&'static str),
+    /// 412 first-sent-too-old: the request's first attempt is older than
+    /// the window keys are remembered for, so it may have executed and been
+    /// forgotten; it is not executed.
+    #[error("{0}")]
+    FirstSentTooOld(String),
     /// 422 key-reused.
     #[error("this key was already used with a different request payload")]
     KeyReused,
@@ -142,6 +147,7 @@ impl ApiError {
             ApiError::Gone(_) => StatusCode::GONE,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::InFlight { .. } | ApiError::LeaseLost(_) => StatusCode::CONFLICT,
+            ApiError::FirstSentTooOld(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::TenantLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -165,6 +171,7 @@ impl ApiError {
             ApiError::RequestTimeout(_) => "request-timeout",
             ApiError::InFlight { .. } => "request-in-flight",
             ApiError::LeaseLost(_) => "lease-lost",
+            ApiError::FirstSentTooOld(_) => "first-sent-too-old",
             ApiError::KeyReused => "key-reused",
             ApiError::PayloadTooLarge(_) => "payload-too-large",
             ApiError::TenantLimit { .. } => "tenant-limit",
@@ -187,6 +194,7 @@ impl ApiError {
             ApiError::RequestTimeout(_) => "Request timeout",
             ApiError::InFlight { .. } => "Request in flight",
             ApiError::LeaseLost(_) => "Lease lost",
+            ApiError::FirstSentTooOld(_) => "First attempt too old",
             ApiError::KeyReused => "Idempotency-Key reused",
             ApiError::PayloadTooLarge(_) => "Payload too large",
             ApiError::TenantLimit { .. } => "Tenant limit reached",
@@ -286,6 +294,24 @@ impl From<Refusal> for ApiError {
             other => ApiError::LeaseLost(refusal_detail(other)),
         }
     }
+}
+
+/// The refusal of a request first sent too long ago: `first_sent` by
+/// the header `shown`.
+pub(crate) fn first_sent_too_old(
+    shown: &str,
+    too_old: crate::key::dialect::TooOld,
+    ttl: std::time::Duration,
+) -> ApiError {
+    ApiError::FirstSentTooOld(format!(
+        "{shown} says this request was first sent {} s ago; keys here are remembered for {} s, \
+         and a first attempt more than {} s old may have executed and been forgotten, so it is \
+         not executed again. Send it under a new key, with a new first-sent time, only if you \
+         know the first attempt did not act",
+        too_old.age.as_secs(),
+        ttl.as_secs(),
+        too_old.window.as_secs(),
+    ))
 }
 
 /// The sentence for a client whose tenant is at `limit`.

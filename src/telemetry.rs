@@ -71,11 +71,14 @@ pub enum Outcome {
     Passthrough,
     /// 429: the tenant is at one of its limits; nothing was reserved.
     Limited,
+    /// 412: the request's first attempt is older than keys are remembered;
+    /// nothing was reserved.
+    TooOld,
 }
 
 impl Outcome {
     /// Every outcome.
-    pub const ALL: [Outcome; 10] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Created,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -86,6 +89,7 @@ impl Outcome {
         Outcome::Released,
         Outcome::Passthrough,
         Outcome::Limited,
+        Outcome::TooOld,
     ];
 
     /// The label value.
@@ -101,6 +105,28 @@ impl Outcome {
             Outcome::Released => "released",
             Outcome::Passthrough => "passthrough",
             Outcome::Limited => "limited",
+            Outcome::TooOld => "too_old",
+        }
+    }
+}
+
+impl Outcome {
+    /// OASIS Repeatable Requests' `Repeatability-Result` for a request that
+    /// came to this: `accepted` when the answer is the request's own result
+    /// (its execution, its replay, or the `409` while it runs), `rejected`
+    /// when its id or first-sent time was refused; none when the request was
+    /// not considered at all (not guarded, or over a tenant limit).
+    pub(crate) fn repeatability_result(self) -> Option<&'static str> {
+        match self {
+            Outcome::Created
+            | Outcome::Replayed
+            | Outcome::Conflict
+            | Outcome::Takeover
+            | Outcome::Released => Some("accepted"),
+            Outcome::Mismatch | Outcome::Invalid | Outcome::Missing | Outcome::TooOld => {
+                Some("rejected")
+            }
+            Outcome::Passthrough | Outcome::Limited => None,
         }
     }
 }

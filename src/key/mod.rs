@@ -20,6 +20,10 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
+pub mod dialect;
+
+pub use dialect::{Dialect, Keyed};
+
 /// Which shape of key the server requires, beyond the generic rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -40,6 +44,10 @@ pub struct KeyPolicy {
     pub max_len: usize,
     /// The required key format.
     pub format: KeyFormat,
+    /// Also take the key from `Repeatability-Request-ID` with
+    /// `Repeatability-First-Sent` (OASIS Repeatable Requests 1.0), and
+    /// answer those requests with `Repeatability-Result` ([`dialect`]).
+    pub repeatability: bool,
 }
 
 impl Default for KeyPolicy {
@@ -49,6 +57,7 @@ impl Default for KeyPolicy {
             strict: false,
             max_len: 255,
             format: KeyFormat::Any,
+            repeatability: false,
         }
     }
 }

@@ -4,7 +4,7 @@
 //! `logging`.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use axum::body::{Body, Bytes};
 use axum::response::Response;
@@ -22,8 +22,8 @@ use super::policy::{LayerPolicy, Tenant};
 use super::shared::{Inner, Shared};
 use crate::engine::{ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
-use crate::headers::{mark_replayed, prefer_wait, set_expires};
-use crate::key::{self, KeyError};
+use crate::headers::{mark_replayed, prefer_wait, set_expires, set_repeatability_result};
+use crate::key::{self, Dialect, KeyError};
 use crate::problem::ApiError;
 use crate::store::Record;
 use crate::telemetry::{self, Outcome};
@@ -42,8 +42,15 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
     if !guard.guarded {
         return passthrough(policy, inner, req, started).await;
     }
-    let key = match key::from_headers(req.headers(), &policy.key_header, &policy.key_policy) {
-        Ok(key) => key,
+    let dialect = Dialect::of(req.headers(), &policy.key_policy);
+    let keyed = key::dialect::read(
+        req.headers(),
+        &policy.key_header,
+        &policy.key_policy,
+        dialect,
+    );
+    let keyed = match keyed {
+        Ok(keyed) => keyed,
         Err(KeyError::Missing) if !guard.require_key => {
             return passthrough(policy, inner, req, started).await;
         }
@@ -54,9 +61,29 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
             };
             telemetry::record(mode, outcome, started.elapsed());
             tracing::info!(mode, outcome = outcome.as_str(), "idempotency key refused");
-            return policy.problem(ApiError::from(e));
+            return answered(dialect, outcome, policy.problem(ApiError::from(e)));
         }
     };
+    if let Some(first_sent) = keyed.first_sent
+        && let Some(too_old) = key::dialect::too_old(first_sent, guard.ttl, SystemTime::now())
+    {
+        let outcome = Outcome::TooOld;
+        telemetry::record(mode, outcome, started.elapsed());
+        tracing::info!(
+            mode,
+            key.hash = %keyed.key.hash_prefix(),
+            outcome = outcome.as_str(),
+            age_seconds = too_old.age.as_secs(),
+            "first attempt older than the keys' window: refused, not executed"
+        );
+        let shown = match dialect {
+            Dialect::IdempotencyKey => "Idempotency-First-Sent",
+            Dialect::Repeatability => "Repeatability-First-Sent",
+        };
+        let e = crate::problem::first_sent_too_old(shown, too_old, guard.ttl);
+        return answered(dialect, outcome, policy.problem(e));
+    }
+    let key = keyed.key;
     let (parts, body) = req.into_parts();
     let tenant = tenant_of(&parts, policy);
     let body = crate::body::BodyIdleTimeout::apply(&parts.extensions, body);
@@ -149,6 +176,13 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
         status = res.status().as_u16(),
         "idempotency"
     );
+    answered(dialect, outcome, res)
+}
+
+/// `res` with the `Repeatability-Result` of `outcome`, for a request of
+/// OASIS's dialect.
+fn answered(dialect: Dialect, outcome: Outcome, mut res: Response) -> Response {
+    set_repeatability_result(res.headers_mut(), dialect, outcome.repeatability_result());
     res
 }
 

@@ -31,6 +31,7 @@ mod pg_connections;
 mod properties;
 mod proxy;
 mod readme;
+mod repeatability;
 mod replay_cache;
 mod retry_after;
 mod seal;

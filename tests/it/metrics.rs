@@ -11,7 +11,7 @@ use common::pg::TestDb;
 use common::proxy::ProxyProcess;
 use common::upstream::Upstream;
 
-const OUTCOMES: [&str; 10] = [
+const OUTCOMES: [&str; 11] = [
     "created",
     "replayed",
     "conflict",
@@ -22,6 +22,7 @@ const OUTCOMES: [&str; 10] = [
     "released",
     "passthrough",
     "limited",
+    "too_old",
 ];
 
 async fn metrics(url: String) -> String {

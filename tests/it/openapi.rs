@@ -156,7 +156,7 @@ fn optional_bodies_are_declared_optional_not_nullable() {
 /// The response headers a client needs are declared on exactly the answers
 /// that carry them (tests/api.rs checks that they are sent): the expiry on
 /// every reserve, replay and commit, the replay marker, the reservation's
-/// `Location`, and `Retry-After` on every refusal that says when to retry,
+/// `Location`, `Repeatability-Result` for OASIS's dialect, and `Retry-After` on every refusal that says when to retry,
 /// which includes every `503 store-unavailable`.
 #[test]
 fn response_headers_are_declared_where_they_are_sent() {
@@ -201,6 +201,13 @@ fn response_headers_are_declared_where_they_are_sent() {
         "post /v1/reservations 409 Retry-After",
         "post /v1/reservations 429 Retry-After",
         "post /v1/reservations/{id}/commit 200 Idempotency-Expires",
+        // OASIS Repeatable Requests' answer, to that dialect's requests.
+        "post /v1/reservations 200 Repeatability-Result",
+        "post /v1/reservations 201 Repeatability-Result",
+        "post /v1/reservations 400 Repeatability-Result",
+        "post /v1/reservations 409 Repeatability-Result",
+        "post /v1/reservations 412 Repeatability-Result",
+        "post /v1/reservations 422 Repeatability-Result",
     ]
     .map(String::from)
     .into();

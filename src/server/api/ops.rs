@@ -12,6 +12,7 @@ use super::AppState;
 use super::problems::StoreUnavailable;
 use super::views::KeyFormat;
 use crate::fingerprint;
+use crate::key;
 use crate::problem::{ApiError, DEFAULT_PROBLEM_BASE};
 use crate::telemetry;
 
@@ -53,8 +54,52 @@ pub struct Policy {
     pub stored_response: StoredResponseRules,
     /// How much of the store one tenant may hold.
     pub tenant_limits: TenantLimitRules,
+    /// The guard against a retry that comes after its key expired.
+    pub first_sent: FirstSentRules,
+    /// The second dialect: OASIS Repeatable Requests 1.0.
+    pub repeatability: RepeatabilityRules,
     /// The base of every problem `type` URI; the slug follows.
     pub problem_base: &'static str,
+}
+
+/// A key is new again once it expires, so a retry that comes later would
+/// execute again; a request that says when it was first sent is refused
+/// instead, with `412 first-sent-too-old`, once that is longer ago than its
+/// key would be remembered.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FirstSentRules {
+    /// The request header of the `Idempotency-Key` dialect (optional): the
+    /// HTTP-date at which the request's first attempt was sent.
+    pub header: &'static str,
+    /// The rule.
+    pub rule: &'static str,
+    /// How far a client's clock may run ahead without weakening the guard:
+    /// the window is the key's TTL less this (less half the TTL, for one
+    /// under two minutes).
+    pub clock_skew_allowance_seconds: u64,
+    /// The window for the default TTL, in seconds.
+    pub default_window_seconds: u64,
+}
+
+/// OASIS Repeatable Requests 1.0, as Azure services use it: the key in
+/// `Repeatability-Request-ID` (scoped by `Repeatability-Client-ID` if sent),
+/// the first attempt's time in `Repeatability-First-Sent` (required), and
+/// `Repeatability-Result: accepted | rejected` on the answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RepeatabilityRules {
+    /// Whether this server takes the dialect (`IDEMGATE_REPEATABILITY`);
+    /// when not, those headers are ignored.
+    pub enabled: bool,
+    /// The standard.
+    pub specification: &'static str,
+    /// The request id header (the key).
+    pub request_id_header: &'static str,
+    /// The first-sent header (required with the request id).
+    pub first_sent_header: &'static str,
+    /// The client id header (optional; scopes the request id).
+    pub client_id_header: &'static str,
+    /// The response header.
+    pub result_header: &'static str,
 }
 
 /// Key rules.
@@ -204,6 +249,21 @@ pub fn policy(state: &AppState) -> Policy {
         tenant_limits: TenantLimitRules {
             max_in_flight_keys: state.engine.tenant_limits().max_in_flight,
             max_stored_bytes: state.engine.tenant_limits().max_stored_bytes,
+        },
+        first_sent: FirstSentRules {
+            header: "Idempotency-First-Sent",
+            rule: "a request first sent longer ago than its key's TTL, less the clock-skew \
+                   allowance, is refused with 412 first-sent-too-old and not executed",
+            clock_skew_allowance_seconds: key::dialect::CLOCK_SKEW_ALLOWANCE.as_secs(),
+            default_window_seconds: key::dialect::window(limits.default_ttl).as_secs(),
+        },
+        repeatability: RepeatabilityRules {
+            enabled: state.key_policy.repeatability,
+            specification: "OASIS Repeatable Requests Version 1.0",
+            request_id_header: "Repeatability-Request-ID",
+            first_sent_header: "Repeatability-First-Sent",
+            client_id_header: "Repeatability-Client-ID",
+            result_header: "Repeatability-Result",
         },
         problem_base: DEFAULT_PROBLEM_BASE,
     }

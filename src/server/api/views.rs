@@ -146,6 +146,20 @@ impl utoipa::PartialSchema for Replayed {
     }
 }
 
+/// The schema of the `Repeatability-Result` header (OASIS Repeatable
+/// Requests 1.0): `accepted` or `rejected`.
+pub struct RepeatabilityResult;
+
+impl utoipa::PartialSchema for RepeatabilityResult {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .enum_values(Some(["accepted", "rejected"]))
+            .into()
+    }
+}
+
 /// Body of `POST /v1/reservations/{id}/commit`: the response to store.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -23,6 +23,14 @@ pub struct PolicyArgs {
           value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub key_max_len: u16,
 
+    /// Also take keys as OASIS Repeatable Requests 1.0 send them
+    /// (`Repeatability-Request-ID` with `Repeatability-First-Sent`, as Azure
+    /// SDKs do) and answer those requests with `Repeatability-Result`; a
+    /// request first sent longer ago than keys are remembered is refused
+    /// with 412, not executed. Off: those headers are ignored.
+    #[arg(long, env = "IDEMGATE_REPEATABILITY")]
+    pub repeatability: bool,
+
     /// Key format: `any` or `uuid`.
     #[arg(long, env = "IDEMGATE_KEY_FORMAT", default_value = "any", value_parser = parse_key_format)]
     pub key_format: KeyFormat,
@@ -144,6 +152,7 @@ impl PolicyArgs {
             strict: self.strict_key,
             max_len: usize::from(self.key_max_len),
             format: self.key_format,
+            repeatability: self.repeatability,
         }
     }
 

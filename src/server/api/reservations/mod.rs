@@ -1,7 +1,7 @@
 //! The reservation/commit API: a backend reserves a key before its
 //! side effect and commits the result after it.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -15,13 +15,13 @@ use super::extract::{ApiJson, Tenant};
 use super::problems::{PayloadTooLarge, StoreUnavailable, Unauthorized};
 use super::views::Recovery;
 use super::views::{
-    CompletedView, Replayed, RequestDescription, ReserveBody, ReservedState, ReservedView,
-    RetryAfterSeconds, completed_response,
+    CompletedView, RepeatabilityResult, Replayed, RequestDescription, ReserveBody, ReservedState,
+    ReservedView, RetryAfterSeconds, completed_response,
 };
 use crate::engine::{Refusal, ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
-use crate::headers::{mark_replayed, prefer_wait, set_expires};
-use crate::key::{self, KeyError};
+use crate::headers::{mark_replayed, prefer_wait, set_expires, set_repeatability_result};
+use crate::key::{self, Dialect, KeyError};
 use crate::problem::{ApiError, Problem, Result};
 use crate::telemetry::{self, Outcome};
 
@@ -51,6 +51,10 @@ pub(super) fn register_metrics() {
     params(
         ("Idempotency-Key" = String, Header, min_length = 1, description = "The key: an RFC 8941 sf-string (a bare token is accepted unless strict mode is on)."),
         ("Prefer" = Option<String>, Header, description = "`wait=N`: hold the request up to N seconds (capped) while another holder is in flight."),
+        ("Idempotency-First-Sent" = Option<String>, Header, description = "HTTP-date at which the request's first attempt was sent. A request first sent longer ago than its key would be remembered (the TTL, less a minute's allowance for clock skew) is refused with 412 `first-sent-too-old`: its key may have expired, so it is not reserved afresh."),
+        ("Repeatability-Request-ID" = Option<String>, Header, description = "OASIS Repeatable Requests 1.0, when the server takes it (`IDEMGATE_REPEATABILITY`): the request's id, sent instead of `Idempotency-Key` (visible ASCII, the key's length and format rules). Needs `Repeatability-First-Sent`; answered with `Repeatability-Result`."),
+        ("Repeatability-First-Sent" = Option<String>, Header, description = "With `Repeatability-Request-ID`: the IMF-fixdate at which the request was first sent; too old is 412 `first-sent-too-old`."),
+        ("Repeatability-Client-ID" = Option<String>, Header, description = "With `Repeatability-Request-ID`: the client the request id is unique within (it scopes the id)."),
     ),
     request_body(content = Option<ReserveBody>, content_type = "application/json",
         description = "Optional: no body, or `null`, is `{}` (every field takes its default)."),
@@ -59,18 +63,27 @@ pub(super) fn register_metrics() {
          headers(
             ("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered."),
             ("Location" = String, description = "`/v1/reservations/{id}`: the reservation's record."),
+            ("Repeatability-Result" = inline(RepeatabilityResult), description = "To a `Repeatability-Request-ID` request only."),
          )),
         (status = 200, description = "Completed before: the stored response, replayed.", body = CompletedView,
          headers(
             ("Idempotent-Replayed" = inline(Replayed), description = "Always `true`: the answer is the stored response, and nothing was reserved."),
             ("Idempotency-Expires" = String, description = "HTTP-date until which the key is remembered."),
+            ("Repeatability-Result" = inline(RepeatabilityResult), description = "To a `Repeatability-Request-ID` request only."),
          )),
-        (status = 400, description = "key-missing, key-invalid or invalid-request", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "key-missing, key-invalid or invalid-request", body = Problem, content_type = "application/problem+json",
+         headers(("Repeatability-Result" = inline(RepeatabilityResult), description = "To a `Repeatability-Request-ID` request only."))),
         Unauthorized,
         (status = 409, description = "request-in-flight", body = Problem, content_type = "application/problem+json",
-         headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds until the holder has likely finished (at least 1, never past its lease)."))),
+         headers(
+            ("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds until the holder has likely finished (at least 1, never past its lease)."),
+            ("Repeatability-Result" = inline(RepeatabilityResult), description = "To a `Repeatability-Request-ID` request only."),
+         )),
+        (status = 412, description = "first-sent-too-old: the request's first attempt is older than its key would be remembered; nothing was reserved", body = Problem, content_type = "application/problem+json",
+         headers(("Repeatability-Result" = inline(RepeatabilityResult), description = "To a `Repeatability-Request-ID` request only."))),
         PayloadTooLarge,
-        (status = 422, description = "key-reused: the key was used with another payload", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "key-reused: the key was used with another payload", body = Problem, content_type = "application/problem+json",
+         headers(("Repeatability-Result" = inline(RepeatabilityResult), description = "To a `Repeatability-Request-ID` request only."))),
         (status = 429, description = "tenant-limit: the tenant holds as many keys in flight, or as many stored bytes, as it may; nothing was reserved", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds until room is likely (at least 1)."))),
         StoreUnavailable,
@@ -82,19 +95,40 @@ pub async fn create_reservation(
     Tenant(tenant): Tenant,
     headers: HeaderMap,
     body: std::result::Result<ApiJson<ReserveBody>, ApiError>,
+) -> Response {
+    let dialect = Dialect::of(&headers, &state.key_policy);
+    let mut outcome = None;
+    let mut res = reserve(&state, tenant, &headers, body, dialect, &mut outcome)
+        .await
+        .unwrap_or_else(IntoResponse::into_response);
+    let result = outcome.and_then(Outcome::repeatability_result);
+    set_repeatability_result(res.headers_mut(), dialect, result);
+    res
+}
+
+/// The reservation; `outcome` is set once the request came to one.
+async fn reserve(
+    state: &AppState,
+    tenant: String,
+    headers: &HeaderMap,
+    body: std::result::Result<ApiJson<ReserveBody>, ApiError>,
+    dialect: Dialect,
+    outcome: &mut Option<Outcome>,
 ) -> Result<Response> {
     let started = Instant::now();
-    let key = match key::from_headers(&headers, &KEY_HEADER, &state.key_policy) {
-        Ok(key) => key,
+    let keyed = match key::dialect::read(headers, &KEY_HEADER, &state.key_policy, dialect) {
+        Ok(keyed) => keyed,
         Err(e) => {
-            let outcome = match e {
+            let refused = match e {
                 KeyError::Missing => Outcome::Missing,
                 KeyError::Invalid(_) => Outcome::Invalid,
             };
-            telemetry::record(MODE, outcome, started.elapsed());
+            telemetry::record(MODE, refused, started.elapsed());
+            *outcome = Some(refused);
             return Err(e.into());
         }
     };
+    let key = keyed.key;
     let ApiJson(body) = body?;
     let limits = state.engine.limits();
     let lease_seconds = bounded(
@@ -123,11 +157,23 @@ pub async fn create_reservation(
             }
             Some(fp)
         }
-        (None, Some(req)) => Some(fingerprint_of(&req, &state)?),
+        (None, Some(req)) => Some(fingerprint_of(&req, state)?),
         (None, None) => None,
     };
-    let wait = prefer_wait(&headers);
-    let outcome = state
+    if let Some(first_sent) = keyed.first_sent {
+        let ttl = Duration::from_secs(u64::from(ttl_seconds));
+        if let Some(too_old) = key::dialect::too_old(first_sent, ttl, SystemTime::now()) {
+            telemetry::record(MODE, Outcome::TooOld, started.elapsed());
+            *outcome = Some(Outcome::TooOld);
+            let shown = match dialect {
+                Dialect::IdempotencyKey => "Idempotency-First-Sent",
+                Dialect::Repeatability => "Repeatability-First-Sent",
+            };
+            return Err(crate::problem::first_sent_too_old(shown, too_old, ttl));
+        }
+    }
+    let wait = prefer_wait(headers);
+    let decision = state
         .engine
         .reserve(&ReserveRequest {
             tenant: tenant.clone(),
@@ -138,8 +184,9 @@ pub async fn create_reservation(
             wait,
         })
         .await?;
-    let metric = outcome.outcome();
-    let response = match outcome {
+    let metric = decision.outcome();
+    *outcome = Some(metric);
+    let response = match decision {
         ReserveOutcome::Reserved(r) => {
             let mut res = (
                 StatusCode::CREATED,
