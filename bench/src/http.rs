@@ -2,6 +2,7 @@
 //! load generator itself costs as little as possible.
 
 use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
@@ -78,6 +79,54 @@ impl Conn {
         .await;
         if result.is_err() {
             // Start over on a fresh connection next time.
+            self.sender = None;
+        }
+        result
+    }
+
+    /// A POST whose answer is a stream: the time from sending it to the
+    /// first byte of the body, and the whole body, read to its end.
+    pub async fn first_byte(
+        &mut self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> anyhow::Result<(Duration, Bytes)> {
+        let mut req = Request::builder()
+            .method(Method::POST)
+            .uri(path)
+            .header(http::header::HOST, &self.host)
+            .header(http::header::CONTENT_TYPE, "application/json");
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let req = req.body(Full::new(body))?;
+        let result = async {
+            let sender = self.sender().await?;
+            sender.ready().await?;
+            let sent = Instant::now();
+            let resp = sender.send_request(req).await?;
+            anyhow::ensure!(
+                resp.status() == StatusCode::OK,
+                "POST {path}: expected 200, got {}",
+                resp.status()
+            );
+            let mut body = resp.into_body();
+            let mut first = None;
+            let mut all = Vec::new();
+            while let Some(frame) = body.frame().await {
+                if let Ok(data) = frame?.into_data()
+                    && !data.is_empty()
+                {
+                    first.get_or_insert_with(|| sent.elapsed());
+                    all.extend_from_slice(&data);
+                }
+            }
+            let first = first.context("the stream had no body")?;
+            anyhow::Ok((first, Bytes::from(all)))
+        }
+        .await;
+        if result.is_err() {
             self.sender = None;
         }
         result

@@ -10,12 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use bytes::Bytes;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
 use crate::http::Conn;
 use crate::load::{self, Sample, Worker};
 use crate::metrics::{self, Batches};
+use crate::origin;
 use crate::procs::{self, Door, Proc};
 use crate::workers::{self, ApiPair, ApiReplay, FloorPair, Keys, ProxyPost, RawPair, RawSelect};
 
@@ -75,7 +77,8 @@ pub struct SuiteArgs {
     #[arg(long, env = "IDEMGATE_BENCH_CITUS_URL", hide_env_values = true)]
     pub citus_url: Option<String>,
 
-    /// Scenarios to run (default: all): sql, replay, proxy, prune, sqlite, citus.
+    /// Scenarios to run (default: all): sql, replay, proxy, stream, prune,
+    /// sqlite, citus.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 
@@ -468,6 +471,78 @@ async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Resu
     Ok(())
 }
 
+/// Scenario 10: the time to the first byte of a streamed answer, c = 1:
+/// the origin directly, then through idemgate proxy on PostgreSQL and on
+/// SQLite, each measured right after the origin.
+async fn streams(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Result<()> {
+    res.record("stream-origin c=1", first_bytes(env, origin).await?);
+    env.truncate().await?;
+    let (proc, addr) = env.proxy(origin, &env.bench_url).await?;
+    res.record("stream-idemgate c=1", first_bytes(env, addr).await?);
+    proc.stop().await;
+    res.record("stream-origin-2 c=1", first_bytes(env, origin).await?);
+    let (proc, addr) = env.proxy(origin, &env.sqlite_url("stream")).await?;
+    res.record("stream-idemgate-sqlite c=1", first_bytes(env, addr).await?);
+    proc.stop().await;
+    Ok(())
+}
+
+/// One client posting `/v1/stream` with a new key each time, one after the
+/// other: the time to each answer's first body byte. Each stream is read to
+/// its end and checked before the next is sent.
+async fn first_bytes(env: &Env, addr: SocketAddr) -> anyhow::Result<Sample> {
+    let prefix = env.fresh_prefix();
+    let whole = [origin::FIRST_EVENT, origin::LAST_EVENT].concat();
+    let mut conn = Conn::new(addr);
+    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+    let (mut errors, mut all_ops, mut first_error) = (0u64, 0u64, None);
+    let started = Instant::now();
+    let measure_from = started + env.warmup();
+    let end = measure_from + env.measure();
+    let mut seq = 0u64;
+    while Instant::now() < end {
+        let key = format!("{prefix}-s{seq}");
+        seq += 1;
+        let t = Instant::now();
+        let result = conn
+            .first_byte(
+                "/v1/stream",
+                &[("idempotency-key", &key)],
+                Bytes::from_static(workers::CHARGE_BODY.as_bytes()),
+            )
+            .await
+            .and_then(|(first, body)| {
+                anyhow::ensure!(body == whole, "the stream came back changed: {body:?}");
+                Ok(first)
+            });
+        if t < measure_from {
+            continue;
+        }
+        all_ops += 1;
+        match result {
+            Ok(first) => {
+                let us = u64::try_from(first.as_micros()).unwrap_or(u64::MAX);
+                hist.saturating_record(us.max(1));
+            }
+            Err(e) => {
+                errors += 1;
+                first_error.get_or_insert_with(|| format!("{e:#}"));
+            }
+        }
+    }
+    if let Some(first) = first_error {
+        eprintln!("    {errors} errors; the first: {first}");
+    }
+    Ok(Sample {
+        ops: hist.len(),
+        errors,
+        secs: (Instant::now() - measure_from).as_secs_f64(),
+        p50_us: hist.value_at_quantile(0.50),
+        p99_us: hist.value_at_quantile(0.99),
+        all_ops,
+    })
+}
+
 /// New keys, then replays, through one proxy process (`{name}-new`,
 /// `{name}-replay`); stops it after. An idemgate door's batch sizes are read
 /// between the two, while only new keys have written through it.
@@ -802,6 +877,9 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         }
         if env.wants("proxy") {
             proxy(&env, origin_addr, &mut res).await?;
+        }
+        if env.wants("stream") {
+            streams(&env, origin_addr, &mut res).await?;
         }
         if env.wants("sqlite") {
             sqlite(&env, &mut res).await?;
