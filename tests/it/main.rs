@@ -44,5 +44,6 @@ mod store_contract;
 mod storms;
 mod streaming;
 mod tenants;
+mod tls_upstream;
 mod waiting;
 mod zero_setup;

@@ -1,6 +1,7 @@
 //! Settings of `idemgate proxy`.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -11,10 +12,18 @@ use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, seconds}
 #[derive(Debug, Clone, Args)]
 #[command(mut_args = boolean_style)]
 pub struct ProxyArgs {
-    /// The origin every request is forwarded to: http://HOST:PORT, optionally
-    /// with a base path. Required.
+    /// The origin every request is forwarded to: http://HOST:PORT or
+    /// https://HOST:PORT, optionally with a base path. Required. An https
+    /// upstream's certificate is always checked: against the system's
+    /// roots, or --upstream-ca-file.
     #[arg(long, env = "IDEMGATE_UPSTREAM", value_name = "URL")]
     pub upstream: Option<String>,
+
+    /// A PEM file of the certificates an https upstream's certificate is
+    /// checked against, instead of the system's roots: the CA of a private
+    /// network, or the upstream's own self-signed certificate.
+    #[arg(long, env = "IDEMGATE_UPSTREAM_CA_FILE", value_name = "PATH")]
+    pub upstream_ca_file: Option<PathBuf>,
 
     /// Address the proxy listens on.
     #[arg(
@@ -65,8 +74,8 @@ pub struct ProxyArgs {
     )]
     pub upstream_abandon_after: Duration,
 
-    /// Seconds to wait for a connection to the upstream (502
-    /// upstream-unavailable after that; the key is released).
+    /// Seconds to wait for a connection to the upstream, its TLS handshake
+    /// included (502 upstream-unavailable after that; the key is released).
     #[arg(
         long,
         env = "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT",
@@ -147,7 +156,19 @@ fn parse_header_name(s: &str) -> Result<Header, String> {
 impl ProxyArgs {
     /// Refuses settings the proxy must not start with.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.upstream_uri()?;
+        let upstream = self.upstream_uri()?;
+        if let Some(path) = &self.upstream_ca_file
+            && upstream.scheme() != Some(&http::uri::Scheme::HTTPS)
+        {
+            return Err(ConfigError {
+                setting: "upstream_ca_file",
+                problem: format!(
+                    "is set ({}) but the upstream is not https://; a CA file checks an https \
+                     upstream's certificate",
+                    path.display()
+                ),
+            });
+        }
         if self.upstream_timeout.is_zero() {
             return Err(ConfigError {
                 setting: "upstream_timeout",
@@ -182,7 +203,8 @@ impl ProxyArgs {
         self.policy.validate()
     }
 
-    /// The upstream as a URI: `http`, a host, and a path without query.
+    /// The upstream as a URI: `http` or `https`, a host, and a path without
+    /// query.
     pub fn upstream_uri(&self) -> Result<http::Uri, ConfigError> {
         let bad = |problem: String| ConfigError {
             setting: "upstream",
@@ -206,15 +228,16 @@ impl ProxyArgs {
         }
         let uri: http::Uri = raw.parse().map_err(|e| bad(format!("not a URL: {e}")))?;
         match uri.scheme_str() {
-            Some("http") => {}
+            Some("http" | "https") => {}
             Some(other) => {
                 return Err(bad(format!(
-                    "scheme {other:?} is not supported; use http://HOST:PORT (terminate TLS in \
-                     front of the origin or run idemgate beside it)"
+                    "scheme {other:?} is not supported; use http://HOST:PORT or https://HOST:PORT"
                 )));
             }
             None => {
-                return Err(bad("no scheme; use http://HOST:PORT".into()));
+                return Err(bad(
+                    "no scheme; use http://HOST:PORT or https://HOST:PORT".into()
+                ));
             }
         }
         if uri.host().is_none_or(str::is_empty) {

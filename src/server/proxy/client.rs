@@ -18,13 +18,14 @@ use futures::future::BoxFuture;
 use http::uri::{Authority, Scheme};
 use http::{Request, Uri, Version, header};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tower::Service;
 
 use super::headers::to_upstream;
+use super::tls::{self, Connector, Trust};
 use crate::layer::{NotExecuted, OutcomeUnknown, strip_connection_headers};
 use crate::problem::ApiError;
+use crate::server::config::ConfigError;
 
 /// How long an idle upstream connection stays in the pool.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -32,7 +33,7 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// Forwards requests to one upstream.
 #[derive(Clone)]
 pub struct ProxyClient {
-    client: Client<HttpConnector, Body>,
+    client: Client<Connector, Body>,
     upstream: Arc<Upstream>,
     /// Send the client's `Host` upstream instead of the upstream's own.
     preserve_host: bool,
@@ -51,29 +52,41 @@ struct Upstream {
 // === impl ProxyClient ===
 
 impl ProxyClient {
-    /// A client for `upstream` (an `http://` URL, checked by
-    /// [`ProxyArgs::upstream_uri`](crate::server::config::ProxyArgs::upstream_uri)).
-    ///
-    /// # Errors
-    /// When `upstream` has no scheme or authority.
+    /// A client for `upstream` (an `http://` or `https://` URL, checked by
+    /// [`ProxyArgs::upstream_uri`](crate::server::config::ProxyArgs::upstream_uri)),
+    /// whose certificate, for `https`, is checked against `trust`.
+    /// `connect_timeout` bounds the TCP connect and TLS handshake together.
     /// With `preserve_host`, the upstream gets the `Host` the client sent;
     /// without, the upstream's own authority.
+    ///
+    /// # Errors
+    /// When `upstream` has no scheme or authority (`upstream`), or the CA
+    /// file cannot be used (`upstream_ca_file`).
     pub fn new(
         upstream: &Uri,
+        trust: Trust<'_>,
         connect_timeout: Duration,
         preserve_host: bool,
-    ) -> Result<ProxyClient, String> {
+    ) -> Result<ProxyClient, ConfigError> {
+        let bad_upstream = |problem: &str| ConfigError {
+            setting: "upstream",
+            problem: problem.into(),
+        };
         let scheme = upstream
             .scheme()
             .cloned()
-            .ok_or("the upstream has no scheme")?;
+            .ok_or_else(|| bad_upstream("has no scheme"))?;
         let authority = upstream
             .authority()
             .cloned()
-            .ok_or("the upstream has no host")?;
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(connect_timeout));
-        connector.set_nodelay(true);
+            .ok_or_else(|| bad_upstream("names no host"))?;
+        let connector =
+            tls::connector(scheme == Scheme::HTTPS, trust, connect_timeout).map_err(|problem| {
+                ConfigError {
+                    setting: "upstream_ca_file",
+                    problem,
+                }
+            })?;
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build(connector);
@@ -220,7 +233,7 @@ mod tests {
 
     fn client(upstream: &str) -> ProxyClient {
         let uri: Uri = upstream.parse().unwrap();
-        ProxyClient::new(&uri, Duration::from_secs(1), false).unwrap()
+        ProxyClient::new(&uri, Trust::System, Duration::from_secs(1), false).unwrap()
     }
 
     #[test]

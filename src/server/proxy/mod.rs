@@ -13,6 +13,7 @@ mod admin;
 pub mod client;
 pub mod headers;
 pub mod routes;
+pub mod tls;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -62,11 +63,16 @@ impl Proxy {
     ) -> Result<Proxy, ConfigError> {
         crate::server::exporter::metrics_handle();
         let upstream = args.upstream_uri()?;
-        let client = ProxyClient::new(&upstream, args.upstream_connect_timeout, args.preserve_host)
-            .map_err(|problem| ConfigError {
-                setting: "upstream",
-                problem,
-            })?;
+        let trust = match &args.upstream_ca_file {
+            Some(path) => tls::Trust::CaFile(path),
+            None => tls::Trust::System,
+        };
+        let client = ProxyClient::new(
+            &upstream,
+            trust,
+            args.upstream_connect_timeout,
+            args.preserve_host,
+        )?;
         let policy = layer_policy(args, routes);
         let engine = Arc::new(wiring::engine(
             &args.run,

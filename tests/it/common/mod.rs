@@ -10,6 +10,7 @@ pub mod citus;
 pub mod logs;
 pub mod pg;
 pub mod proxy;
+pub mod tls;
 pub mod upstream;
 
 use std::time::{Duration, Instant};
