@@ -222,8 +222,14 @@ fn stream_section(w: &mut String, v: &View) {
     );
     let _ = writeln!(
         w,
-        "One client, one request at a time, each with a new key: `POST /v1/stream`, which the origin answers          with a `text/event-stream` whose first event is sent at once and whose last follows {} ms later.          Measured: the time from sending the request to the first byte of its body, the origin directly and          through `idemgate proxy` (which reserves the key before forwarding, passes each chunk on as it          arrives and commits the recorded stream at its end); each stream is read whole and checked. A proxy          that buffered the answer would show the gap in its first byte.
-",
+        "One client, one request at a time, each with a new key: `POST /v1/stream`, which the \
+         origin answers with a `text/event-stream` whose first event is sent at once and whose \
+         last follows {} ms later. Measured: the time from sending the request to the first byte \
+         of its body, the origin directly and through `idemgate proxy` (which reserves the key \
+         before forwarding, passes each chunk on as it arrives and commits the recorded stream at \
+         its end); each stream is read whole and checked. A proxy that buffered the answer would \
+         show the gap in its first byte; the proxy's first byte also waits for the reservation, \
+         the one durable write that must come before the request is forwarded.\n",
         crate::origin::STREAM_GAP.as_millis()
     );
     let _ = writeln!(
