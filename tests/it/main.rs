@@ -45,4 +45,5 @@ mod storms;
 mod streaming;
 mod tenants;
 mod waiting;
+mod websocket;
 mod zero_setup;
