@@ -118,11 +118,19 @@ async fn chat(ws: &mut Client, round: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn websocket_through_the_proxy_outlives_its_keep_alive_timeout() {
+async fn websocket_through_the_proxy_outlives_its_connection_timers() {
     let db = TestDb::new().await;
     let origin = WsOrigin::start().await;
-    let mut proxy =
-        ProxyProcess::start_with(&db, &origin.url(), &["--keep-alive-timeout", "1"]).await;
+    // Both connection timers short: a switched connection must be under
+    // neither (an idle one's, nor the one a request head gets from its first
+    // byte).
+    let timers = [
+        "--keep-alive-timeout",
+        "1",
+        "--header-read-timeout",
+        "1",
+    ];
+    let mut proxy = ProxyProcess::start_with(&db, &origin.url(), &timers).await;
     let log = drain_stderr(&mut proxy.child);
 
     let url = format!("ws://127.0.0.1:{}/chat?room=7", proxy.port);
@@ -130,8 +138,8 @@ async fn websocket_through_the_proxy_outlives_its_keep_alive_timeout() {
     assert_eq!(res.status(), StatusCode::SWITCHING_PROTOCOLS);
     assert_eq!(res.headers()["upgrade"].to_str().unwrap(), "websocket");
     chat(&mut ws, "before").await;
-    // Silence longer than the keep-alive timeout: an idle HTTP connection
-    // would be closed by now, a WebSocket is not.
+    // Silence longer than either timeout: an idle HTTP connection would be
+    // closed by now, a WebSocket is not.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     chat(&mut ws, "after").await;
     ws.close(None).await.unwrap();
