@@ -100,7 +100,9 @@ impl Drop for WsOrigin {
 
 /// Sends `msg` and expects it back within 5 s.
 async fn echo(ws: &mut Client, msg: Message) {
-    ws.send(msg.clone()).await.expect("the WebSocket takes a message");
+    ws.send(msg.clone())
+        .await
+        .expect("the WebSocket takes a message");
     let back = tokio::time::timeout(Duration::from_secs(5), ws.next())
         .await
         .expect("an echo within 5 s")
@@ -124,12 +126,7 @@ async fn websocket_through_the_proxy_outlives_its_connection_timers() {
     // Both connection timers short: a switched connection must be under
     // neither (an idle one's, nor the one a request head gets from its first
     // byte).
-    let timers = [
-        "--keep-alive-timeout",
-        "1",
-        "--header-read-timeout",
-        "1",
-    ];
+    let timers = ["--keep-alive-timeout", "1", "--header-read-timeout", "1"];
     let mut proxy = ProxyProcess::start_with(&db, &origin.url(), &timers).await;
     let log = drain_stderr(&mut proxy.child);
 
@@ -208,7 +205,11 @@ async fn a_guarded_upgrade_request_is_an_ordinary_keyed_request() {
 
     let res = proxy.send_raw_request(&upgrade_post(&proxy, None)).await;
     res.assert_problem(400, "key-missing");
-    assert_eq!(upstream.total(), 0, "a keyless POST must not reach the origin");
+    assert_eq!(
+        upstream.total(),
+        0,
+        "a keyless POST must not reach the origin"
+    );
 
     let key = fresh_key();
     let secret = key.trim_matches('"').to_owned();

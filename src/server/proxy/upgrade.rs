@@ -151,7 +151,10 @@ mod tests {
 
     #[test]
     fn connection_options_are_tokens_in_any_case_and_line() {
-        assert!(connection_has_upgrade(&headers(&[("connection", "Upgrade")])));
+        assert!(connection_has_upgrade(&headers(&[(
+            "connection",
+            "Upgrade"
+        )])));
         assert!(connection_has_upgrade(&headers(&[(
             "connection",
             "keep-alive, upgrade"
@@ -164,7 +167,10 @@ mod tests {
             "connection",
             "keep-alive, upgrade-insecure"
         )])));
-        assert!(!connection_has_upgrade(&headers(&[("upgrade", "websocket")])));
+        assert!(!connection_has_upgrade(&headers(&[(
+            "upgrade",
+            "websocket"
+        )])));
     }
 
     #[test]
