@@ -58,6 +58,7 @@ impl WsOrigin {
             while let Ok((stream, _)) = listener.accept().await {
                 let seen = seen.clone();
                 tokio::spawn(async move {
+                    #[expect(clippy::result_large_err, reason = "tungstenite's callback type")]
                     let remember = |req: &Handshake, res: Accept| {
                         seen.lock()
                             .unwrap()

@@ -187,7 +187,7 @@ mod tests {
             if upgradable {
                 // An `OnUpgrade` of a request made here never resolves, but
                 // it is one.
-                let on = hyper::upgrade::on(&mut Request::new(Body::empty()));
+                let on = hyper::upgrade::on(Request::new(Body::empty()));
                 req.extensions_mut().insert(on);
             }
             req
