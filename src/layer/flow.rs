@@ -32,7 +32,7 @@ use crate::telemetry::{self, Outcome};
 const ANONYMOUS: &str = "anonymous";
 
 /// Handles one request.
-pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>) -> Response {
+pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<Body>) -> Response {
     let started = Instant::now();
     let policy = &shared.policy;
     let mode = policy.door.as_str();
@@ -40,8 +40,13 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, req: Request<Body>
     // === request_filter ===
     let guard = policy.guard(req.method(), req.uri().path());
     if !guard.guarded {
+        // Extensions and all: a WebSocket handshake keeps the connection's
+        // `OnUpgrade`, and its `101` comes back as it is.
         return passthrough(policy, inner, req, started).await;
     }
+    // A guarded request is never upgraded, keyed or not: what a switched
+    // connection does next can be neither stored nor replayed.
+    req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
     let dialect = Dialect::of(req.headers(), &policy.key_policy);
     let keyed = key::dialect::read(
         req.headers(),
@@ -187,7 +192,9 @@ fn answered(dialect: Dialect, outcome: Outcome, mut res: Response) -> Response {
 }
 
 /// Not guarded: straight through, within the answer timeout (there is no
-/// key to keep, so nothing runs on past it).
+/// key to keep, so nothing runs on past it). The timeout bounds the wait for
+/// the response head only: a body that streams, or a connection that
+/// switched protocols after a `101`, is never cut by it.
 async fn passthrough(
     policy: &LayerPolicy,
     inner: Inner,

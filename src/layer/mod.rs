@@ -28,6 +28,14 @@
 //! fails the client's body too and leaves the key in flight (its outcome is
 //! unknown).
 //!
+//! A request of a method that is not guarded passes through untouched, its
+//! extensions included, so a WebSocket handshake reaches the service with
+//! hyper's `OnUpgrade` and its `101 Switching Protocols` comes back as it
+//! is; [`LayerPolicy::answer_timeout`] bounds the wait for that `101`, not
+//! the WebSocket. A guarded request is never upgraded: the layer takes its
+//! `OnUpgrade` away, and a `101` to one is answered `500` with its key left
+//! in flight, for a switched connection can be neither stored nor replayed.
+//!
 //! A request may say when its first attempt was sent
 //! (`Idempotency-First-Sent`, an HTTP-date); one first sent longer ago than
 //! its key is remembered is refused with `412 first-sent-too-old` before the

@@ -51,6 +51,16 @@ pub(super) async fn produce(
     if res.extensions().get::<OutcomeUnknown>().is_some() {
         return Produced::Unknown(res);
     }
+    if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+        // Whatever the switched connection does is out of the layer's
+        // sight: there is nothing to store, and a replayed 101 would switch
+        // nothing.
+        return Produced::Failed(
+            "it answered 101 Switching Protocols to a guarded request, which cannot be \
+             recorded"
+                .into(),
+        );
+    }
     let (parts, mut body) = res.into_parts();
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut total = 0usize;

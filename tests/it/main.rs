@@ -46,4 +46,5 @@ mod streaming;
 mod tenants;
 mod tls_upstream;
 mod waiting;
+mod websocket;
 mod zero_setup;

@@ -16,13 +16,14 @@ use axum::extract::ConnectInfo;
 use axum::response::{IntoResponse, Response};
 use futures::future::BoxFuture;
 use http::uri::{Authority, Scheme};
-use http::{Request, Uri, Version, header};
+use http::{Request, StatusCode, Uri, Version, header};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::Service;
 
 use super::headers::to_upstream;
 use super::tls::{self, Connector, Trust};
+use super::upgrade;
 use crate::layer::{NotExecuted, OutcomeUnknown, strip_connection_headers};
 use crate::problem::ApiError;
 use crate::server::config::ConfigError;
@@ -102,13 +103,21 @@ impl ProxyClient {
     }
 
     /// Sends `req` upstream and returns the upstream's answer, or the proxy's
-    /// own 4xx/5xx.
-    async fn forward(self, req: Request<Body>) -> Response {
-        let req = match self.upstream_request_filter(req) {
+    /// own 4xx/5xx. An upgrade request keeps its `Upgrade`, and a `101`
+    /// switches both connections (`upgrade`).
+    async fn forward(self, mut req: Request<Body>) -> Response {
+        let asked = upgrade::Asked::take(&mut req);
+        let mut req = match self.upstream_request_filter(req) {
             Ok(req) => req,
             Err(res) => return res,
         };
+        if let Some(asked) = &asked {
+            asked.ask(req.headers_mut());
+        }
         match self.client.request(req).await {
+            Ok(res) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {
+                upgrade::switched(asked, res, &self.upstream.authority)
+            }
             Ok(res) => response_filter(res.map(Body::new)),
             Err(e) if e.is_connect() => {
                 tracing::warn!(upstream = %self.upstream.authority, error = %chain(&e), "upstream unreachable");

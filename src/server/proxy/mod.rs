@@ -7,13 +7,16 @@
 //! `upstream_request_filter` strips hop-by-hop headers, adds
 //! `X-Forwarded-*` and rewrites the target; its `response_filter` strips
 //! hop-by-hop headers from the answer; the layer stores or releases, and
-//! logs. The operational endpoints live on a separate admin listener.
+//! logs. An unguarded upgrade request (a WebSocket handshake) keeps its
+//! `Upgrade`, and a `101` splices the two connections (`upgrade`). The
+//! operational endpoints live on a separate admin listener.
 
 mod admin;
 pub mod client;
 pub mod headers;
 pub mod routes;
 pub mod tls;
+mod upgrade;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -19,7 +19,11 @@
 //! 4. busy: from the service call until the response body is dropped (sent,
 //!    or abandoned); no timer. A request body has its own idle timeout
 //!    ([`crate::body::BodyIdleTimeout`]), and a response that is still streaming
-//!    is never cut.
+//!    is never cut;
+//! 5. upgraded: the service answered `101 Switching Protocols`, and the stream
+//!    now carries another protocol (a WebSocket) until either side closes it;
+//!    no timer, for its silences are that protocol's business (its pings),
+//!    not an idle HTTP connection's.
 //!
 //! The timer is looked at only when a read would block; once it has passed,
 //! that read ends the connection: an end of stream where no request had
@@ -95,6 +99,7 @@ enum Phase {
     Idle,
     Head,
     Busy,
+    Upgraded,
 }
 
 // === impl TimedIo ===
@@ -218,6 +223,12 @@ impl Tracker {
         }
     }
 
+    /// The service answered `101 Switching Protocols`: from now on the
+    /// stream is another protocol's, and no timer ends it.
+    pub fn upgraded(&self) {
+        self.lock().phase = Phase::Upgraded;
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // No code under the lock can panic; should one ever, the phase is
         // still a phase.
@@ -233,7 +244,7 @@ impl Tracker {
                 state.phase = Phase::Head;
                 state.since = Instant::now();
             }
-            Phase::Head | Phase::Busy => {}
+            Phase::Head | Phase::Busy | Phase::Upgraded => {}
         }
     }
 
@@ -250,7 +261,8 @@ impl Tracker {
     }
 
     /// When the current phase's time is up, and whether a head was being
-    /// read then; `None` while busy. Remembers `waker` as the reader.
+    /// read then; `None` while busy or upgraded. Remembers `waker` as the
+    /// reader.
     fn deadline(&self, waker: &Waker, timeouts: Timeouts) -> Option<(Instant, bool)> {
         let mut state = self.lock();
         if !state.reader.as_ref().is_some_and(|r| r.will_wake(waker)) {
@@ -260,7 +272,7 @@ impl Tracker {
             Phase::Fresh => (timeouts.header_read, false),
             Phase::Idle => (timeouts.keep_alive, false),
             Phase::Head => (timeouts.header_read, true),
-            Phase::Busy => return None,
+            Phase::Busy | Phase::Upgraded => return None,
         };
         Some((state.since + limit, mid_head))
     }

@@ -1,9 +1,10 @@
 //! Serving a router: the accept loop with its per-connection timers
-//! (`conn`), graceful shutdown, and the request tracing every listener
-//! shares. Both HTTP doors (the reservation API and the proxy) are served
-//! through it.
+//! (`conn`), graceful shutdown (`drain`), and the request tracing every
+//! listener shares. Both HTTP doors (the reservation API and the proxy) are
+//! served through it.
 
 mod conn;
+mod drain;
 
 use std::future::Future;
 use std::time::Duration;
@@ -45,7 +46,9 @@ const MAX_HEAD_BYTES: usize = 64 * 1024;
 
 /// Serves `app` on `listener` until `shutdown` resolves; then closes the
 /// listener at once, lets in-flight requests finish for up to `grace`, and
-/// returns.
+/// returns. A connection may switch protocols (a `101` answer to a
+/// WebSocket handshake); once it has, it is not an HTTP connection any more,
+/// and neither its timers nor the shutdown wait for it.
 ///
 /// hyper's connection builder is used directly rather than `axum::serve`,
 /// which has no timeouts, so that a client that trickles its headers cannot
@@ -67,7 +70,7 @@ pub async fn serve(
         header_read: serving.header_read_timeout,
         keep_alive: serving.keep_alive_timeout,
     };
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let drain = drain::Drain::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -95,24 +98,45 @@ pub async fn serve(
         let app = app.clone();
         let service = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let busy = tracker.request();
+            let tracker = tracker.clone();
             req.extensions_mut()
                 .insert(axum::extract::ConnectInfo(peer));
             req.extensions_mut().insert(idle);
             let call = tower::ServiceExt::oneshot(app.clone(), req.map(axum::body::Body::new));
             async move {
                 let res = call.await?;
+                if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                    tracker.upgraded();
+                }
                 Ok::<_, std::convert::Infallible>(
                     res.map(|body| conn::TrackedBody::new(body, busy)),
                 )
             }
         });
-        let conn = http.serve_connection(
-            hyper_util::rt::TokioIo::new(io),
-            hyper_util::service::TowerToHyperService::new(service),
-        );
-        let conn = graceful.watch(conn);
+        // With upgrades: the request's `OnUpgrade` extension hands the
+        // stream to whoever answers `101` (the proxy's splice, axum's
+        // WebSocket), and the connection future ends once it has.
+        let conn = http
+            .serve_connection(
+                hyper_util::rt::TokioIo::new(io),
+                hyper_util::service::TowerToHyperService::new(service),
+            )
+            .with_upgrades();
+        let mut watch = drain.watch();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let mut conn = std::pin::pin!(conn);
+            let mut signalled = false;
+            let ended = loop {
+                tokio::select! {
+                    ended = conn.as_mut() => break ended,
+                    () = watch.signalled(), if !signalled => {
+                        signalled = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            };
+            drop(watch);
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
@@ -122,7 +146,7 @@ pub async fn serve(
         grace_seconds = serving.grace.as_secs(),
         "shutting down: finishing in-flight requests"
     );
-    if tokio::time::timeout(serving.grace, graceful.shutdown())
+    if tokio::time::timeout(serving.grace, drain.drain())
         .await
         .is_err()
     {
