@@ -475,72 +475,155 @@ async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Resu
 /// the origin directly, then through idemgate proxy on PostgreSQL and on
 /// SQLite, each measured right after the origin.
 async fn streams(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Result<()> {
-    res.record("stream-origin c=1", first_bytes(env, origin).await?);
     env.truncate().await?;
     let (proc, addr) = env.proxy(origin, &env.bench_url).await?;
-    res.record("stream-idemgate c=1", first_bytes(env, addr).await?);
+    let claim = workers::FloorClaim::new(env.pool.clone(), &env.fresh_prefix());
+    let [direct, proxied, claimed] = first_bytes(
+        env,
+        [
+            Probe::Stream(Conn::new(origin)),
+            Probe::Stream(Conn::new(addr)),
+            Probe::Claim(Box::new(claim)),
+        ],
+    )
+    .await?;
     proc.stop().await;
-    res.record("stream-origin-2 c=1", first_bytes(env, origin).await?);
+    res.record("stream-origin c=1", direct);
+    res.record("stream-idemgate c=1", proxied);
+    res.record("stream-claim c=1", claimed);
     let (proc, addr) = env.proxy(origin, &env.sqlite_url("stream")).await?;
-    res.record("stream-idemgate-sqlite c=1", first_bytes(env, addr).await?);
+    let claim =
+        workers::SqliteClaim::create(&env.work.join("stream-claims.db"), &env.fresh_prefix())
+            .await?;
+    let [direct, proxied, claimed] = first_bytes(
+        env,
+        [
+            Probe::Stream(Conn::new(origin)),
+            Probe::Stream(Conn::new(addr)),
+            Probe::Claim(Box::new(claim)),
+        ],
+    )
+    .await?;
     proc.stop().await;
+    res.record("stream-origin-2 c=1", direct);
+    res.record("stream-idemgate-sqlite c=1", proxied);
+    res.record("stream-claim-sqlite c=1", claimed);
     Ok(())
 }
 
-/// One client posting `/v1/stream` with a new key each time, one after the
-/// other: the time to each answer's first body byte. Each stream is read to
-/// its end and checked before the next is sent.
-async fn first_bytes(env: &Env, addr: SocketAddr) -> anyhow::Result<Sample> {
+/// What the stream scenario times, one at a time.
+enum Probe {
+    /// `POST /v1/stream` with a new key: the time to its first body byte
+    /// (the stream is read to its end and checked).
+    Stream(Conn),
+    /// A durable claim of a new key, straight to the database: the time
+    /// until it is acknowledged.
+    Claim(Box<dyn ClaimOnce>),
+}
+
+/// A [`crate::load::Worker`] that can be boxed.
+trait ClaimOnce: Send {
+    fn once(&mut self, seq: u64) -> futures::future::BoxFuture<'_, anyhow::Result<()>>;
+}
+
+impl<W: crate::load::Worker> ClaimOnce for W {
+    fn once(&mut self, seq: u64) -> futures::future::BoxFuture<'_, anyhow::Result<()>> {
+        Box::pin(self.call(seq))
+    }
+}
+
+impl Probe {
+    async fn time(&mut self, key: &str, seq: u64, whole: &[u8]) -> anyhow::Result<Duration> {
+        match self {
+            Probe::Stream(conn) => {
+                let (first, body) = conn
+                    .first_byte(
+                        "/v1/stream",
+                        &[("idempotency-key", key)],
+                        Bytes::from_static(workers::CHARGE_BODY.as_bytes()),
+                    )
+                    .await?;
+                anyhow::ensure!(body == whole, "the stream came back changed: {body:?}");
+                Ok(first)
+            }
+            Probe::Claim(claim) => {
+                let at = Instant::now();
+                claim.once(seq).await?;
+                Ok(at.elapsed())
+            }
+        }
+    }
+}
+
+/// One client timing each probe in turn (the origin, the proxy in front of
+/// it, the store's bare claim), one request at a time with a new key each,
+/// so that all three meet the same moments of a shared machine.
+async fn first_bytes<const N: usize>(env: &Env, probes: [Probe; N]) -> anyhow::Result<[Sample; N]> {
+    struct Tally {
+        probe: Probe,
+        hist: hdrhistogram::Histogram<u64>,
+        errors: u64,
+        all_ops: u64,
+        first_error: Option<String>,
+    }
     let prefix = env.fresh_prefix();
     let whole = [origin::FIRST_EVENT, origin::LAST_EVENT].concat();
-    let mut conn = Conn::new(addr);
-    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
-    let (mut errors, mut all_ops, mut first_error) = (0u64, 0u64, None);
+    let mut tallies = Vec::with_capacity(N);
+    for probe in probes {
+        tallies.push(Tally {
+            probe,
+            hist: hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?,
+            errors: 0,
+            all_ops: 0,
+            first_error: None,
+        });
+    }
     let started = Instant::now();
     let measure_from = started + env.warmup();
     let end = measure_from + env.measure();
     let mut seq = 0u64;
     while Instant::now() < end {
-        let key = format!("{prefix}-s{seq}");
-        seq += 1;
-        let t = Instant::now();
-        let result = conn
-            .first_byte(
-                "/v1/stream",
-                &[("idempotency-key", &key)],
-                Bytes::from_static(workers::CHARGE_BODY.as_bytes()),
-            )
-            .await
-            .and_then(|(first, body)| {
-                anyhow::ensure!(body == whole, "the stream came back changed: {body:?}");
-                Ok(first)
-            });
-        if t < measure_from {
-            continue;
-        }
-        all_ops += 1;
-        match result {
-            Ok(first) => {
-                let us = u64::try_from(first.as_micros()).unwrap_or(u64::MAX);
-                hist.saturating_record(us.max(1));
+        for t in &mut tallies {
+            let key = format!("{prefix}-s{seq}");
+            seq += 1;
+            let at = Instant::now();
+            let result = t.probe.time(&key, seq, &whole).await;
+            if at < measure_from {
+                continue;
             }
-            Err(e) => {
-                errors += 1;
-                first_error.get_or_insert_with(|| format!("{e:#}"));
+            t.all_ops += 1;
+            match result {
+                Ok(took) => {
+                    let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+                    t.hist.saturating_record(us.max(1));
+                }
+                Err(e) => {
+                    t.errors += 1;
+                    t.first_error.get_or_insert_with(|| format!("{e:#}"));
+                }
             }
         }
     }
-    if let Some(first) = first_error {
-        eprintln!("    {errors} errors; the first: {first}");
-    }
-    Ok(Sample {
-        ops: hist.len(),
-        errors,
-        secs: (Instant::now() - measure_from).as_secs_f64(),
-        p50_us: hist.value_at_quantile(0.50),
-        p99_us: hist.value_at_quantile(0.99),
-        all_ops,
-    })
+    let secs = (Instant::now() - measure_from).as_secs_f64();
+    let samples: Vec<Sample> = tallies
+        .into_iter()
+        .map(|t| {
+            if let Some(first) = &t.first_error {
+                eprintln!("    {} errors; the first: {first}", t.errors);
+            }
+            Sample {
+                ops: t.hist.len(),
+                errors: t.errors,
+                secs,
+                p50_us: t.hist.value_at_quantile(0.50),
+                p99_us: t.hist.value_at_quantile(0.99),
+                all_ops: t.all_ops,
+            }
+        })
+        .collect();
+    samples
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("one sample per probe"))
 }
 
 /// New keys, then replays, through one proxy process (`{name}-new`,

@@ -315,3 +315,90 @@ impl Worker for RawSelect {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// The claim alone of [`FloorPair`], autocommitted: the one durable write
+/// that must come before a guarded request is forwarded.
+pub struct FloorClaim {
+    pool: PgPool,
+    prefix: String,
+}
+
+impl FloorClaim {
+    pub fn new(pool: PgPool, prefix: &str) -> FloorClaim {
+        FloorClaim {
+            pool,
+            prefix: prefix.to_owned(),
+        }
+    }
+}
+
+impl Worker for FloorClaim {
+    async fn call(&mut self, seq: u64) -> anyhow::Result<()> {
+        let hash = Sha256::digest(key(&self.prefix, 0, seq).as_bytes());
+        let claimed = sqlx::query(FLOOR_CLAIM)
+            .bind("floor")
+            .bind(&hash[..])
+            .bind(Uuid::new_v4())
+            .execute(&self.pool)
+            .await?;
+        anyhow::ensure!(claimed.rows_affected() == 1, "the key was not new");
+        Ok(())
+    }
+}
+
+/// The same claim on a SQLite file as idemgate's embedded store keeps it
+/// (WAL, `synchronous = FULL`: on disk before it is acknowledged), one
+/// autocommitted `INSERT` into a table of the claim's columns.
+pub struct SqliteClaim {
+    pool: sqlx::SqlitePool,
+    prefix: String,
+}
+
+impl SqliteClaim {
+    /// Creates the file at `path` (a new one) and its table.
+    pub async fn create(path: &std::path::Path, prefix: &str) -> anyhow::Result<SqliteClaim> {
+        use sqlx::sqlite::{
+            SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
+        };
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .with_context(|| format!("open {}", path.display()))?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS claims (tenant TEXT NOT NULL, key_hash BLOB NOT NULL,
+                 state TEXT NOT NULL, reservation_id TEXT NOT NULL, lease_expires_at INTEGER,
+                 attempt INTEGER NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
+                 PRIMARY KEY (tenant, key_hash))",
+        )
+        .execute(&pool)
+        .await?;
+        Ok(SqliteClaim {
+            pool,
+            prefix: prefix.to_owned(),
+        })
+    }
+}
+
+impl Worker for SqliteClaim {
+    async fn call(&mut self, seq: u64) -> anyhow::Result<()> {
+        let hash = Sha256::digest(key(&self.prefix, 0, seq).as_bytes());
+        let claimed = sqlx::query(
+            "INSERT INTO claims (tenant, key_hash, state, reservation_id, lease_expires_at,
+                 attempt, created_at, expires_at)
+             VALUES ('floor', ?1, 'in_flight', ?2, unixepoch() + 30, 1, unixepoch(), unixepoch() + 86400)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(&hash[..])
+        .bind(Uuid::new_v4().to_string())
+        .execute(&self.pool)
+        .await?;
+        anyhow::ensure!(claimed.rows_affected() == 1, "the key was not new");
+        Ok(())
+    }
+}
