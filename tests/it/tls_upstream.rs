@@ -211,3 +211,58 @@ async fn a_ca_file_that_cannot_be_used_stops_the_start() {
     let said = refused(cmd).await;
     assert!(said.contains("IDEMGATE_UPSTREAM_CA_FILE"), "{said}");
 }
+
+/// A WebSocket to an `https://` origin: the upgrade is made over the TLS
+/// connection, and the switched connection carries frames both ways.
+#[tokio::test]
+async fn a_websocket_to_an_https_origin_passes_through() {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("idemgate test CA");
+    let ca_file = ca.write(&dir, "ca.pem");
+    let acceptor = ca.acceptor(&["127.0.0.1"]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let origin = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut ws) = tokio_tungstenite::accept_async(tls).await else {
+                    return;
+                };
+                while let Some(Ok(msg)) = ws.next().await {
+                    if msg.is_text() || msg.is_binary() {
+                        let _ = ws.send(msg).await;
+                    }
+                }
+            });
+        }
+    });
+    let p = proxy(
+        &dir,
+        &format!("https://127.0.0.1:{port}"),
+        &["--upstream-ca-file", ca_file.to_str().unwrap()],
+    )
+    .await;
+    let url = format!("ws://{}/ws", p.addr);
+    let (mut ws, res) = tokio_tungstenite::connect_async(url)
+        .await
+        .expect("the handshake succeeds through the proxy");
+    assert_eq!(res.status(), 101);
+    for text in ["over TLS", "and back"] {
+        ws.send(Message::text(text)).await.unwrap();
+        let echoed = tokio::time::timeout(Duration::from_secs(5), ws.next())
+            .await
+            .expect("an echo")
+            .unwrap()
+            .unwrap();
+        assert_eq!(echoed, Message::text(text));
+    }
+    ws.close(None).await.unwrap();
+    origin.abort();
+}

@@ -42,6 +42,19 @@ impl TestCa {
         path
     }
 
+    /// A TLS server's side with a leaf certificate of this CA for `names`.
+    pub fn acceptor(&self, names: &[&str]) -> TlsAcceptor {
+        let (cert, key) = self.leaf(names);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert], key)
+            .unwrap();
+        TlsAcceptor::from(Arc::new(config))
+    }
+
     /// A leaf certificate for `names` (DNS names or IP addresses) and its
     /// key, signed by this CA.
     fn leaf(
@@ -72,15 +85,7 @@ pub struct TlsOrigin {
 impl TlsOrigin {
     /// Serves on 127.0.0.1, port 0, with a certificate from `ca` for `names`.
     pub async fn start(ca: &TestCa, names: &[&str]) -> TlsOrigin {
-        let (cert, key) = ca.leaf(names);
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![cert], key)
-            .unwrap();
-        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let acceptor = ca.acceptor(names);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let counts = Arc::new(Counts::default());
