@@ -60,14 +60,7 @@ impl Conn {
         headers: &[(&str, &str)],
         body: Bytes,
     ) -> anyhow::Result<Answer> {
-        let mut req = Request::builder()
-            .method(method)
-            .uri(path)
-            .header(http::header::HOST, &self.host);
-        for (name, value) in headers {
-            req = req.header(*name, *value);
-        }
-        let req = req.body(Full::new(body))?;
+        let req = self.request(method, path, headers, body)?;
         let result = async {
             let sender = self.sender().await?;
             sender.ready().await?;
@@ -84,6 +77,24 @@ impl Conn {
         result
     }
 
+    /// A request to this connection's host.
+    fn request(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> anyhow::Result<Request<Full<Bytes>>> {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(http::header::HOST, &self.host);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        Ok(req.body(Full::new(body))?)
+    }
+
     /// A POST whose answer is a stream: the time from sending it to the
     /// first byte of the body, and the whole body, read to its end.
     pub async fn first_byte(
@@ -92,15 +103,11 @@ impl Conn {
         headers: &[(&str, &str)],
         body: Bytes,
     ) -> anyhow::Result<(Duration, Bytes)> {
-        let mut req = Request::builder()
-            .method(Method::POST)
-            .uri(path)
-            .header(http::header::HOST, &self.host)
-            .header(http::header::CONTENT_TYPE, "application/json");
-        for (name, value) in headers {
-            req = req.header(*name, *value);
-        }
-        let req = req.body(Full::new(body))?;
+        let mut req = self.request(Method::POST, path, headers, body)?;
+        req.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
         let result = async {
             let sender = self.sender().await?;
             sender.ready().await?;

@@ -472,42 +472,51 @@ async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Resu
 }
 
 /// Scenario 10: the time to the first byte of a streamed answer, c = 1:
-/// the origin directly, then through idemgate proxy on PostgreSQL and on
-/// SQLite, each measured right after the origin.
+/// the origin directly, through idemgate proxy, and the bare claim, in turn;
+/// on PostgreSQL, then on SQLite.
 async fn streams(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Result<()> {
     env.truncate().await?;
-    let (proc, addr) = env.proxy(origin, &env.bench_url).await?;
-    let claim = workers::FloorClaim::new(env.pool.clone(), &env.fresh_prefix());
-    let [direct, proxied, claimed] = first_bytes(
-        env,
-        [
-            Probe::Stream(Conn::new(origin)),
-            Probe::Stream(Conn::new(addr)),
-            Probe::Claim(Box::new(claim)),
-        ],
-    )
-    .await?;
-    proc.stop().await;
-    res.record("stream-origin c=1", direct);
-    res.record("stream-idemgate c=1", proxied);
-    res.record("stream-claim c=1", claimed);
-    let (proc, addr) = env.proxy(origin, &env.sqlite_url("stream")).await?;
-    let claim =
-        workers::SqliteClaim::create(&env.work.join("stream-claims.db"), &env.fresh_prefix())
-            .await?;
-    let [direct, proxied, claimed] = first_bytes(
-        env,
-        [
-            Probe::Stream(Conn::new(origin)),
-            Probe::Stream(Conn::new(addr)),
-            Probe::Claim(Box::new(claim)),
-        ],
-    )
-    .await?;
-    proc.stop().await;
-    res.record("stream-origin-2 c=1", direct);
-    res.record("stream-idemgate-sqlite c=1", proxied);
-    res.record("stream-claim-sqlite c=1", claimed);
+    let prefix = env.fresh_prefix();
+    let pg_claim: Box<dyn ClaimOnce> =
+        Box::new(workers::FloorClaim::new(env.pool.clone(), &prefix));
+    let sqlite_claim: Box<dyn ClaimOnce> =
+        Box::new(workers::SqliteClaim::create(&env.work.join("stream-claims.db"), &prefix).await?);
+    let stores = [
+        (
+            env.bench_url.clone(),
+            pg_claim,
+            [
+                "stream-origin c=1",
+                "stream-idemgate c=1",
+                "stream-claim c=1",
+            ],
+        ),
+        (
+            env.sqlite_url("stream"),
+            sqlite_claim,
+            [
+                "stream-origin-2 c=1",
+                "stream-idemgate-sqlite c=1",
+                "stream-claim-sqlite c=1",
+            ],
+        ),
+    ];
+    for (store, claim, labels) in stores {
+        let (proc, addr) = env.proxy(origin, &store).await?;
+        let samples = first_bytes(
+            env,
+            [
+                Probe::Stream(Conn::new(origin)),
+                Probe::Stream(Conn::new(addr)),
+                Probe::Claim(claim),
+            ],
+        )
+        .await;
+        proc.stop().await;
+        for (label, sample) in labels.into_iter().zip(samples?) {
+            res.record(label, sample);
+        }
+    }
     Ok(())
 }
 

@@ -262,13 +262,7 @@ impl Worker for FloorPair {
     async fn call(&mut self, seq: u64) -> anyhow::Result<()> {
         let key = key(&self.prefix, self.worker, seq);
         let hash = Sha256::digest(key.as_bytes());
-        let claimed = sqlx::query(FLOOR_CLAIM)
-            .bind("floor")
-            .bind(&hash[..])
-            .bind(Uuid::new_v4())
-            .execute(&self.pool)
-            .await?;
-        anyhow::ensure!(claimed.rows_affected() == 1, "the key was not new");
+        floor_claim(&self.pool, &hash).await?;
         let completed = sqlx::query(FLOOR_COMPLETE)
             .bind("floor")
             .bind(&hash[..])
@@ -335,15 +329,20 @@ impl FloorClaim {
 impl Worker for FloorClaim {
     async fn call(&mut self, seq: u64) -> anyhow::Result<()> {
         let hash = Sha256::digest(key(&self.prefix, 0, seq).as_bytes());
-        let claimed = sqlx::query(FLOOR_CLAIM)
-            .bind("floor")
-            .bind(&hash[..])
-            .bind(Uuid::new_v4())
-            .execute(&self.pool)
-            .await?;
-        anyhow::ensure!(claimed.rows_affected() == 1, "the key was not new");
-        Ok(())
+        floor_claim(&self.pool, &hash).await
     }
+}
+
+/// [`FLOOR_CLAIM`] of a new key's hash.
+async fn floor_claim(pool: &PgPool, hash: &[u8]) -> anyhow::Result<()> {
+    let claimed = sqlx::query(FLOOR_CLAIM)
+        .bind("floor")
+        .bind(hash)
+        .bind(Uuid::new_v4())
+        .execute(pool)
+        .await?;
+    anyhow::ensure!(claimed.rows_affected() == 1, "the key was not new");
+    Ok(())
 }
 
 /// The same claim on a SQLite file as idemgate's embedded store keeps it

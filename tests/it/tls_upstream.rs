@@ -176,7 +176,7 @@ async fn a_ca_file_that_cannot_be_used_stops_the_start() {
         ("https://127.0.0.1:9", &missing, "cannot read"),
         ("http://127.0.0.1:9", &ca_file, "not https://"),
     ];
-    for (upstream, file, says) in cases {
+    let proxy_to = |upstream: &str| {
         let mut cmd = idemgate_at(&url);
         cmd.args([
             "proxy",
@@ -186,9 +186,12 @@ async fn a_ca_file_that_cannot_be_used_stops_the_start() {
             "127.0.0.1:0",
             "--upstream",
             upstream,
-            "--upstream-ca-file",
-            file.to_str().unwrap(),
         ]);
+        cmd
+    };
+    for (upstream, file, says) in cases {
+        let mut cmd = proxy_to(upstream);
+        cmd.args(["--upstream-ca-file", file.to_str().unwrap()]);
         let said = refused(cmd).await;
         assert!(said.contains("--upstream-ca-file"), "{said}");
         assert!(said.contains(says), "{said}");
@@ -198,16 +201,8 @@ async fn a_ca_file_that_cannot_be_used_stops_the_start() {
         );
     }
     // And from the environment, named as the variable.
-    let mut cmd = idemgate_at(&url);
-    cmd.env("IDEMGATE_UPSTREAM_CA_FILE", &garbage).args([
-        "proxy",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
-        "https://127.0.0.1:9",
-    ]);
+    let mut cmd = proxy_to("https://127.0.0.1:9");
+    cmd.env("IDEMGATE_UPSTREAM_CA_FILE", &garbage);
     let said = refused(cmd).await;
     assert!(said.contains("IDEMGATE_UPSTREAM_CA_FILE"), "{said}");
 }
