@@ -261,7 +261,9 @@ fn stream_section(w: &mut String, v: &View) {
          request forwarded before its claim is on disk runs again after a crash), so a third \
          probe in the same turn times that claim alone, sent straight to the store: the \
          `INSERT … ON CONFLICT DO NOTHING` of a new key, autocommitted, on PostgreSQL and on a \
-         SQLite file kept as the embedded store keeps it (WAL, `synchronous = FULL`).\n",
+         SQLite file kept as the embedded store keeps it (WAL, `synchronous = FULL`); on \
+         PostgreSQL a fourth times idemgate's own reserve statement, which also fingerprints, \
+         records the reservation id and takes over expired leases.\n",
         crate::origin::STREAM_GAP.as_millis()
     );
     let _ = writeln!(
@@ -269,7 +271,7 @@ fn stream_section(w: &mut String, v: &View) {
         "| measured | n | p50 | p99 | proxy − origin, p50 | proxy − origin − claim, p50 |\n|---|---|---|---|---|---|"
     );
     for (store, door, origin, claim) in STREAM_DOORS {
-        let rows = [
+        let mut rows = vec![
             ("origin directly: first byte".to_owned(), origin, false),
             (format!("idemgate proxy, {store}: first byte"), door, true),
             (
@@ -278,6 +280,13 @@ fn stream_section(w: &mut String, v: &View) {
                 false,
             ),
         ];
+        if store == "PostgreSQL" {
+            rows.push((
+                "PostgreSQL: idemgate's own reserve statement, acknowledged (no HTTP)".to_owned(),
+                "stream-raw-claim c=1",
+                false,
+            ));
+        }
         for (name, label, proxied) in rows {
             let n = v
                 .med(label, Metric::Ops)

@@ -472,46 +472,49 @@ async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Resu
 }
 
 /// Scenario 10: the time to the first byte of a streamed answer, c = 1:
-/// the origin directly, through idemgate proxy, and the bare claim, in turn;
-/// on PostgreSQL, then on SQLite.
+/// the origin directly, through idemgate proxy, and claims straight to the
+/// store, in turn; on PostgreSQL, then on SQLite.
 async fn streams(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Result<()> {
     env.truncate().await?;
     let prefix = env.fresh_prefix();
-    let pg_claim: Box<dyn ClaimOnce> =
-        Box::new(workers::FloorClaim::new(env.pool.clone(), &prefix));
-    let sqlite_claim: Box<dyn ClaimOnce> =
-        Box::new(workers::SqliteClaim::create(&env.work.join("stream-claims.db"), &prefix).await?);
+    let pg_claims: Vec<(&str, Box<dyn ClaimOnce>)> = vec![
+        (
+            "stream-claim c=1",
+            Box::new(workers::FloorClaim::new(env.pool.clone(), &prefix)),
+        ),
+        (
+            "stream-raw-claim c=1",
+            Box::new(workers::RawClaim::new(env.pool.clone(), &prefix)),
+        ),
+    ];
+    let sqlite_claims: Vec<(&str, Box<dyn ClaimOnce>)> = vec![(
+        "stream-claim-sqlite c=1",
+        Box::new(workers::SqliteClaim::create(&env.work.join("stream-claims.db"), &prefix).await?),
+    )];
     let stores = [
         (
             env.bench_url.clone(),
-            pg_claim,
-            [
-                "stream-origin c=1",
-                "stream-idemgate c=1",
-                "stream-claim c=1",
-            ],
+            ["stream-origin c=1", "stream-idemgate c=1"],
+            pg_claims,
         ),
         (
             env.sqlite_url("stream"),
-            sqlite_claim,
-            [
-                "stream-origin-2 c=1",
-                "stream-idemgate-sqlite c=1",
-                "stream-claim-sqlite c=1",
-            ],
+            ["stream-origin-2 c=1", "stream-idemgate-sqlite c=1"],
+            sqlite_claims,
         ),
     ];
-    for (store, claim, labels) in stores {
+    for (store, [origin_label, proxy_label], claims) in stores {
         let (proc, addr) = env.proxy(origin, &store).await?;
-        let samples = first_bytes(
-            env,
-            [
-                Probe::Stream(Conn::new(origin)),
-                Probe::Stream(Conn::new(addr)),
-                Probe::Claim(claim),
-            ],
-        )
-        .await;
+        let mut labels = vec![origin_label, proxy_label];
+        let mut probes = vec![
+            Probe::Stream(Conn::new(origin)),
+            Probe::Stream(Conn::new(addr)),
+        ];
+        for (label, claim) in claims {
+            labels.push(label);
+            probes.push(Probe::Claim(claim));
+        }
+        let samples = first_bytes(env, probes).await;
         proc.stop().await;
         for (label, sample) in labels.into_iter().zip(samples?) {
             res.record(label, sample);
@@ -567,7 +570,7 @@ impl Probe {
 /// One client timing each probe in turn (the origin, the proxy in front of
 /// it, the store's bare claim), one request at a time with a new key each,
 /// so that all three meet the same moments of a shared machine.
-async fn first_bytes<const N: usize>(env: &Env, probes: [Probe; N]) -> anyhow::Result<[Sample; N]> {
+async fn first_bytes(env: &Env, probes: Vec<Probe>) -> anyhow::Result<Vec<Sample>> {
     struct Tally {
         probe: Probe,
         hist: hdrhistogram::Histogram<u64>,
@@ -577,7 +580,7 @@ async fn first_bytes<const N: usize>(env: &Env, probes: [Probe; N]) -> anyhow::R
     }
     let prefix = env.fresh_prefix();
     let whole = [origin::FIRST_EVENT, origin::LAST_EVENT].concat();
-    let mut tallies = Vec::with_capacity(N);
+    let mut tallies = Vec::with_capacity(probes.len());
     for probe in probes {
         tallies.push(Tally {
             probe,
@@ -614,7 +617,7 @@ async fn first_bytes<const N: usize>(env: &Env, probes: [Probe; N]) -> anyhow::R
         }
     }
     let secs = (Instant::now() - measure_from).as_secs_f64();
-    let samples: Vec<Sample> = tallies
+    Ok(tallies
         .into_iter()
         .map(|t| {
             if let Some(first) = &t.first_error {
@@ -629,10 +632,7 @@ async fn first_bytes<const N: usize>(env: &Env, probes: [Probe; N]) -> anyhow::R
                 all_ops: t.all_ops,
             }
         })
-        .collect();
-    samples
-        .try_into()
-        .map_err(|_| anyhow::anyhow!("one sample per probe"))
+        .collect())
 }
 
 /// New keys, then replays, through one proxy process (`{name}-new`,

@@ -199,18 +199,7 @@ impl Worker for RawPair {
         let key = key(&self.prefix, self.worker, seq);
         let hash = Sha256::digest(key.as_bytes());
         let id = Uuid::new_v4();
-        let row = sqlx::query(idemgate::store::postgres::sql::reserve())
-            .bind("raw")
-            .bind(&hash[..])
-            .bind(Some(&self.fingerprint))
-            .bind(id)
-            .bind(30.0_f64)
-            .bind(86_400.0_f64)
-            .bind(None::<i64>)
-            .fetch_optional(&self.pool)
-            .await?
-            .context("the reserve statement returned no row")?;
-        anyhow::ensure!(row.try_get::<bool, _>("claimed")?, "the key was not new");
+        raw_reserve(&self.pool, &hash, &self.fingerprint, id).await?;
         sqlx::query(idemgate::store::postgres::sql::complete())
             .bind("raw")
             .bind(id)
@@ -221,6 +210,53 @@ impl Worker for RawPair {
             .await?
             .context("the commit statement matched no row")?;
         Ok(())
+    }
+}
+
+/// idemgate's reserve statement for a new key, which must claim it.
+async fn raw_reserve(
+    pool: &PgPool,
+    hash: &[u8],
+    fingerprint: &str,
+    id: Uuid,
+) -> anyhow::Result<()> {
+    let row = sqlx::query(idemgate::store::postgres::sql::reserve())
+        .bind("raw")
+        .bind(hash)
+        .bind(Some(fingerprint))
+        .bind(id)
+        .bind(30.0_f64)
+        .bind(86_400.0_f64)
+        .bind(None::<i64>)
+        .fetch_optional(pool)
+        .await?
+        .context("the reserve statement returned no row")?;
+    anyhow::ensure!(row.try_get::<bool, _>("claimed")?, "the key was not new");
+    Ok(())
+}
+
+/// The reserve of [`RawPair`] alone: what idemgate's own claim costs the
+/// database, without the proxy around it.
+pub struct RawClaim {
+    pool: PgPool,
+    prefix: String,
+    fingerprint: String,
+}
+
+impl RawClaim {
+    pub fn new(pool: PgPool, prefix: &str) -> RawClaim {
+        RawClaim {
+            pool,
+            prefix: prefix.to_owned(),
+            fingerprint: hex(&Sha256::digest(RESERVE_BODY.as_bytes())),
+        }
+    }
+}
+
+impl Worker for RawClaim {
+    async fn call(&mut self, seq: u64) -> anyhow::Result<()> {
+        let hash = Sha256::digest(key(&self.prefix, 1, seq).as_bytes());
+        raw_reserve(&self.pool, &hash, &self.fingerprint, Uuid::new_v4()).await
     }
 }
 
