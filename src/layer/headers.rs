@@ -29,8 +29,9 @@ pub fn strip_connection_headers(headers: &mut HeaderMap) {
     }
 }
 
-/// The header names listed in the `Connection` header(s).
-fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
+/// The header names listed in the `Connection` header(s) (its options:
+/// `upgrade`, `close`, or the names of further hop-by-hop headers).
+pub(crate) fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
     headers
         .get_all(header::CONNECTION)
         .iter()

@@ -129,6 +129,10 @@ class Origin:
         self.charges: dict[str, int] = {}
         self.calls: dict[str, int] = {}
         self.lock = threading.Lock()
+        # /events: when each event was sent, per key; a test releases each
+        # event after the first by setting its gate.
+        self.events_sent: dict[str, list[float]] = {}
+        self.gates: dict[str, threading.Event] = {}
         origin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -142,6 +146,9 @@ class Origin:
                 with origin.lock:
                     origin.calls[key] = origin.calls.get(key, 0) + 1
                     call = origin.calls[key]
+                if self.path.startswith("/events"):
+                    self._events(key)
+                    return
                 if self.path.startswith("/flaky") and call == 1:
                     self._answer(503, b'{"error":"busy"}', {"retry-after": "1"})
                     return
@@ -151,6 +158,23 @@ class Origin:
                     origin.charges[key] = origin.charges.get(key, 0) + 1
                     n = sum(origin.charges.values())
                 self._answer(201, f'{{"charge":"ch_{n}"}}'.encode())
+
+            def _events(self, key: str) -> None:
+                """Three server-sent events, each after the one before has been
+                let through (the test's gate), the body ended by the close."""
+                gate = origin.gates.setdefault(key, threading.Event())
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("connection", "close")
+                self.end_headers()
+                for i in range(3):
+                    if i > 0:
+                        gate.wait(10)
+                        gate.clear()
+                    self.wfile.write(f"data: token {i}\n\n".encode())
+                    self.wfile.flush()
+                    origin.events_sent.setdefault(key, []).append(time.monotonic())
+                self.close_connection = True
 
             def _answer(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
                 self.send_response(status)

@@ -33,10 +33,7 @@ pub enum Trust<'a> {
     CaFile(&'a Path),
 }
 
-/// Makes connections to the upstream.
-pub type Connector = TimedConnect<HttpsConnector<HttpConnector>>;
-
-/// The connector for an upstream of `scheme` (`http` or `https`).
+/// The connector for an upstream, `https` or not.
 ///
 /// # Errors
 /// A CA file that cannot be read, holds no certificate or a malformed one;
@@ -68,7 +65,7 @@ pub fn connector(
         .https_or_http()
         .enable_http1()
         .wrap_connector(tcp);
-    Ok(TimedConnect {
+    Ok(Connector {
         inner: tls,
         timeout: connect_timeout,
     })
@@ -114,17 +111,18 @@ fn roots(trust: Trust<'_>) -> Result<RootCertStore, String> {
     Ok(store)
 }
 
-/// A connector whose whole connect — TCP and the TLS handshake — ends at
-/// `timeout`; `HttpConnector`'s own timeout covers the TCP connect only.
+/// Makes connections to the upstream: TCP, then TLS for `https`, the whole
+/// connect ending at `timeout` (`HttpConnector`'s own timeout covers the TCP
+/// connect only).
 #[derive(Debug, Clone)]
-pub struct TimedConnect<C> {
-    inner: C,
+pub struct Connector {
+    inner: HttpsConnector<HttpConnector>,
     timeout: Duration,
 }
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
-impl Service<Uri> for TimedConnect<HttpsConnector<HttpConnector>> {
+impl Service<Uri> for Connector {
     type Response = MaybeHttpsStream<TokioIo<TcpStream>>;
     type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;

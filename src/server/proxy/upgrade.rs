@@ -21,6 +21,7 @@ use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
+use crate::layer::headers::connection_named;
 use crate::layer::{OutcomeUnknown, strip_connection_headers};
 use crate::problem::ApiError;
 
@@ -53,10 +54,7 @@ impl Asked {
     /// (the hop-by-hop set stripped), with `Connection: upgrade`.
     pub(super) fn ask(&self, headers: &mut HeaderMap) {
         headers.remove(header::UPGRADE);
-        for protocol in &self.protocols {
-            headers.append(header::UPGRADE, protocol.clone());
-        }
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        upgrade_to(headers, self.protocols.iter().cloned());
     }
 }
 
@@ -88,10 +86,7 @@ pub(super) fn switched(
     let mut headers = std::mem::take(upstream.headers_mut());
     let protocols: Vec<HeaderValue> = headers.get_all(header::UPGRADE).iter().cloned().collect();
     strip_connection_headers(&mut headers);
-    for protocol in protocols {
-        headers.append(header::UPGRADE, protocol);
-    }
-    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    upgrade_to(&mut headers, protocols);
     let mut res = Response::new(Body::empty());
     *res.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     *res.headers_mut() = headers;
@@ -129,12 +124,17 @@ async fn splice(client: OnUpgrade, upstream: OnUpgrade, authority: Authority) {
 
 /// Whether a `Connection` line names the `upgrade` option.
 fn connection_has_upgrade(headers: &HeaderMap) -> bool {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|option| option.trim().eq_ignore_ascii_case("upgrade"))
+    connection_named(headers).contains(&header::UPGRADE)
+}
+
+/// Asks for (or answers with) a switch to `protocols`: their `Upgrade`
+/// lines, and `Connection: upgrade`, on headers whose hop-by-hop set was
+/// stripped.
+fn upgrade_to(headers: &mut HeaderMap, protocols: impl IntoIterator<Item = HeaderValue>) {
+    for protocol in protocols {
+        headers.append(header::UPGRADE, protocol);
+    }
+    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
 }
 
 #[cfg(test)]
