@@ -15,6 +15,10 @@ pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency
 pub const IDEMPOTENCY_BODY_OMITTED: HeaderName =
     HeaderName::from_static("idempotency-body-omitted");
 
+/// `Idempotency-Attempt: N` (N ≥ 2) on a request sent again by a takeover:
+/// an earlier attempt with its key may have acted.
+pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
+
 /// Sets `Idempotency-Expires` to `expires_at` as an HTTP-date.
 pub fn set_expires(headers: &mut HeaderMap, expires_at: DateTime<Utc>) {
     let date = httpdate::fmt_http_date(std::time::SystemTime::from(expires_at));

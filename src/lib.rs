@@ -43,7 +43,7 @@ mod telemetry;
 pub use engine::{Engine, Limits};
 pub use layer::{Idempotency, IdempotencyLayer, LayerPolicy};
 pub use problem::DEFAULT_PROBLEM_BASE;
-pub use store::{Store, StoreError};
+pub use store::{LeaseExpiry, Store, StoreError};
 
 /// The parsers that read what the network sends, for the fuzz targets
 /// (`fuzz/`). Not an interface.

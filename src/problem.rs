@@ -80,9 +80,25 @@ pub enum ApiError {
         /// When the holder's lease ends.
         lease_expires_at: DateTime<Utc>,
     },
+    /// 409 outcome-unknown: whether the key's effect happened is unknown,
+    /// and it is not run again until its holder or an operator settles it.
+    #[error(
+        "whether the request with this key took effect is unknown (its first attempt was cut \
+         off and nobody holds the key now), so it is not run again: do not retry it, under \
+         this key or another; it waits for an operator to settle it (see /v1/admin/keys)"
+    )]
+    OutcomeUnknown,
     /// 409 lease-lost.
     #[error("{0}")]
     LeaseLost(&'static str),
+    /// 409 key-not-stuck: an operator asked to settle a key that will be
+    /// settled without one (completed, or in flight under a live lease).
+    #[error("{0}")]
+    NotStuck(String),
+    /// 403 forbidden: a valid credential, but not one for this endpoint.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))]
+    #[error("{0}")]
+    Forbidden(&'static str),
     /// 412 first-sent-too-old: the request's first attempt is older than
     /// the window keys are remembered for, so it may have executed and been
     /// forgotten; it is not executed.
@@ -146,7 +162,11 @@ impl ApiError {
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Gone(_) => StatusCode::GONE,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
-            ApiError::InFlight { .. } | ApiError::LeaseLost(_) => StatusCode::CONFLICT,
+            ApiError::InFlight { .. }
+            | ApiError::OutcomeUnknown
+            | ApiError::LeaseLost(_)
+            | ApiError::NotStuck(_) => StatusCode::CONFLICT,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::FirstSentTooOld(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -170,7 +190,10 @@ impl ApiError {
             ApiError::Gone(_) => "reservation-gone",
             ApiError::RequestTimeout(_) => "request-timeout",
             ApiError::InFlight { .. } => "request-in-flight",
+            ApiError::OutcomeUnknown => "outcome-unknown",
             ApiError::LeaseLost(_) => "lease-lost",
+            ApiError::NotStuck(_) => "key-not-stuck",
+            ApiError::Forbidden(_) => "forbidden",
             ApiError::FirstSentTooOld(_) => "first-sent-too-old",
             ApiError::KeyReused => "key-reused",
             ApiError::PayloadTooLarge(_) => "payload-too-large",
@@ -193,7 +216,10 @@ impl ApiError {
             ApiError::Gone(_) => "Reservation gone",
             ApiError::RequestTimeout(_) => "Request timeout",
             ApiError::InFlight { .. } => "Request in flight",
+            ApiError::OutcomeUnknown => "Outcome unknown",
             ApiError::LeaseLost(_) => "Lease lost",
+            ApiError::NotStuck(_) => "Key not stuck",
+            ApiError::Forbidden(_) => "Forbidden",
             ApiError::FirstSentTooOld(_) => "First attempt too old",
             ApiError::KeyReused => "Idempotency-Key reused",
             ApiError::PayloadTooLarge(_) => "Payload too large",
@@ -346,9 +372,9 @@ impl ApiError {
     /// The refusal a door answers for the engine's decision; `None` for a
     /// reservation or a replay, which each door answers in its own way.
     pub(crate) fn refusing(decision: &ReserveOutcome) -> Option<ApiError> {
-        match *decision {
+        match decision {
             ReserveOutcome::Reserved(_) | ReserveOutcome::Completed(_) => None,
-            ReserveOutcome::InFlight {
+            &ReserveOutcome::InFlight {
                 retry_after,
                 lease_expires_at,
             } => Some(ApiError::InFlight {
@@ -356,7 +382,8 @@ impl ApiError {
                 lease_expires_at,
             }),
             ReserveOutcome::Mismatch => Some(ApiError::KeyReused),
-            ReserveOutcome::OverLimit { limit, retry_after } => {
+            ReserveOutcome::Unknown { .. } => Some(ApiError::OutcomeUnknown),
+            &ReserveOutcome::OverLimit { limit, retry_after } => {
                 Some(ApiError::TenantLimit { limit, retry_after })
             }
         }

@@ -42,7 +42,9 @@ pub async fn prune_once(store: &dyn Store) -> Result<u64, StoreError> {
     }
 }
 
-/// Runs [`prune_once`] every `interval` until the task is dropped.
+/// Runs [`prune_once`] every `interval` until the task is dropped, and
+/// after each pass counts the keys nobody will settle by themselves (unknown,
+/// or held past their lease) into the gauge `idemgate_keys_unknown`.
 pub async fn run(store: Arc<dyn Store>, interval: Duration) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -52,6 +54,19 @@ pub async fn run(store: Arc<dyn Store>, interval: Duration) {
             Ok(0) => tracing::debug!("prune: nothing expired"),
             Ok(n) => tracing::info!(pruned = n, "prune: deleted expired keys"),
             Err(e) => tracing::warn!(error = %e, "prune pass failed; retrying next interval"),
+        }
+        match store.count_unknown().await {
+            Ok(n) => {
+                telemetry::record_unknown(n);
+                if n > 0 {
+                    tracing::warn!(
+                        unknown = n,
+                        "keys with an unknown outcome wait for an operator: idemgate keys list \
+                         --state unknown"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not count the unknown keys"),
         }
     }
 }

@@ -243,6 +243,8 @@ mod tests {
             created_at: now,
             completed_at: Some(now),
             expires_at: now + life,
+            on_lease_expiry: crate::store::LeaseExpiry::Takeover,
+            resolution: None,
         };
         (record, now)
     }

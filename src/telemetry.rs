@@ -20,6 +20,12 @@ pub(crate) fn describe() {
         "Time spent deciding a request, by door and outcome."
     );
     metrics::describe_counter!("idemgate_pruned_total", "Expired records deleted.");
+    metrics::describe_gauge!(
+        "idemgate_keys_unknown",
+        "Keys whose outcome is unknown (marked so, or in flight past their lease under hold), \
+         as of the last pruning pass: they wait for an operator (idemgate keys list --state \
+         unknown)."
+    );
     metrics::describe_counter!(
         "idemgate_replay_cache_hits_total",
         "Reserves of a completed key answered from the in-process replay cache, without a \
@@ -152,6 +158,11 @@ pub fn record(mode: &'static str, outcome: Outcome, elapsed: Duration) {
 /// Counts pruned records.
 pub fn record_pruned(n: u64) {
     metrics::counter!("idemgate_pruned_total").increment(n);
+}
+
+/// Sets the gauge of keys whose outcome is unknown.
+pub fn record_unknown(n: u64) {
+    metrics::gauge!("idemgate_keys_unknown").set(n as f64);
 }
 
 /// Counts one reserve answered from the replay cache.

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::{Refusal, Reservation, ReserveOutcome};
-use crate::store::{Claim, KeyState, Record};
+use crate::store::{Claim, KeyState, LeaseExpiry, Record};
 
 /// Classifies a record that a write by `id` could not touch.
 pub(super) fn refusal_for(record: &Record, id: Uuid, now: DateTime<Utc>) -> Refusal {
@@ -41,9 +41,14 @@ pub(super) fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome 
     if reused(&record, fingerprint) {
         return ReserveOutcome::Mismatch;
     }
+    if record.effective_state(claim.now) == KeyState::Unknown {
+        return ReserveOutcome::Unknown {
+            record: Box::new(record),
+        };
+    }
     match record.state {
         KeyState::Completed => ReserveOutcome::Completed(record),
-        KeyState::InFlight => {
+        KeyState::InFlight | KeyState::Unknown => {
             let lease_expires_at = record.lease_expires_at.unwrap_or(claim.now);
             let left = (lease_expires_at - claim.now).num_milliseconds();
             // Whole seconds, rounded up, never 0: "retry now" would only spin.
@@ -57,11 +62,12 @@ pub(super) fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome 
 }
 
 /// Whether the claim would have applied to `record` (expired, or in flight
-/// past its lease with a compatible fingerprint) had no limit held it back:
-/// the store's claim conditions, read back.
+/// past its lease under `takeover` with a compatible fingerprint) had no
+/// limit held it back: the store's claim conditions, read back.
 pub(super) fn claimable(record: &Record, now: DateTime<Utc>, fingerprint: Option<&str>) -> bool {
     now >= record.expires_at
         || (record.state == KeyState::InFlight
+            && record.on_lease_expiry == LeaseExpiry::Takeover
             && record.lease_expires_at.is_none_or(|end| end <= now)
             && !reused(record, fingerprint))
 }
@@ -105,6 +111,8 @@ mod tests {
             created_at: now,
             completed_at: None,
             expires_at: now + Span::hours(1),
+            on_lease_expiry: LeaseExpiry::Takeover,
+            resolution: None,
         }
     }
 
@@ -143,6 +151,40 @@ mod tests {
             decide(claim(completed_a, false), Some("b")),
             ReserveOutcome::Mismatch
         ));
+    }
+
+    #[test]
+    fn an_unknown_outcome_is_held_whatever_the_lease() {
+        let mut marked = record(KeyState::Unknown, 1, Some("a"));
+        assert!(matches!(
+            decide(claim(marked.clone(), false), Some("a")),
+            ReserveOutcome::Unknown { .. }
+        ));
+        // Another payload is still a reuse of the key.
+        assert!(matches!(
+            decide(claim(marked.clone(), false), Some("b")),
+            ReserveOutcome::Mismatch
+        ));
+        // Held past its lease: unknown; within it: in flight.
+        marked.state = KeyState::InFlight;
+        marked.on_lease_expiry = LeaseExpiry::Hold;
+        assert!(matches!(
+            decide(claim(marked.clone(), false), Some("a")),
+            ReserveOutcome::InFlight { .. }
+        ));
+        let mut ended = marked.clone();
+        ended.lease_expires_at = Some(ended.created_at);
+        assert!(matches!(
+            decide(claim(ended.clone(), false), Some("a")),
+            ReserveOutcome::Unknown { .. }
+        ));
+        // Neither a held key past its lease nor an unknown one is claimable;
+        // one under takeover is.
+        assert!(!claimable(&ended, ended.created_at, Some("a")));
+        ended.on_lease_expiry = LeaseExpiry::Takeover;
+        assert!(claimable(&ended, ended.created_at, Some("a")));
+        ended.state = KeyState::Unknown;
+        assert!(!claimable(&ended, ended.created_at, Some("a")));
     }
 
     #[test]

@@ -71,6 +71,25 @@ impl Engine {
         self.refusal(tenant, id).await.map(Err)
     }
 
+    /// Marks the key reservation `id` holds as unknown: its holder cannot
+    /// tell whether the effect happened (a connection that broke after the
+    /// request went out, a call abandoned at its bound). Every request with
+    /// the key is then refused until the holder's own late commit or
+    /// release, or an operator, settles it; a waiter on it gets its answer
+    /// at once.
+    pub async fn mark_unknown(
+        &self,
+        tenant: &str,
+        id: Uuid,
+    ) -> Result<Result<(), Refusal>, EngineError> {
+        if let Some(key_hash) = self.store.mark_unknown(tenant, id).await? {
+            self.durations.forget(id);
+            self.waiters.wake(tenant, &key_hash);
+            return Ok(Ok(()));
+        }
+        self.refusal(tenant, id).await.map(Err)
+    }
+
     /// Extends the lease of reservation `id`.
     pub async fn extend(
         &self,
@@ -131,7 +150,7 @@ impl Engine {
         };
         let live = found.record.reservation_id == id
             && found.now < found.record.expires_at
-            && found.record.state == KeyState::InFlight;
+            && matches!(found.record.state, KeyState::InFlight | KeyState::Unknown);
         // What a write by this id would be refused as `Expired`: its key
         // expired or was released (forgotten, whether or not pruning has
         // deleted the row yet), or was reserved afresh, and that record is
@@ -143,6 +162,7 @@ impl Engine {
         Ok(Some(Lookup::Record {
             record: Box::new(found.record),
             live,
+            now: found.now,
         }))
     }
 

@@ -1,6 +1,6 @@
 //! The engine's decisions: what a key's record means for a request — new,
-//! replay, in flight, mismatch, takeover, lease lost — independent of HTTP and
-//! of SQL. Every door (reservation API, proxy, layer) goes through [`Engine`],
+//! replay, in flight, unknown, mismatch, takeover, lease lost — and how an
+//! operator settles a stuck key, independent of HTTP and of SQL. Every door (reservation API, proxy, layer) goes through [`Engine`],
 //! and so through its [replay cache](ReplayCache) of completed records.
 
 use std::sync::Arc;
@@ -10,9 +10,11 @@ mod decide;
 mod holding;
 mod quotas;
 mod reserve;
+mod stuck;
 mod types;
 mod waiters;
 
+pub use stuck::{Resolved, Settlement, shown_state};
 pub use types::*;
 
 use quotas::StoredFigure;

@@ -21,9 +21,10 @@ impl Engine {
         if let Some(outcome) = self.cached_outcome(req) {
             return Ok(outcome);
         }
-        let Some(wait) = req.wait.map(|w| w.min(self.limits.max_wait)) else {
+        let wait = req.wait.map_or(Duration::ZERO, |w| w.min(self.limits.max_wait));
+        if wait.is_zero() {
             return self.claim(req).await;
-        };
+        }
         let slot = (req.tenant.clone(), req.key_hash);
         let notify = self.waiters.subscribe(&slot);
         let outcome = self
@@ -78,6 +79,7 @@ impl Engine {
                 reservation_id: Uuid::new_v4(),
                 lease_seconds: req.lease_seconds,
                 ttl_seconds: req.ttl_seconds,
+                on_lease_expiry: req.on_lease_expiry,
                 max_in_flight,
             })
             .await?;
@@ -141,9 +143,11 @@ impl Engine {
             if now >= deadline {
                 return Ok(outcome);
             }
-            // Sleep until a local commit or release wakes us, the next poll (a
-            // holder in another process), or the lease's end, whichever is
-            // first; the poll interval grows so a long wait stays cheap.
+            // Sleep until a local commit, release or mark wakes us, the next
+            // poll (a holder in another process), or the lease's end (when a
+            // held key becomes unknown, or one under takeover claimable),
+            // whichever is first; the poll interval grows so a long wait
+            // stays cheap.
             let nap = poll
                 .min(deadline - now)
                 .min(Duration::from_secs(retry_after));

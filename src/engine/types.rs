@@ -5,7 +5,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::store::{Record, Recovery, StoreError};
+use crate::store::{LeaseExpiry, Record, Recovery, StoreError};
 
 /// Lease and TTL bounds, and how long a caller may wait on a holder.
 #[derive(Debug, Clone)]
@@ -48,8 +48,11 @@ pub struct ReserveRequest {
     /// TTL for a new record (already within [`Limits`]).
     pub ttl_seconds: u32,
     /// How long to wait for an in-flight holder (`Prefer: wait`), capped by
-    /// [`Limits::max_wait`].
+    /// [`Limits::max_wait`]; `None` or zero answers at once.
     pub wait: Option<Duration>,
+    /// What the caller's lease ending without news will mean, should it get
+    /// the key.
+    pub on_lease_expiry: LeaseExpiry,
 }
 
 /// The caller now holds the key.
@@ -86,6 +89,13 @@ pub enum ReserveOutcome {
     },
     /// The key was used with another fingerprint.
     Mismatch,
+    /// Whether the key's effect happened is unknown (its holder marked it
+    /// so, or its lease ended under [`LeaseExpiry::Hold`]): it is not run
+    /// again until its holder or an operator settles it.
+    Unknown {
+        /// The record as it stands.
+        record: Box<Record>,
+    },
     /// The key is new (or free to take over), but its tenant is at one of its
     /// [`TenantLimits`]: nothing was claimed.
     OverLimit {
@@ -151,6 +161,8 @@ pub enum Lookup {
         record: Box<Record>,
         /// True while the id holds a live reservation of the key.
         live: bool,
+        /// The database's clock when it was read.
+        now: DateTime<Utc>,
     },
     /// The id's key expired or was released (it is forgotten, even before
     /// pruning deletes its row), or was reserved afresh by another request:
@@ -181,7 +193,7 @@ impl ReserveOutcome {
             ReserveOutcome::Reserved(r) if r.attempt > 1 => Outcome::Takeover,
             ReserveOutcome::Reserved(_) => Outcome::Created,
             ReserveOutcome::Completed(_) => Outcome::Replayed,
-            ReserveOutcome::InFlight { .. } => Outcome::Conflict,
+            ReserveOutcome::InFlight { .. } | ReserveOutcome::Unknown { .. } => Outcome::Conflict,
             ReserveOutcome::Mismatch => Outcome::Mismatch,
             ReserveOutcome::OverLimit { .. } => Outcome::Limited,
         }

@@ -67,23 +67,24 @@ impl Deferred {
     }
 }
 
-/// Retries a commit, backing off, until it lands or the lease ends.
+/// Retries a commit, backing off, until it lands or `until` (the lease's
+/// end, or under `hold` the key's expiry).
 pub(crate) async fn retry_commit(
     engine: Arc<Engine>,
     tenant: String,
     id: Uuid,
     stored: StoredResponse,
-    lease_ends: Instant,
+    until: Instant,
     key_hash: String,
 ) {
     let mut backoff = Duration::from_millis(100);
     loop {
         let now = Instant::now();
-        if now >= lease_ends {
-            tracing::warn!(key.hash = %key_hash, "the lease ended before the store came back; the response was not stored");
+        if now >= until {
+            tracing::warn!(key.hash = %key_hash, "the store did not come back in time; the response was not stored");
             return;
         }
-        tokio::time::sleep(backoff.min(lease_ends - now)).await;
+        tokio::time::sleep(backoff.min(until - now)).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
         match engine.commit(&tenant, id, &stored).await {
             Ok(CommitOutcome::Committed(_) | CommitOutcome::AlreadyCommitted(_)) => {

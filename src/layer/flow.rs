@@ -22,7 +22,9 @@ use super::policy::{LayerPolicy, Tenant};
 use super::shared::{Inner, Shared};
 use crate::engine::{ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
-use crate::headers::{mark_replayed, prefer_wait, set_expires, set_repeatability_result};
+use crate::headers::{
+    IDEMPOTENCY_ATTEMPT, mark_replayed, prefer_wait, set_expires, set_repeatability_result,
+};
 use crate::key::{self, Dialect, KeyError};
 use crate::problem::ApiError;
 use crate::store::Record;
@@ -89,6 +91,9 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
         return answered(dialect, outcome, policy.problem(e));
     }
     let key = keyed.key;
+    // Only a takeover says which attempt a request is; a client's own say
+    // is not passed on.
+    req.headers_mut().remove(IDEMPOTENCY_ATTEMPT);
     let (parts, body) = req.into_parts();
     let tenant = tenant_of(&parts, policy);
     let body = crate::body::BodyIdleTimeout::apply(&parts.extensions, body);
@@ -119,7 +124,8 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
             fingerprint: Some(fingerprint),
             lease_seconds: whole_seconds(policy.lease),
             ttl_seconds: whole_seconds(guard.ttl),
-            wait: prefer_wait(&parts.headers),
+            wait: prefer_wait(&parts.headers).or(policy.default_wait),
+            on_lease_expiry: guard.on_lease_expiry,
         })
         .await;
     let decided = started.elapsed();
@@ -137,6 +143,8 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
                 tenant: tenant.clone(),
                 key_hash: key_hash.clone(),
                 reservation_id: reservation.reservation_id,
+                attempt: reservation.attempt,
+                on_lease_expiry: guard.on_lease_expiry,
                 lease_ends: reserved_at + policy.lease,
                 expires_at: reservation.expires_at,
                 lease_refused: false,

@@ -3,7 +3,9 @@
 
 use http::{HeaderMap, HeaderName, header};
 
-pub use crate::headers::{IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_EXPIRES, IDEMPOTENT_REPLAYED};
+pub use crate::headers::{
+    IDEMPOTENCY_ATTEMPT, IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_EXPIRES, IDEMPOTENT_REPLAYED,
+};
 
 /// The standard hop-by-hop set, besides whatever `Connection` names.
 const HOP_BY_HOP: [&str; 9] = [

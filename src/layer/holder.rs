@@ -11,6 +11,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::response::Response;
 use chrono::{DateTime, Utc};
+use http::HeaderValue;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -22,7 +23,8 @@ use super::produce::{Produced, produce};
 use super::shared::{Inner, Shared};
 use crate::engine::CommitOutcome;
 use crate::problem::ApiError;
-use crate::store::{StoreError, StoredResponse};
+use crate::headers::IDEMPOTENCY_ATTEMPT;
+use crate::store::{LeaseExpiry, StoreError, StoredResponse};
 
 /// What became of the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,8 +35,12 @@ pub(crate) enum Settled {
     Tombstone,
     /// The origin did not act: the key is new again.
     Released,
-    /// The outcome is unknown: the key stays in flight until its lease ends.
+    /// The outcome is unknown, under `takeover`: the key stays in flight
+    /// until its lease ends, and the next request after that runs again.
     InFlight,
+    /// The outcome is unknown, under `hold`: the key is marked so, and every
+    /// request with it is refused until someone settles it.
+    Unknown,
     /// The store was away: the commit is retried in the background.
     Deferred,
     /// The client got its `504` at the answer timeout; the call runs on,
@@ -56,6 +62,7 @@ impl Settled {
             Settled::Tombstone => "tombstone",
             Settled::Released => "released",
             Settled::InFlight => "in_flight",
+            Settled::Unknown => "unknown",
             Settled::Deferred => "deferred",
             Settled::RunningOn => "running_on",
             Settled::Streaming => "streaming",
@@ -71,6 +78,11 @@ pub(crate) struct Holder {
     /// For logs only.
     pub key_hash: String,
     pub reservation_id: Uuid,
+    /// 1 for a new key; more for a takeover, said to the inner service in
+    /// `Idempotency-Attempt`.
+    pub attempt: i32,
+    /// What the lease's end without news means for this key.
+    pub on_lease_expiry: LeaseExpiry,
     /// When the lease ends, on this process's clock (no later than the
     /// store's).
     pub lease_ends: Instant,
@@ -92,13 +104,17 @@ impl Holder {
     /// or its body streams. Counted as background work until it ends, so a
     /// shutdown waits for it
     /// ([`IdempotencyLayer::finish_deferred`](super::IdempotencyLayer::finish_deferred)).
-    pub async fn run(mut self, inner: Inner, req: http::Request<Body>, reply: Reply) {
+    pub async fn run(mut self, inner: Inner, mut req: http::Request<Body>, reply: Reply) {
         let _held = self.shared.deferred.hold();
         let started = Instant::now();
         let mut reply = Some(reply);
+        if self.attempt > 1 {
+            req.headers_mut()
+                .insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(self.attempt));
+        }
         let call = produce(self.shared.clone(), inner, req);
         let Some(produced) = self.keeping_the_lease(call, &mut reply, started).await else {
-            self.abandoned(reply);
+            self.abandoned(reply).await;
             return;
         };
         let (settled, res) = match produced {
@@ -123,16 +139,59 @@ impl Holder {
     }
 
     /// The call ran past its bound and was dropped.
-    pub(super) fn abandoned(&self, reply: Option<Reply>) {
+    pub(super) async fn abandoned(&self, reply: Option<Reply>) {
         tracing::warn!(
             key.hash = %self.key_hash,
-            "the call ran past its bound and was abandoned; whether it acted is unknown, so \
-             its key stays in flight until its lease ends"
+            "the call ran past its bound and was abandoned; whether it acted is unknown"
         );
+        let settled = self.outcome_unknown().await;
         if let Some(reply) = reply {
             let after = self.shared.policy.abandon_after.unwrap_or_default();
             let res = timed_out(&self.shared.policy, after, false);
-            let _ = reply.send((Settled::InFlight, res));
+            let _ = reply.send((settled, res));
+        }
+    }
+
+    /// Whether the call acted cannot be known (it failed after it was sent,
+    /// its response broke off, it ran past its bound). Under `hold` the key
+    /// is marked unknown, so no request runs it again; under `takeover` it
+    /// stays in flight until its lease ends.
+    pub(super) async fn outcome_unknown(&self) -> Settled {
+        if self.on_lease_expiry == LeaseExpiry::Takeover {
+            tracing::warn!(
+                key.hash = %self.key_hash,
+                "the outcome is unknown; the key stays in flight until its lease ends, then a \
+                 retry takes it over (on_lease_expiry = takeover)"
+            );
+            return Settled::InFlight;
+        }
+        match self
+            .shared
+            .engine
+            .mark_unknown(&self.tenant, self.reservation_id)
+            .await
+        {
+            Ok(Ok(())) => {
+                tracing::warn!(
+                    key.hash = %self.key_hash,
+                    "the outcome is unknown: the key is held, and every request with it gets \
+                     409 outcome-unknown until it is settled"
+                );
+                Settled::Unknown
+            }
+            Ok(Err(refusal)) => {
+                tracing::warn!(key.hash = %self.key_hash, reason = ?refusal, "the key could not be marked unknown");
+                Settled::NotStored
+            }
+            Err(e) => {
+                tracing::warn!(
+                    key.hash = %self.key_hash,
+                    error = %e,
+                    "the key could not be marked unknown; it is held all the same, and becomes \
+                     unknown when its lease ends"
+                );
+                Settled::Unknown
+            }
         }
     }
 
@@ -216,15 +275,14 @@ impl Holder {
         let policy = &self.shared.policy;
         match produced {
             Produced::Failed(e) => {
-                // Whether the effect happened is unknown: keep the key in flight.
                 let e = ApiError::Internal(format!("the inner service failed: {e}"));
-                (Settled::InFlight, policy.problem(e))
+                (self.outcome_unknown().await, policy.problem(e))
             }
             Produced::NotExecuted(res) => {
                 self.release().await;
                 (Settled::Released, res)
             }
-            Produced::Unknown(res) => (Settled::InFlight, res),
+            Produced::Unknown(res) => (self.outcome_unknown().await, res),
             Produced::Whole(mut parts, bytes) => {
                 let stored = StoredResponse {
                     status: parts.status.as_u16(),
@@ -237,14 +295,14 @@ impl Holder {
             Produced::BodyFailed(why) => {
                 let e = match policy.door {
                     Door::Proxy => {
-                        tracing::warn!(key.hash = %self.key_hash, error = %why, "upstream response failed; the key stays in flight until its lease ends");
+                        tracing::warn!(key.hash = %self.key_hash, error = %why, "upstream response failed");
                         ApiError::UpstreamUnavailable(
                             "the upstream's response broke off; whether it acted is unknown".into(),
                         )
                     }
                     Door::Layer => ApiError::Internal(format!("the response body failed: {why}")),
                 };
-                (Settled::InFlight, policy.problem(e))
+                (self.outcome_unknown().await, policy.problem(e))
             }
             // Taken by `run` before it settles anything.
             Produced::Streaming(..) => (
@@ -271,6 +329,20 @@ impl Holder {
                 error = %e,
                 "could not release the key; it stays in flight until its lease ends"
             ),
+        }
+    }
+
+    /// Until when a commit the store refused for being away is retried:
+    /// under `takeover`, the lease's end (then another request may take the
+    /// key over); under `hold`, the key's expiry, for nobody else will run
+    /// it, and a commit that lands late turns the held key into a replay.
+    fn commit_bound(&self) -> Instant {
+        match self.on_lease_expiry {
+            LeaseExpiry::Takeover => self.lease_ends,
+            LeaseExpiry::Hold => {
+                let left = (self.expires_at - Utc::now()).to_std().unwrap_or_default();
+                Instant::now() + left
+            }
         }
     }
 
@@ -311,7 +383,7 @@ impl Holder {
                     self.tenant.clone(),
                     self.reservation_id,
                     stored,
-                    self.lease_ends,
+                    self.commit_bound(),
                     self.key_hash.clone(),
                 );
                 tokio::spawn(async move {

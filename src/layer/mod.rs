@@ -132,7 +132,8 @@ mod tee;
 
 pub use future::ResponseFuture;
 pub use headers::{
-    IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_EXPIRES, IDEMPOTENT_REPLAYED, strip_connection_headers,
+    IDEMPOTENCY_ATTEMPT, IDEMPOTENCY_BODY_OMITTED, IDEMPOTENCY_EXPIRES, IDEMPOTENT_REPLAYED,
+    strip_connection_headers,
 };
 pub use layer::IdempotencyLayer;
 pub use policy::{LayerPolicy, Route, Tenant, TenantFn};

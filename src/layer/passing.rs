@@ -91,7 +91,7 @@ impl Holder {
         let settled = match passed {
             None => {
                 // Dropping the outlet breaks the client's body.
-                self.abandoned(None);
+                self.abandoned(None).await;
                 return;
             }
             Some(Passed::Whole(chunks)) => {
@@ -124,9 +124,9 @@ impl Holder {
                     key.hash = %self.key_hash,
                     error = %why,
                     "the streamed response broke off before its end; whether it acted in full is \
-                     unknown, so its key stays in flight until its lease ends"
+                     unknown"
                 );
-                Settled::InFlight
+                self.outcome_unknown().await
             }
         };
         tracing::info!(

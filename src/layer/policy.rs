@@ -12,6 +12,7 @@ use super::path;
 use crate::engine::Limits;
 use crate::fingerprint::FingerprintPolicy;
 use crate::key::KeyPolicy;
+use crate::store::LeaseExpiry;
 
 /// Which door a request came through. The proxy is the layer over a hyper
 /// client; what differs is its metric label and how it words two answers.
@@ -146,6 +147,26 @@ pub struct LayerPolicy {
     /// ends, and a retry after that takes it over. The proxy sets it to its
     /// upstream abandon bound.
     pub abandon_after: Option<Duration>,
+    /// What a lease that ends without news means (default
+    /// [`LeaseExpiry::Hold`]): the holder was killed, stalled, or cut off
+    /// from the store for longer than the lease, so whether its call acted
+    /// is unknown. Under `Hold` the key is never run again by itself: every
+    /// request with it gets `409 outcome-unknown` until the holder's late
+    /// commit or release, or an operator, settles it; and a call the holder
+    /// itself cannot tell the outcome of (it failed after it was sent, or
+    /// ran past [`abandon_after`](Self::abandon_after)) marks the key so at
+    /// once. Under `Takeover` the next request after the lease takes the key
+    /// over and runs again, with `Idempotency-Attempt: N`: for an inner
+    /// service or origin that dedupes on the key itself.
+    pub on_lease_expiry: LeaseExpiry,
+    /// How long a duplicate of a key in flight is held for the first
+    /// request's answer, which it then gets replayed, when it does not say
+    /// itself (`Prefer: wait=N`; `wait=0` asks for the immediate `409`).
+    /// Default 10 s, capped by the engine's
+    /// [`Limits::max_wait`](crate::engine::Limits::max_wait); `None` answers
+    /// `409 request-in-flight` at once. Clients in the wild do not send
+    /// `Prefer: wait`, and many give up after two quick retries of a `409`.
+    pub default_wait: Option<Duration>,
     /// How long a key is remembered, from its first request.
     pub ttl: Duration,
     /// Per-route rules, first match wins.
@@ -172,12 +193,17 @@ impl Default for LayerPolicy {
             lease: limits.default_lease,
             answer_timeout: None,
             abandon_after: None,
+            on_lease_expiry: LeaseExpiry::Hold,
+            default_wait: Some(DEFAULT_WAIT),
             ttl: limits.default_ttl,
             routes: Vec::new(),
             problem_base: Cow::Borrowed(crate::problem::DEFAULT_PROBLEM_BASE),
         }
     }
 }
+
+/// How long a duplicate is held by default ([`LayerPolicy::default_wait`]).
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
 
 /// A chainable setter for each field.
 macro_rules! setters {
@@ -220,6 +246,10 @@ setters! {
     answer_timeout: Option<Duration>;
     /// Sets [`abandon_after`](#structfield.abandon_after).
     abandon_after: Option<Duration>;
+    /// Sets [`on_lease_expiry`](#structfield.on_lease_expiry).
+    on_lease_expiry: LeaseExpiry;
+    /// Sets [`default_wait`](#structfield.default_wait).
+    default_wait: Option<Duration>;
     /// Sets [`ttl`](#structfield.ttl).
     ttl: Duration;
     /// Sets [`routes`](#structfield.routes).
@@ -268,6 +298,8 @@ pub(crate) struct Guard {
     pub require_key: bool,
     /// The key's TTL.
     pub ttl: Duration,
+    /// What the key's lease ending without news means.
+    pub on_lease_expiry: LeaseExpiry,
 }
 
 // === impl LayerPolicy ===
@@ -292,6 +324,9 @@ impl LayerPolicy {
                 .and_then(|r| r.require_key)
                 .unwrap_or(self.require_key),
             ttl: route.and_then(|r| r.ttl).unwrap_or(self.ttl),
+            on_lease_expiry: route
+                .and_then(|r| r.on_lease_expiry)
+                .unwrap_or(self.on_lease_expiry),
         }
     }
 }
@@ -317,6 +352,8 @@ pub struct Route {
     pub require_key: Option<bool>,
     /// The TTL of keys on this route.
     pub ttl: Option<Duration>,
+    /// What a lease's end without news means on this route.
+    pub on_lease_expiry: Option<LeaseExpiry>,
 }
 
 // === impl Route ===
@@ -345,6 +382,7 @@ impl Route {
             methods: None,
             require_key: None,
             ttl: None,
+            on_lease_expiry: None,
         })
     }
 
@@ -389,10 +427,17 @@ mod tests {
         strict.ttl = Some(Duration::from_secs(5));
         let mut put = Route::new("/payments/").unwrap();
         put.methods = Some(vec![Method::PUT]);
+        strict.on_lease_expiry = Some(LeaseExpiry::Takeover);
         let policy = LayerPolicy::default().routes(vec![strict, put]);
         let g = policy.guard(&Method::POST, "/payments/1");
         assert!(g.guarded && g.require_key);
         assert_eq!(g.ttl, Duration::from_secs(5));
+        assert_eq!(g.on_lease_expiry, LeaseExpiry::Takeover);
+        assert_eq!(
+            policy.guard(&Method::POST, "/other").on_lease_expiry,
+            LeaseExpiry::Hold,
+            "the default holds"
+        );
         assert!(!policy.guard(&Method::PUT, "/payments/1").guarded);
         let other = policy.guard(&Method::POST, "/other");
         assert!(other.guarded && !other.require_key);

@@ -117,8 +117,9 @@ pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
     let engine = engine(&args.run, store, args.policy.limits())
         .expect("seal settings are checked by ServeArgs::validate");
     AppState::new(
-        engine,
+        Arc::new(engine),
         args.tokens.clone().unwrap_or_default(),
+        args.admin.access(args.listen),
         &args.policy,
     )
 }

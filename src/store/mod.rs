@@ -18,8 +18,9 @@ pub use error::{Cause, Result, StoreError, report_unavailable};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgSettings, PgStore};
 pub use records::{
-    BatchStats, Claim, ClaimRequest, Found, InFlightUsage, KeyState, PoolStats, PruneBatch, Record,
-    Recovery, StoredResponse, StoredUsage, Write, Written,
+    BatchStats, Claim, ClaimRequest, Found, InFlightUsage, KeyCursor, KeyPage, KeyQuery, KeyState,
+    LeaseExpiry, PoolStats, PruneBatch, Record, Recovery, Resolution, Resolve, ResolveAction,
+    StoredResponse, StoredUsage, Write, Written,
 };
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
@@ -31,7 +32,8 @@ macro_rules! key_columns {
     () => {
         "tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt, \
          recovery_point, recovery_data, response_status, response_headers, response_body, \
-         created_at, completed_at, expires_at"
+         created_at, completed_at, expires_at, on_lease_expiry, resolved_action, resolved_reason, \
+         resolved_by, resolved_at"
     };
 }
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
@@ -70,12 +72,27 @@ pub trait Store: Send + Sync + 'static {
         reservation_id: Uuid,
         recovery: &Recovery,
     ) -> Result<Option<Record>>;
+    /// Marks the key the id holds [`KeyState::Unknown`]: its holder cannot
+    /// tell whether the effect happened. Applies while the id holds the key
+    /// in flight; returns its key hash.
+    async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>>;
     /// The record a reservation id belongs or belonged to, if it still exists.
     async fn find_by_reservation(
         &self,
         tenant: &str,
         reservation_id: Uuid,
     ) -> Result<Option<Found>>;
+    /// The record of a key, if it has one (alive or not).
+    async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>>;
+    /// A page of alive records, oldest first (see [`KeyQuery`]).
+    async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage>;
+    /// Settles a stuck key: applies only while the record is alive, still
+    /// has the reservation id `resolve` names, and is unknown or in flight
+    /// past its lease. Returns the record as it left it.
+    async fn resolve(&self, resolve: &Resolve) -> Result<Option<Found>>;
+    /// Alive keys that are unknown or held past their lease: those nobody
+    /// will settle by themselves.
+    async fn count_unknown(&self) -> Result<u64>;
     /// Deletes up to about `limit` expired records without waiting on locked
     /// rows; says how many it deleted and whether more may be left.
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch>;

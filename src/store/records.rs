@@ -15,6 +15,12 @@ pub enum KeyState {
     InFlight,
     /// The result is stored and is replayed to every retry.
     Completed,
+    /// The effect may or may not have happened, and nobody holds the key to
+    /// find out: every request with it is refused until its holder's late
+    /// commit or release, or an operator, settles it. Stored when a holder
+    /// marks its key so; a key in flight under [`LeaseExpiry::Hold`] whose
+    /// lease ended is unknown too (see [`Record::effective_state`]).
+    Unknown,
 }
 
 impl KeyState {
@@ -24,6 +30,7 @@ impl KeyState {
         match stored {
             "in_flight" => Ok(KeyState::InFlight),
             "completed" => Ok(KeyState::Completed),
+            "unknown" => Ok(KeyState::Unknown),
             other => Err(StoreError::other(format!("unknown key state {other:?}"))),
         }
     }
@@ -33,7 +40,107 @@ impl KeyState {
         match self {
             KeyState::InFlight => "in_flight",
             KeyState::Completed => "completed",
+            KeyState::Unknown => "unknown",
         }
+    }
+}
+
+/// What becomes of a key in flight whose lease ends without a commit or a
+/// release: chosen by the holder when it reserves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseExpiry {
+    /// The next request with the key takes it over (`attempt` + 1, the
+    /// recovery point handed on): for a holder that reconciles before it
+    /// mutates again, or an origin that dedupes on the key itself.
+    #[default]
+    Takeover,
+    /// The key's outcome is unknown: it is never run again by itself, and
+    /// waits for its holder's late commit or release, or an operator.
+    Hold,
+}
+
+impl LeaseExpiry {
+    /// Reads the spelling stored in the database and used in settings.
+    pub fn parse(text: &str) -> std::result::Result<LeaseExpiry, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "takeover" => Ok(LeaseExpiry::Takeover),
+            "hold" => Ok(LeaseExpiry::Hold),
+            other => Err(format!("{other:?} is not `hold` or `takeover`")),
+        }
+    }
+
+    /// The spelling used in the database, in JSON and in settings.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseExpiry::Takeover => "takeover",
+            LeaseExpiry::Hold => "hold",
+        }
+    }
+}
+
+/// How an operator settled a stuck key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResolveAction {
+    /// Nothing happened: the key is forgotten and the next request executes.
+    Release,
+    /// This is what happened: the given response is stored and replayed.
+    Complete,
+}
+
+impl ResolveAction {
+    /// Reads the spelling stored in the database.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn parse(stored: &str) -> Result<ResolveAction> {
+        match stored {
+            "release" => Ok(ResolveAction::Release),
+            "complete" => Ok(ResolveAction::Complete),
+            other => Err(StoreError::other(format!("unknown resolution {other:?}"))),
+        }
+    }
+
+    /// The spelling used in the database and in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResolveAction::Release => "release",
+            ResolveAction::Complete => "complete",
+        }
+    }
+}
+
+/// Who settled a stuck key, when, how and why: kept with its record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resolution {
+    /// Released or completed.
+    pub action: ResolveAction,
+    /// Why, in the operator's words.
+    pub reason: String,
+    /// Who: the admin token's name, or the user of the command line.
+    pub by: String,
+    /// When, by the database's clock.
+    pub at: DateTime<Utc>,
+}
+
+impl Resolution {
+    /// Rebuilds a resolution from its columns; `None` when the record was
+    /// never resolved.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn from_columns(
+        action: Option<String>,
+        reason: Option<String>,
+        by: Option<String>,
+        at: Option<DateTime<Utc>>,
+    ) -> Result<Option<Resolution>> {
+        let (Some(action), Some(at)) = (action, at) else {
+            return Ok(None);
+        };
+        Ok(Some(Resolution {
+            action: ResolveAction::parse(&action)?,
+            reason: reason.unwrap_or_default(),
+            by: by.unwrap_or_default(),
+            at,
+        }))
     }
 }
 
@@ -94,7 +201,8 @@ pub struct Record {
     pub key_hash: Vec<u8>,
     /// The request fingerprint, when the first caller gave or implied one.
     pub fingerprint: Option<String>,
-    /// In flight or completed.
+    /// In flight, completed or unknown, as stored (see
+    /// [`Record::effective_state`]).
     pub state: KeyState,
     /// The fencing token of the current holder.
     pub reservation_id: Uuid,
@@ -112,6 +220,55 @@ pub struct Record {
     pub completed_at: Option<DateTime<Utc>>,
     /// Until then the key is remembered; from then on it is new again.
     pub expires_at: DateTime<Utc>,
+    /// What its lease's end without news means, as its holder chose.
+    pub on_lease_expiry: LeaseExpiry,
+    /// How an operator settled it, if one did.
+    pub resolution: Option<Resolution>,
+}
+
+impl Record {
+    /// The state the record is in at `now`: a key in flight under
+    /// [`LeaseExpiry::Hold`] whose lease has ended is [`KeyState::Unknown`]
+    /// (nobody holds it, and its effect may have happened).
+    pub fn effective_state(&self, now: DateTime<Utc>) -> KeyState {
+        match self.state {
+            KeyState::InFlight if self.held_past_lease(now) => KeyState::Unknown,
+            state => state,
+        }
+    }
+
+    /// In flight under [`LeaseExpiry::Hold`], its lease ended at `now`.
+    pub fn held_past_lease(&self, now: DateTime<Utc>) -> bool {
+        self.state == KeyState::InFlight
+            && self.on_lease_expiry == LeaseExpiry::Hold
+            && self.lease_expires_at.is_none_or(|end| end <= now)
+    }
+
+    /// Whether no claim can apply to it at `now`, whatever its fingerprint:
+    /// alive, and completed, unknown, or in flight under a live lease or
+    /// held past it. Only its holder's commit or release, or an operator,
+    /// changes such a record.
+    pub fn refuses_claims(&self, now: DateTime<Utc>) -> bool {
+        now < self.expires_at
+            && match self.state {
+                KeyState::Completed | KeyState::Unknown => true,
+                KeyState::InFlight => {
+                    self.lease_expires_at.is_some_and(|end| end > now)
+                        || self.held_past_lease(now)
+                }
+            }
+    }
+
+    /// Whether an operator may settle it at `now`: alive, and unknown or in
+    /// flight past its lease (nobody will settle it by themselves).
+    pub fn is_stuck(&self, now: DateTime<Utc>) -> bool {
+        now < self.expires_at
+            && match self.state {
+                KeyState::Unknown => true,
+                KeyState::InFlight => self.lease_expires_at.is_none_or(|end| end <= now),
+                KeyState::Completed => false,
+            }
+    }
 }
 
 /// What a reserve asks the store to do atomically.
@@ -129,6 +286,8 @@ pub struct ClaimRequest {
     pub lease_seconds: u32,
     /// TTL of a new record.
     pub ttl_seconds: u32,
+    /// What the new holder's lease ending without news will mean.
+    pub on_lease_expiry: LeaseExpiry,
     /// The tenant's limit of live in-flight keys: when set, the claim applies
     /// only while the tenant holds fewer (leases not ended). `Some(0)` claims
     /// nothing and only reads the record.
@@ -138,7 +297,8 @@ pub struct ClaimRequest {
 /// What the store found or did for a [`ClaimRequest`].
 ///
 /// The store claims the key — inserts it, resets an expired record, or takes
-/// over an in-flight one whose lease ended and whose fingerprint is compatible —
+/// over an in-flight one whose lease ended under [`LeaseExpiry::Takeover`]
+/// and whose fingerprint is compatible —
 /// in one atomic step; otherwise it returns the record untouched. What the
 /// record means for the caller is the engine's decision.
 #[derive(Debug, Clone)]
@@ -158,6 +318,76 @@ pub struct Found {
     pub record: Record,
     /// The database's clock.
     pub now: DateTime<Utc>,
+}
+
+/// Which records an operator's listing asks for (see
+/// [`Store::list_keys`](super::Store::list_keys)): alive ones only, oldest
+/// first, in pages.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyQuery {
+    /// Only records in this effective state ([`Record::effective_state`]):
+    /// `Unknown` includes keys held past their lease, `InFlight` excludes
+    /// them.
+    pub state: Option<KeyState>,
+    /// Only this tenant's.
+    pub tenant: Option<String>,
+    /// Only records created at least this long ago.
+    pub older_than: Option<std::time::Duration>,
+    /// At most this many (at least 1).
+    pub limit: u32,
+    /// Only records after this one in the listing's order.
+    pub after: Option<KeyCursor>,
+}
+
+/// A place in the listing's order: (created_at, tenant, key hash).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyCursor {
+    /// The last record's `created_at`.
+    pub created_at: DateTime<Utc>,
+    /// Its tenant.
+    pub tenant: String,
+    /// Its key hash.
+    pub key_hash: Vec<u8>,
+}
+
+impl KeyCursor {
+    /// The cursor just after `record`.
+    pub fn after(record: &Record) -> KeyCursor {
+        KeyCursor {
+            created_at: record.created_at,
+            tenant: record.tenant.clone(),
+            key_hash: record.key_hash.clone(),
+        }
+    }
+}
+
+/// One page of a listing.
+#[derive(Debug, Clone)]
+pub struct KeyPage {
+    /// The records, oldest first.
+    pub records: Vec<Record>,
+    /// The database's clock when they were read.
+    pub now: DateTime<Utc>,
+}
+
+/// An operator's settlement of a stuck key, as the store applies it.
+#[derive(Debug, Clone)]
+pub struct Resolve {
+    /// The key's tenant.
+    pub tenant: String,
+    /// Its key hash.
+    pub key_hash: Vec<u8>,
+    /// The reservation id the record had when the operator looked: the
+    /// settlement applies only while it still has it.
+    pub reservation_id: Uuid,
+    /// Release or complete.
+    pub action: ResolveAction,
+    /// For [`ResolveAction::Complete`]: the response to store.
+    pub response: Option<StoredResponse>,
+    /// Why.
+    pub reason: String,
+    /// Who.
+    pub by: String,
 }
 
 /// A tenant's live in-flight keys: those whose lease has not ended.

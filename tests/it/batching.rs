@@ -98,6 +98,7 @@ fn writes(ops: &[Op], case: usize) -> (Vec<Write>, Vec<Option<usize>>) {
                 claims.push((tenant.clone(), id, out.len()));
                 refers.push(None);
                 out.push(Write::Claim(ClaimRequest {
+                    on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
                     tenant,
                     key_hash: Sha256::digest([key]).into(),
                     fingerprint: fingerprint(fp),
@@ -403,6 +404,7 @@ async fn storm_through_batches(backend: Backend) {
 
 fn storm_request(key: usize, payload: &str) -> ReserveRequest {
     ReserveRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: "storm".into(),
         key_hash: Sha256::digest(format!("storm-key-{key}")).into(),
         fingerprint: Some(payload.into()),
@@ -491,6 +493,7 @@ async fn a_full_queue_refuses_at_once_and_writes_what_it_held() {
 
 fn bound_claim(i: u32) -> ClaimRequest {
     ClaimRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: "bound".into(),
         key_hash: Sha256::digest(i.to_be_bytes()).into(),
         fingerprint: None,

@@ -146,6 +146,7 @@ async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
     let store = PgStore::connect_lazy(&db.url, &Default::default()).unwrap();
     let batched = Batched::new(Arc::new(store));
     let claim = |tenant: &str, key: u8, fingerprint: &str| ClaimRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: tenant.to_owned(),
         key_hash: [key; 32],
         fingerprint: Some(fingerprint.to_owned()),
@@ -220,13 +221,15 @@ fn bound<'q>(
             .bind(id)
             .bind(30.0_f64)
             .bind(60.0_f64)
-            .bind(None::<i64>),
+            .bind(None::<i64>)
+            .bind("hold"),
         "complete" => query
             .bind(id)
             .bind(201_i32)
             .bind(serde_json::json!([]))
             .bind(b"done".to_vec()),
-        "release" | "find" => query.bind(id),
+        "release" | "find" | "mark_unknown" => query.bind(id),
+        "find_key" => query.bind(vec![7_u8; 32]),
         "extend" => query.bind(id).bind(30.0_f64),
         "checkpoint" => query.bind(id).bind("step").bind(serde_json::json!({})),
         "in_flight_usage" => query.bind(10_i64),

@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 fn claim(key: &str) -> ClaimRequest {
     ClaimRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: "acme".into(),
         key_hash: Sha256::digest(key.as_bytes()).into(),
         fingerprint: Some("fp".into()),

@@ -17,13 +17,14 @@ use std::sync::Arc;
 
 use common::backend::Backend;
 use idemgate::engine::{
-    CommitOutcome, Engine, Refusal, ReserveOutcome, ReserveRequest, TenantLimit, TenantLimits,
+    CommitOutcome, Engine, Refusal, ReserveOutcome, ReserveRequest, Resolved, Settlement,
+    TenantLimit, TenantLimits,
 };
 use idemgate::fingerprint::{
     FingerprintPolicy, JsonPointer, canonical_json, fingerprint_json_request, fingerprint_request,
 };
 use idemgate::key::{KeyError, KeyFormat, KeyPolicy, parse_value};
-use idemgate::store::{Recovery, StoredResponse};
+use idemgate::store::{LeaseExpiry, Recovery, ResolveAction, StoredResponse};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use serde_json::{Map, Number, Value};
@@ -568,11 +569,23 @@ fn resolve(back: usize, issued: usize) -> usize {
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// Reserve `key` with fingerprint `fp` (0: none) and a lease of `lease` s.
+    /// Reserve `key` with fingerprint `fp` (0: none) and a lease of `lease`
+    /// s, choosing `hold` (or `takeover`) for its lease's end.
     Reserve {
         key: u8,
         fp: u8,
         lease: u32,
+        hold: bool,
+    },
+    /// The holder `id` cannot tell what happened: it marks its key unknown.
+    MarkUnknown {
+        id: usize,
+    },
+    /// An operator settles `key`: completes it with response `tag`, or
+    /// (`None`) releases it.
+    Resolve {
+        key: u8,
+        tag: Option<u8>,
     },
     /// Commit reservation `id` (see [`resolve`]) with response `tag`.
     Commit {
@@ -601,8 +614,10 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let id = prop_oneof![8 => 0usize..3, 1 => Just(UNKNOWN)];
     prop_oneof![
-        5 => (0..KEYS, 0u8..3, prop::sample::select(vec![5u32, 10, 30]))
-            .prop_map(|(key, fp, lease)| Op::Reserve { key, fp, lease }),
+        5 => (0..KEYS, 0u8..3, prop::sample::select(vec![5u32, 10, 30]), any::<bool>())
+            .prop_map(|(key, fp, lease, hold)| Op::Reserve { key, fp, lease, hold }),
+        1 => id.clone().prop_map(|id| Op::MarkUnknown { id }),
+        1 => (0..KEYS, prop::option::of(0u8..2)).prop_map(|(key, tag)| Op::Resolve { key, tag }),
         3 => (id.clone(), 0u8..2).prop_map(|(id, tag)| Op::Commit { id, tag }),
         1 => id.clone().prop_map(|id| Op::Release { id }),
         1 => (id.clone(), prop::sample::select(vec![5u32, 30])).prop_map(|(id, lease)| Op::Extend { id, lease }),
@@ -616,6 +631,7 @@ fn op() -> impl Strategy<Value = Op> {
 enum MState {
     InFlight,
     Completed,
+    Unknown,
 }
 
 /// The model's record of one key. Times are seconds on the model's clock.
@@ -630,6 +646,16 @@ struct MRecord {
     recovery: Option<u8>,
     response: Option<u8>,
     expires_at: i64,
+    /// Its holder chose `hold` for its lease's end.
+    hold: bool,
+}
+
+impl MRecord {
+    /// Unknown at `now`: marked so, or held past its lease.
+    fn unknown(&self, now: i64) -> bool {
+        self.state == MState::Unknown
+            || (self.state == MState::InFlight && self.hold && self.lease_end <= now)
+    }
 }
 
 /// What each call must come to.
@@ -656,6 +682,14 @@ enum Expect {
     OverLimit {
         retry_after: u64,
     },
+    /// `409 outcome-unknown`.
+    Unknown,
+    /// An operator's settlement applied.
+    Resolved,
+    /// An operator's settlement of a key that is not stuck.
+    NotStuck,
+    /// An operator's settlement of a key with no alive record.
+    NoKey,
 }
 
 #[derive(Default)]
@@ -688,10 +722,23 @@ impl Model {
         })
     }
 
-    fn live_holder(&self, id: usize) -> Option<u8> {
+    /// The key `id` holds in one of `states`, alive.
+    fn holder_in(&self, id: usize, states: &[MState]) -> Option<u8> {
         let key = (*self.ids.get(id)?)?;
         let r = self.records.get(&key)?;
-        (r.holder == id && r.state == MState::InFlight && r.expires_at > self.now).then_some(key)
+        (r.holder == id && states.contains(&r.state) && r.expires_at > self.now).then_some(key)
+    }
+
+    /// The key `id` holds in flight: what an extend, a checkpoint or a mark
+    /// needs.
+    fn live_holder(&self, id: usize) -> Option<u8> {
+        self.holder_in(id, &[MState::InFlight])
+    }
+
+    /// The key `id` may settle by a commit or a release: in flight, or
+    /// marked unknown by it.
+    fn settling_holder(&self, id: usize) -> Option<u8> {
+        self.holder_in(id, &[MState::InFlight, MState::Unknown])
     }
 
     /// Why a write by `id` is refused (the holder checks failed).
@@ -720,7 +767,12 @@ impl Model {
     fn apply(&mut self, op: &Op) -> Expect {
         let now = self.now;
         match *op {
-            Op::Reserve { key, fp, lease } => {
+            Op::Reserve {
+                key,
+                fp,
+                lease,
+                hold,
+            } => {
                 let fp = (fp > 0).then_some(fp);
                 let next_id = self.ids.len();
                 let lease = i64::from(lease);
@@ -728,7 +780,11 @@ impl Model {
                 match self.records.get_mut(&key) {
                     Some(r) if r.expires_at > now => {
                         let compatible = r.fp.is_none() || fp.is_none() || r.fp == fp;
-                        if r.state == MState::InFlight && r.lease_end <= now && compatible {
+                        if r.state == MState::InFlight
+                            && r.lease_end <= now
+                            && !r.hold
+                            && compatible
+                        {
                             if let Some(limited) = over_limit {
                                 return limited;
                             }
@@ -736,6 +792,7 @@ impl Model {
                             r.holder = next_id;
                             r.lease_end = now + lease;
                             r.attempt += 1;
+                            r.hold = hold;
                             self.ids.push(Some(key));
                             Expect::Reserved {
                                 attempt: r.attempt,
@@ -743,6 +800,8 @@ impl Model {
                             }
                         } else if !compatible {
                             Expect::Mismatch
+                        } else if r.unknown(now) {
+                            Expect::Unknown
                         } else if r.state == MState::Completed {
                             Expect::Completed {
                                 tag: r.response.expect("completed has a response"),
@@ -769,6 +828,7 @@ impl Model {
                                 recovery: None,
                                 response: None,
                                 expires_at: now + TTL,
+                                hold,
                             },
                         );
                         self.ids.push(Some(key));
@@ -781,7 +841,7 @@ impl Model {
             }
             Op::Commit { id, tag } => {
                 let id = resolve(id, self.ids.len());
-                if let Some(key) = self.live_holder(id) {
+                if let Some(key) = self.settling_holder(id) {
                     let r = self.records.get_mut(&key).expect("live");
                     r.state = MState::Completed;
                     r.response = Some(tag);
@@ -801,7 +861,7 @@ impl Model {
             }
             Op::Release { id } => {
                 let id = resolve(id, self.ids.len());
-                if let Some(key) = self.live_holder(id) {
+                if let Some(key) = self.settling_holder(id) {
                     let r = self.records.get_mut(&key).expect("live");
                     r.expires_at = now;
                     r.lease_end = now;
@@ -824,6 +884,35 @@ impl Model {
                     return Expect::Ok;
                 }
                 Expect::Refused(self.refusal(id))
+            }
+            Op::MarkUnknown { id } => {
+                let id = resolve(id, self.ids.len());
+                if let Some(key) = self.live_holder(id) {
+                    self.records.get_mut(&key).expect("live").state = MState::Unknown;
+                    return Expect::Ok;
+                }
+                Expect::Refused(self.refusal(id))
+            }
+            Op::Resolve { key, tag } => {
+                let Some(r) = self.records.get_mut(&key).filter(|r| r.expires_at > now) else {
+                    return Expect::NoKey;
+                };
+                let stuck = r.state == MState::Unknown
+                    || (r.state == MState::InFlight && r.lease_end <= now);
+                if !stuck {
+                    return Expect::NotStuck;
+                }
+                match tag {
+                    Some(tag) => {
+                        r.state = MState::Completed;
+                        r.response = Some(tag);
+                    }
+                    None => {
+                        r.expires_at = now;
+                        r.lease_end = now;
+                    }
+                }
+                Expect::Resolved
             }
             Op::Jump { secs } => {
                 self.now += secs;
@@ -941,8 +1030,18 @@ impl Subject {
 
     async fn apply(&mut self, op: &Op) -> Expect {
         match *op {
-            Op::Reserve { key, fp, lease } => {
+            Op::Reserve {
+                key,
+                fp,
+                lease,
+                hold,
+            } => {
                 let req = ReserveRequest {
+                    on_lease_expiry: if hold {
+                        LeaseExpiry::Hold
+                    } else {
+                        LeaseExpiry::Takeover
+                    },
                     tenant: TENANT.into(),
                     key_hash: key_hash(key),
                     fingerprint: (fp > 0).then(|| format!("fp-{fp}")),
@@ -986,6 +1085,7 @@ impl Subject {
                         Expect::InFlight { lease_left }
                     }
                     ReserveOutcome::Mismatch => Expect::Mismatch,
+                    ReserveOutcome::Unknown { .. } => Expect::Unknown,
                     ReserveOutcome::OverLimit {
                         limit: TenantLimit::InFlightKeys,
                         retry_after,
@@ -1043,6 +1143,44 @@ impl Subject {
                         Expect::Ok
                     }
                     Err(why) => Expect::Refused(why),
+                }
+            }
+            Op::MarkUnknown { id } => {
+                let id = self.id(id);
+                match self
+                    .engine
+                    .mark_unknown(TENANT, id)
+                    .await
+                    .unwrap_or_else(store_err)
+                {
+                    Ok(()) => Expect::Ok,
+                    Err(why) => Expect::Refused(why),
+                }
+            }
+            Op::Resolve { key, tag } => {
+                let settlement = Settlement {
+                    action: match tag {
+                        Some(_) => ResolveAction::Complete,
+                        None => ResolveAction::Release,
+                    },
+                    response: tag.map(response),
+                    reason: "the property test".into(),
+                    by: "proptest".into(),
+                };
+                match self
+                    .engine
+                    .resolve(TENANT, &key_hash(key), &settlement)
+                    .await
+                    .unwrap_or_else(store_err)
+                {
+                    Resolved::Settled(found) => {
+                        let resolution = found.record.resolution.expect("kept with the record");
+                        assert_eq!(resolution.reason, "the property test");
+                        assert_eq!(resolution.by, "proptest");
+                        Expect::Resolved
+                    }
+                    Resolved::NotStuck(_) => Expect::NotStuck,
+                    Resolved::NotFound => Expect::NoKey,
                 }
             }
             Op::Jump { secs } => {

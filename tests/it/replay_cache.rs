@@ -45,6 +45,7 @@ fn fresh_hash() -> [u8; 32] {
 
 fn request(tenant: &str, key: [u8; 32], fingerprint: Option<&str>) -> ReserveRequest {
     ReserveRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: tenant.into(),
         key_hash: key,
         fingerprint: fingerprint.map(str::to_owned),
@@ -128,6 +129,7 @@ async fn a_replay_is_served_from_memory(b: Backend) {
     assert_eq!(replay.response.as_ref(), Some(&res));
     // And the wait path (`Prefer: wait`) reads the cache before the store.
     let waiting = ReserveRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         wait: Some(Duration::from_secs(5)),
         ..req.clone()
     };
@@ -152,6 +154,7 @@ async fn a_replay_is_served_from_memory(b: Backend) {
 async fn never_past_expiry(b: Backend) {
     let engine = b.engine_with_cache(DEFAULT_REPLAY_CACHE_BYTES).await;
     let req = ReserveRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         ttl_seconds: 2,
         ..request(TENANT, fresh_hash(), Some("fp"))
     };
@@ -426,6 +429,39 @@ impl Store for AnHourAhead {
             }))
     }
 
+    async fn mark_unknown(&self, tenant: &str, id: Uuid) -> Result<Option<Vec<u8>>, StoreError> {
+        self.0.mark_unknown(tenant, id).await
+    }
+
+    async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>, StoreError> {
+        Ok(self.0.find_key(tenant, key_hash).await?.map(|found| Found {
+            record: skew(found.record),
+            now: found.now + SKEW,
+        }))
+    }
+
+    async fn list_keys(
+        &self,
+        query: &idemgate::store::KeyQuery,
+    ) -> Result<idemgate::store::KeyPage, StoreError> {
+        let page = self.0.list_keys(query).await?;
+        Ok(idemgate::store::KeyPage {
+            records: page.records.into_iter().map(skew).collect(),
+            now: page.now + SKEW,
+        })
+    }
+
+    async fn resolve(&self, resolve: &idemgate::store::Resolve) -> Result<Option<Found>, StoreError> {
+        Ok(self.0.resolve(resolve).await?.map(|found| Found {
+            record: skew(found.record),
+            now: found.now + SKEW,
+        }))
+    }
+
+    async fn count_unknown(&self) -> Result<u64, StoreError> {
+        self.0.count_unknown().await
+    }
+
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage, StoreError> {
         let usage = self.0.in_flight_usage(tenant, up_to).await?;
         Ok(InFlightUsage {
@@ -467,6 +503,7 @@ impl Store for AnHourAhead {
 async fn a_skewed_database_clock_changes_nothing(b: Backend) {
     let engine = Engine::new(Arc::new(AnHourAhead(b.open().await)), Limits::default());
     let req = ReserveRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         ttl_seconds: 1,
         ..request(TENANT, fresh_hash(), Some("fp"))
     };

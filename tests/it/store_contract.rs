@@ -34,6 +34,7 @@ fn fresh_key() -> [u8; 32] {
 
 fn request(key: [u8; 32], fingerprint: Option<&str>) -> ReserveRequest {
     ReserveRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: TENANT.into(),
         key_hash: key,
         fingerprint: fingerprint.map(str::to_owned),
@@ -124,7 +125,7 @@ async fn commit(engine: &Engine, id: Uuid, res: &StoredResponse) -> CommitOutcom
 /// The record `id` shows, and whether `id` holds it live.
 async fn shown(engine: &Engine, id: Uuid) -> (Record, bool) {
     match engine.get(TENANT, id).await.expect("get") {
-        Some(Lookup::Record { record, live }) => (*record, live),
+        Some(Lookup::Record { record, live, .. }) => (*record, live),
         other => panic!("{id} shows no record: {other:?}"),
     }
 }

@@ -1,5 +1,6 @@
 //! The reservation/commit HTTP door: routes, state and the OpenAPI document.
 
+pub mod admin;
 pub mod docs;
 pub mod extract;
 pub mod ops;
@@ -22,12 +23,13 @@ use crate::fingerprint::FingerprintPolicy;
 use crate::key::KeyPolicy;
 use crate::problem;
 use crate::server::auth::Tokens;
-use crate::server::config::PolicyArgs;
+use crate::server::config::{AdminAccess, PolicyArgs};
 
 /// Everything a handler needs, built once at start-up.
 pub struct App {
-    /// The idempotency engine.
-    pub engine: Engine,
+    /// The idempotency engine (the proxy's admin listener shares the
+    /// proxy's).
+    pub engine: Arc<Engine>,
     /// Bearer tokens; empty means open, single-tenant.
     pub tokens: Tokens,
     /// Key rules.
@@ -38,6 +40,8 @@ pub struct App {
     pub max_body_bytes: usize,
     /// Methods the proxy and layer guard (published in the policy).
     pub methods: Vec<String>,
+    /// Who may use the operators' endpoints.
+    pub admin: AdminAccess,
 }
 
 /// The shared, cheap-to-clone application state.
@@ -45,12 +49,19 @@ pub struct App {
 pub struct AppState(pub Arc<App>);
 
 impl AppState {
-    /// The API's state over `engine`, checking `tokens`, with the key and
-    /// fingerprint rules of `policy` and what it publishes.
-    pub fn new(engine: Engine, tokens: Tokens, policy: &PolicyArgs) -> AppState {
+    /// The API's state over `engine`, checking `tokens` (and `admin` on the
+    /// operators' endpoints), with the key and fingerprint rules of `policy`
+    /// and what it publishes.
+    pub fn new(
+        engine: Arc<Engine>,
+        tokens: Tokens,
+        admin: AdminAccess,
+        policy: &PolicyArgs,
+    ) -> AppState {
         AppState(Arc::new(App {
             engine,
             tokens,
+            admin,
             key_policy: policy.key_policy(),
             fingerprint_policy: policy.fingerprint_policy(),
             max_body_bytes: policy.max_body_bytes,
@@ -84,6 +95,7 @@ impl Deref for AppState {
     tags(
         (name = "reservations", description = "Reserve, commit, release, extend, checkpoint"),
         (name = "operations", description = "Health, readiness, metrics and the published policy"),
+        (name = "admin", description = "Operators: list, show and resolve stuck keys (unknown, or in flight past their lease). Bearer tokens of IDEMGATE_ADMIN_TOKENS; with none set, only on a loopback listener."),
     )
 )]
 struct ApiDoc;
@@ -97,6 +109,11 @@ impl Modify for BearerAuth {
                 "bearer",
                 SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
             );
+            let mut admin = Http::new(HttpAuthScheme::Bearer);
+            admin.description = Some(
+                "A token of IDEMGATE_ADMIN_TOKENS (a tenant's token is not one).".to_owned(),
+            );
+            components.add_security_scheme("admin", SecurityScheme::Http(admin));
         }
     }
 }
@@ -112,7 +129,10 @@ fn openapi_router() -> OpenApiRouter<AppState> {
         .routes(routes!(ops::get_policy))
         .routes(routes!(ops::get_healthz))
         .routes(routes!(ops::get_readyz))
-        .routes(routes!(ops::get_metrics));
+        .routes(routes!(ops::get_metrics))
+        .routes(routes!(admin::list_keys))
+        .routes(routes!(admin::show_key))
+        .routes(routes!(admin::resolve_key));
     // The handlers' paths are only in the document once routed, after the
     // `ApiDoc` modifiers have run.
     optional_bodies(router.get_openapi_mut());
@@ -242,9 +262,9 @@ async fn refuse_declared_oversize(
     next.run(req).await
 }
 
-/// The operational endpoints alone — `/healthz`, `/readyz`, `/metrics` and
-/// `/v1/policy` — for the proxy's admin listener, so that they never shadow
-/// an upstream path.
+/// The operational endpoints alone — `/healthz`, `/readyz`, `/metrics`,
+/// `/v1/policy` and the operators' `/v1/admin/keys…` — for the proxy's admin
+/// listener, so that they never shadow an upstream path.
 pub fn admin_router(state: AppState) -> Router {
     crate::server::exporter::metrics_handle();
     Router::new()
@@ -252,9 +272,19 @@ pub fn admin_router(state: AppState) -> Router {
         .route("/readyz", axum::routing::get(ops::get_readyz))
         .route("/metrics", axum::routing::get(ops::get_metrics))
         .route("/v1/policy", axum::routing::get(ops::get_policy))
+        .route("/v1/admin/keys", axum::routing::get(admin::list_keys))
+        .route(
+            "/v1/admin/keys/{tenant}/{key_hash}",
+            axum::routing::get(admin::show_key),
+        )
+        .route(
+            "/v1/admin/keys/{tenant}/{key_hash}/resolve",
+            axum::routing::post(admin::resolve_key),
+        )
         .fallback(|| async {
             problem::ApiError::NotFound(
-                "no such endpoint: the admin listener serves /healthz, /readyz, /metrics and /v1/policy"
+                "no such endpoint: the admin listener serves /healthz, /readyz, /metrics, \
+                 /v1/policy and /v1/admin/keys"
                     .into(),
             )
         })

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::problems::StoreUnavailable;
-use super::views::KeyFormat;
+use super::views::{KeyFormat, LeaseExpiry};
 use crate::fingerprint;
 use crate::key;
 use crate::problem::{ApiError, DEFAULT_PROBLEM_BASE};
@@ -44,6 +44,12 @@ pub struct Policy {
     pub expiry_header: &'static str,
     /// Longest `Prefer: wait=N` honoured, in seconds.
     pub max_wait_seconds: u64,
+    /// How long a duplicate of a key in flight is held when it does not send
+    /// `Prefer: wait` (0: answered at once). The reservation API answers at
+    /// once; the proxy and the layer hold it.
+    pub default_wait_seconds: u64,
+    /// What a lease that ends without a commit or release means.
+    pub on_lease_expiry: LeaseExpiryRules,
     /// How requests are fingerprinted.
     pub fingerprint: FingerprintRules,
     /// Methods the proxy and the layer guard.
@@ -115,6 +121,16 @@ pub struct KeyRules {
     pub strict: bool,
     /// The accepted syntax.
     pub syntax: &'static str,
+}
+
+/// What a lease that ends without news means for its key.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LeaseExpiryRules {
+    /// The choice when the holder names none: `takeover` (the reserve body's
+    /// `on_lease_expiry` chooses per reservation).
+    pub default: LeaseExpiry,
+    /// The rule.
+    pub rule: &'static str,
 }
 
 /// A default and a maximum.
@@ -230,6 +246,14 @@ pub fn policy(state: &AppState) -> Policy {
         },
         expiry_header: "Idempotency-Expires",
         max_wait_seconds: limits.max_wait.as_secs(),
+        default_wait_seconds: 0,
+        on_lease_expiry: LeaseExpiryRules {
+            default: LeaseExpiry::Takeover,
+            rule: "takeover: the next reserve after the lease takes the key over (attempt + 1) \
+                   with the last recovery point; hold: the outcome is unknown, and every request \
+                   with the key is 409 outcome-unknown until the holder's late commit or \
+                   release, or an operator (/v1/admin/keys), settles it",
+        },
         fingerprint: FingerprintRules {
             method: fingerprint::METHOD,
             ignored_pointers: state

@@ -31,6 +31,12 @@ pub struct ReserveBody {
     /// Seconds the key is remembered, from now (1..=max, default 86400).
     #[schema(minimum = 1)]
     pub ttl_seconds: Option<u32>,
+    /// What the lease's end without a commit, release or extend means
+    /// (default `takeover`: the next reserve takes the key over, with this
+    /// reservation's recovery point; `hold`: the outcome is unknown, and
+    /// every reserve of the key is `409 outcome-unknown` until this
+    /// reservation's late commit or release, or an operator, settles it).
+    pub on_lease_expiry: Option<LeaseExpiry>,
 }
 
 /// A request to fingerprint.
@@ -202,7 +208,8 @@ pub struct RecordView {
     pub reservation_id: Uuid,
     /// True while this id holds a live reservation of the key.
     pub live: bool,
-    /// `in_flight` or `completed`.
+    /// `in_flight`, `completed` or `unknown` (marked so by its holder, or
+    /// held past its lease).
     pub state: KeyState,
     /// 1 for the first holder, more after takeovers.
     pub attempt: i32,
@@ -257,12 +264,12 @@ pub(super) fn completed_response(record: &Record) -> Response {
     res
 }
 
-/// The public view of `record` as seen through reservation `id`.
-pub(super) fn record_view(id: Uuid, record: &Record, live: bool) -> RecordView {
+/// The public view of `record` at `now` as seen through reservation `id`.
+pub(super) fn record_view(id: Uuid, record: &Record, live: bool, now: DateTime<Utc>) -> RecordView {
     RecordView {
         reservation_id: id,
         live,
-        state: record.state.into(),
+        state: record.effective_state(now).into(),
         attempt: record.attempt,
         key_hash_prefix: crate::key::hash_prefix(&record.key_hash),
         fingerprint: record.fingerprint.clone(),
@@ -383,6 +390,10 @@ pub enum KeyState {
     InFlight,
     /// The result is stored and is replayed to every retry.
     Completed,
+    /// Whether the effect happened is unknown (the holder said so, or its
+    /// lease ended under `hold`): refused until its holder or an operator
+    /// settles it.
+    Unknown,
 }
 
 impl From<store::KeyState> for KeyState {
@@ -390,6 +401,35 @@ impl From<store::KeyState> for KeyState {
         match state {
             store::KeyState::InFlight => KeyState::InFlight,
             store::KeyState::Completed => KeyState::Completed,
+            store::KeyState::Unknown => KeyState::Unknown,
+        }
+    }
+}
+
+/// What a lease that ends without news means for its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseExpiry {
+    /// The next request takes the key over, with the last recovery point.
+    Takeover,
+    /// The outcome is unknown: the key is not run again until settled.
+    Hold,
+}
+
+impl From<LeaseExpiry> for store::LeaseExpiry {
+    fn from(choice: LeaseExpiry) -> store::LeaseExpiry {
+        match choice {
+            LeaseExpiry::Takeover => store::LeaseExpiry::Takeover,
+            LeaseExpiry::Hold => store::LeaseExpiry::Hold,
+        }
+    }
+}
+
+impl From<store::LeaseExpiry> for LeaseExpiry {
+    fn from(choice: store::LeaseExpiry) -> LeaseExpiry {
+        match choice {
+            store::LeaseExpiry::Takeover => LeaseExpiry::Takeover,
+            store::LeaseExpiry::Hold => LeaseExpiry::Hold,
         }
     }
 }

@@ -55,6 +55,13 @@ pub enum Command {
     /// are applied first.
     #[command(mut_args = one_shot_help)]
     Prune(StoreArgs),
+    /// See and settle stuck keys (unknown, or in flight past their lease)
+    /// straight in the database: list, show, resolve.
+    Keys {
+        /// What to do.
+        #[command(subcommand)]
+        command: crate::server::keys::KeysCommand,
+    },
     /// Print the OpenAPI document.
     Openapi {
         /// Write it to this file instead of standard output.

@@ -8,6 +8,7 @@
 //! units by value name (`SECONDS`, `BYTES`, `N`): that is what a refused
 //! value's message says is expected (see [`source::FORMS`]).
 
+mod admin;
 pub mod command;
 pub mod file;
 mod policy;
@@ -16,10 +17,12 @@ mod run;
 mod serve;
 pub mod source;
 mod store;
+mod tokens;
 
+pub use admin::{AdminAccess, AdminArgs};
 pub use policy::PolicyArgs;
 pub use proxy::{Header, ProxyArgs};
-pub use run::RunArgs;
+pub use run::{RunArgs, SealArgs};
 pub use serve::ServeArgs;
 pub use source::{Origin, Sources};
 pub use store::StoreArgs;

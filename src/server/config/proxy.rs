@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, seconds};
+use super::{AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, seconds};
+use crate::store::LeaseExpiry;
 
 /// Settings of `idemgate proxy`.
 #[derive(Debug, Clone, Args)]
@@ -59,10 +60,9 @@ pub struct ProxyArgs {
     pub upstream_timeout: Duration,
 
     /// Seconds after which a guarded upstream call that has still not
-    /// answered is abandoned: its outcome is unknown, and its key stays in
-    /// flight until its lease ends, then may be taken over. Until then the
-    /// lease is kept alive, so a slow origin never runs a key twice. The
-    /// default outlasts the request timeouts origins commonly have
+    /// answered is abandoned: its outcome is unknown (see
+    /// --on-lease-expiry). Until then the lease is kept alive, so a slow
+    /// origin never runs a key twice. The default outlasts the request timeouts origins commonly have
     /// themselves (30 to 120 s), at the cost of a connection and a task per
     /// call still running.
     #[arg(
@@ -93,6 +93,35 @@ pub struct ProxyArgs {
     #[arg(long, env = "IDEMGATE_PRESERVE_HOST", default_value_t = true)]
     pub preserve_host: bool,
 
+    /// What a key's lease ending without news means (the proxy was killed,
+    /// stalled or cut off from the database for longer than the lease):
+    /// `hold` (the default) never sends it upstream again by itself, for the
+    /// proxy cannot know whether the origin acted: every request with the
+    /// key gets 409 outcome-unknown until the proxy's late commit lands or
+    /// an operator settles it (`idemgate keys`); so does a key whose
+    /// upstream connection broke after the request was sent, or whose call
+    /// passed the abandon bound. `takeover`: the next request after the
+    /// lease sends it upstream again, with `Idempotency-Attempt: N`, for an
+    /// origin that dedupes on the key it is forwarded. Per route in the
+    /// config file too.
+    #[arg(long, env = "IDEMGATE_ON_LEASE_EXPIRY", value_name = "hold|takeover",
+          default_value = "hold", value_parser = parse_lease_expiry)]
+    pub on_lease_expiry: LeaseExpiry,
+
+    /// Seconds a duplicate of a key still in flight is held for the first
+    /// request's answer, which it then gets replayed (at most
+    /// IDEMGATE_MAX_WAIT), when it does not say itself with `Prefer: wait=N`;
+    /// `Prefer: wait=0` asks for the immediate 409 request-in-flight, and 0
+    /// here answers every duplicate at once.
+    #[arg(
+        long,
+        env = "IDEMGATE_DEFAULT_WAIT",
+        value_name = "SECONDS",
+        default_value = "10",
+        value_parser = seconds
+    )]
+    pub default_wait: Duration,
+
     /// Answer 400 key-missing to a guarded request without a key, instead of
     /// passing it through unguarded.
     #[arg(long, env = "IDEMGATE_REQUIRE_KEY")]
@@ -122,6 +151,9 @@ pub struct ProxyArgs {
     pub store_headers_deny: Vec<Header>,
 
     #[command(flatten)]
+    pub admin: AdminArgs,
+
+    #[command(flatten)]
     pub run: RunArgs,
 
     #[command(flatten)]
@@ -139,6 +171,11 @@ pub struct Header {
     pub name: http::HeaderName,
     /// As the operator spelled it.
     pub spelled: String,
+}
+
+/// `hold` or `takeover`.
+pub fn parse_lease_expiry(s: &str) -> Result<LeaseExpiry, String> {
+    LeaseExpiry::parse(s)
 }
 
 fn parse_header_name(s: &str) -> Result<Header, String> {
@@ -183,6 +220,17 @@ impl ProxyArgs {
                      allowed to run at least as long as its client waits for it",
                     self.upstream_abandon_after.as_secs(),
                     self.upstream_timeout.as_secs()
+                ),
+            });
+        }
+        if self.default_wait.as_secs() > u64::from(self.policy.max_wait) {
+            return Err(ConfigError {
+                setting: "default_wait",
+                problem: format!(
+                    "{} s is longer than the longest wait, {{max_wait}} ({} s): lower the one or \
+                     raise the other",
+                    self.default_wait.as_secs(),
+                    self.policy.max_wait
                 ),
             });
         }

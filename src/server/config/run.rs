@@ -82,6 +82,14 @@ pub struct RunArgs {
     )]
     pub tenant_max_stored_bytes: u64,
 
+    #[command(flatten)]
+    pub seal: SealArgs,
+}
+
+/// The seal keys of stored responses: what `serve` and `proxy` seal with,
+/// and what `keys` opens records with.
+#[derive(Debug, Clone, Args)]
+pub struct SealArgs {
     /// Seals stored responses at rest (AES-256-GCM): 32 random bytes,
     /// base64 (`openssl rand -base64 32`). New responses are sealed under it.
     #[arg(long, env = "IDEMGATE_SEAL_KEY", hide_env_values = true)]
@@ -119,6 +127,15 @@ impl RunArgs {
         }
     }
 
+    /// The sealer of the seal settings ([`SealArgs::sealer`]).
+    pub fn sealer(&self) -> Result<Option<Sealer>, ConfigError> {
+        self.seal.sealer()
+    }
+}
+
+// === impl SealArgs ===
+
+impl SealArgs {
     /// The sealer the seal settings describe, if `IDEMGATE_SEAL_KEY` is set;
     /// an error naming the setting (never its value) if a key is unusable.
     pub fn sealer(&self) -> Result<Option<Sealer>, ConfigError> {

@@ -4,7 +4,8 @@ use std::net::SocketAddr;
 
 use clap::Args;
 
-use super::{ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style};
+use super::tokens::{TokensParser, parse_tenant_tokens};
+use super::{AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style};
 use crate::server::auth::Tokens;
 
 /// Settings of `idemgate serve`.
@@ -23,8 +24,11 @@ pub struct ServeArgs {
     /// Bearer tokens and their tenants: tenant:token,tenant:token. Without
     /// tokens the server is open, single-tenant, and loopback-only.
     #[arg(long, env = "IDEMGATE_TOKENS", value_name = "TENANT:TOKEN,…", hide_env_values = true,
-          value_parser = TokensParser)]
+          value_parser = TokensParser::new("--tokens", "IDEMGATE_TOKENS", parse_tenant_tokens))]
     pub tokens: Option<Tokens>,
+
+    #[command(flatten)]
+    pub admin: AdminArgs,
 
     #[command(flatten)]
     pub run: RunArgs,
@@ -34,79 +38,6 @@ pub struct ServeArgs {
 
     #[command(flatten)]
     pub policy: PolicyArgs,
-}
-
-/// `--tokens`' parser. Its errors never repeat the value: it holds secrets
-/// (clap's own message for a refused value quotes the value whole).
-#[derive(Debug, Clone, Copy)]
-struct TokensParser;
-
-impl clap::builder::TypedValueParser for TokensParser {
-    type Value = Tokens;
-
-    fn parse_ref(
-        &self,
-        cmd: &clap::Command,
-        arg: Option<&clap::Arg>,
-        value: &std::ffi::OsStr,
-    ) -> Result<Tokens, clap::Error> {
-        use clap::error::{ContextKind, ContextValue, ErrorKind};
-        let problem = match value.to_str() {
-            Some(text) => match parse_tokens(text) {
-                Ok(tokens) => return Ok(tokens),
-                Err(problem) => problem,
-            },
-            None => "it is not valid UTF-8".to_owned(),
-        };
-        let name = arg.map_or_else(|| "--tokens".to_owned(), ToString::to_string);
-        let mut err = clap::Error::raw(
-            ErrorKind::ValueValidation,
-            format!(
-                "invalid value for '{name}' (IDEMGATE_TOKENS; the value is not shown, it holds \
-                 secrets): {problem}\n"
-            ),
-        );
-        // The setting and the problem, without the value: what the command
-        // line's refusal names (its source: a flag, the variable, the file).
-        err.insert(ContextKind::InvalidArg, ContextValue::String(name));
-        err.insert(ContextKind::Custom, ContextValue::String(problem));
-        Err(err.with_cmd(cmd))
-    }
-}
-
-/// `tenant:token,…`. A tenant may hold several tokens (rotation), but a token
-/// belongs to one tenant only; a pair listed twice counts once. No message
-/// holds a token.
-fn parse_tokens(s: &str) -> Result<Tokens, String> {
-    let mut pairs: Vec<(String, String)> = Vec::new();
-    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-        let Some((tenant, token)) = item.split_once(':') else {
-            return Err("each entry must be tenant:token (e.g. acme:s3cret)".into());
-        };
-        let tenant = tenant.trim();
-        if tenant.is_empty() || token.is_empty() {
-            return Err("a tenant and its token must both be non-empty".into());
-        }
-        if !tenant
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        {
-            return Err(format!(
-                "tenant {tenant:?} may hold only letters, digits, '-', '_' and '.'"
-            ));
-        }
-        match pairs.iter().find(|(_, t)| t == token) {
-            Some((owner, _)) if owner == tenant => continue,
-            Some((owner, _)) => {
-                return Err(format!(
-                    "a token is given to two tenants, {owner:?} and {tenant:?}: requests bearing \
-                     it could only ever reach one of them; give each tenant its own tokens"
-                ));
-            }
-            None => pairs.push((tenant.to_owned(), token.to_owned())),
-        }
-    }
-    Ok(Tokens::new(pairs))
 }
 
 // === impl ServeArgs ===
@@ -140,7 +71,7 @@ mod tests {
 
     #[test]
     fn a_token_belongs_to_one_tenant() {
-        let err = parse_tokens("acme:t0p-s3cret,globex:t0p-s3cret").unwrap_err();
+        let err = parse_tenant_tokens("acme:t0p-s3cret,globex:t0p-s3cret").unwrap_err();
         assert!(err.contains("two tenants"), "{err}");
         assert!(err.contains("acme") && err.contains("globex"), "{err}");
         assert!(!err.contains("t0p-s3cret"), "{err}");
@@ -148,7 +79,7 @@ mod tests {
 
     #[test]
     fn a_tenant_may_hold_several_tokens_and_a_pair_may_repeat() {
-        let tokens = parse_tokens("acme:old,acme:new, globex:g ,globex:g").unwrap();
+        let tokens = parse_tenant_tokens("acme:old,acme:new, globex:g ,globex:g").unwrap();
         assert_eq!(tokens.tenant_for("old"), Some("acme"));
         assert_eq!(tokens.tenant_for("new"), Some("acme"));
         assert_eq!(tokens.tenant_for("g"), Some("globex"));

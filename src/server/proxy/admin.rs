@@ -17,22 +17,17 @@ use crate::layer::{LayerPolicy, Tenant};
 use crate::server::api::{self, AppState};
 use crate::server::auth::Tokens;
 use crate::server::config::ProxyArgs;
-use crate::store::Store;
 
-/// The admin router over `store`.
-/// `sealed` says whether the proxy's engine seals what it stores.
-pub fn router(
-    store: Arc<dyn Store>,
-    args: &ProxyArgs,
-    policy: &LayerPolicy,
-    sealed: bool,
-) -> Router {
-    // It reserves nothing (the admin router has no reservation routes), so
-    // it needs no replay cache.
-    let engine = Engine::new(store, args.policy.limits())
-        .with_replay_cache(0)
-        .with_tenant_limits(args.run.tenant_limits());
-    let state = AppState::new(engine, Tokens::default(), &args.policy);
+/// The admin router over the proxy's `engine`, whose operators' endpoints
+/// settle keys in the proxy's own replay cache and wake its waiters.
+pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Router {
+    let sealed = engine.seals();
+    let state = AppState::new(
+        engine,
+        Tokens::default(),
+        args.admin.access(args.admin_listen),
+        &args.policy,
+    );
     let patch = Arc::new(policy_patch(args, policy, sealed));
     api::admin_router(state).layer(axum::middleware::from_fn_with_state(patch, publish))
 }
@@ -51,6 +46,14 @@ fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
         "header": args.key_header.spelled,
         "tenant_scoping": tenant,
         "lease_seconds": { "default": policy.lease.as_secs() },
+        "on_lease_expiry": {
+            "default": policy.on_lease_expiry.as_str(),
+            "rule": "a key whose proxy was killed, stalled or cut off from the database past its \
+                     lease, or whose upstream call broke off after it was sent: `hold` answers \
+                     409 outcome-unknown until its late commit or an operator settles it; \
+                     `takeover` sends it upstream again with Idempotency-Attempt: N",
+        },
+        "default_wait_seconds": policy.default_wait.map_or(0, |w| w.as_secs()),
         "stored_response": {
             "statuses": format!(
                 "every status is stored and replayed except {}, which release the key",
@@ -76,6 +79,7 @@ fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
                 "methods": r.methods.as_ref().map(|m| m.iter().map(|m| m.as_str()).collect::<Vec<_>>()),
                 "require_key": r.require_key,
                 "ttl_seconds": r.ttl.map(|t| t.as_secs()),
+                "on_lease_expiry": r.on_lease_expiry.map(|c| c.as_str()),
             })).collect::<Vec<_>>(),
         },
     })

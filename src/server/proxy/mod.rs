@@ -82,7 +82,7 @@ impl Proxy {
             store.clone(),
             args.policy.limits(),
         )?);
-        let admin = admin::router(engine.store().clone(), args, &policy, engine.seals());
+        let admin = admin::router(engine.clone(), args, &policy);
         let layer = IdempotencyLayer::new(engine.clone(), policy);
         let app = Router::new()
             .fallback_service(layer.layer(client))
@@ -118,6 +118,8 @@ pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
         .lease(upstream_timeout + LEASE_MARGIN)
         .answer_timeout(Some(upstream_timeout))
         .abandon_after(Some(args.upstream_abandon_after))
+        .on_lease_expiry(args.on_lease_expiry)
+        .default_wait((!args.default_wait.is_zero()).then_some(args.default_wait))
         .ttl(Duration::from_secs(u64::from(args.policy.default_ttl)))
         .routes(routes)
 }

@@ -6,6 +6,7 @@
 //! methods = ["POST", "PUT"]  # guarded methods here (default: IDEMGATE_METHODS)
 //! require_key = true         # default: IDEMGATE_REQUIRE_KEY
 //! ttl_seconds = 3600         # default: IDEMGATE_DEFAULT_TTL
+//! on_lease_expiry = "takeover"  # default: IDEMGATE_ON_LEASE_EXPIRY (hold)
 //! ```
 //!
 //! The first rule whose path matches applies; what it leaves out comes from
@@ -23,6 +24,7 @@ use http::Method;
 use serde::Deserialize;
 
 use crate::layer::Route;
+use crate::store::LeaseExpiry;
 use crate::server::config::{ConfigError, file};
 
 /// One `[[routes]]` entry as written.
@@ -33,6 +35,7 @@ struct RouteEntry {
     methods: Option<Vec<String>>,
     require_key: Option<bool>,
     ttl_seconds: Option<u32>,
+    on_lease_expiry: Option<String>,
 }
 
 /// The rules of the file at `path`; `max_ttl` bounds `ttl_seconds`.
@@ -103,6 +106,10 @@ fn route(value: &toml::Value, max_ttl: u32) -> Result<Route, String> {
         }
         route.ttl = Some(Duration::from_secs(u64::from(ttl)));
     }
+    if let Some(choice) = entry.on_lease_expiry {
+        route.on_lease_expiry =
+            Some(LeaseExpiry::parse(&choice).map_err(|e| format!("on_lease_expiry: {e}"))?);
+    }
     Ok(route)
 }
 
@@ -125,6 +132,7 @@ mod tests {
             path = "/v1/*/charges"
             methods = ["post", "PUT"]
             ttl_seconds = 60
+            on_lease_expiry = "takeover"
             "#,
         )
         .unwrap();
@@ -133,6 +141,8 @@ mod tests {
         assert!(routes[1].matches("/v1/acme/charges"));
         assert_eq!(routes[1].methods, Some(vec![Method::POST, Method::PUT]));
         assert_eq!(routes[1].ttl, Some(Duration::from_secs(60)));
+        assert_eq!(routes[1].on_lease_expiry, Some(LeaseExpiry::Takeover));
+        assert_eq!(routes[0].on_lease_expiry, None);
         assert!(parse("").unwrap().is_empty());
     }
 
@@ -148,6 +158,10 @@ mod tests {
                 "not an HTTP method",
             ),
             ("routes = 1", "array"),
+            (
+                "[[routes]]\npath = \"/a\"\non_lease_expiry = \"retry\"",
+                "on_lease_expiry",
+            ),
             ("[proxy]\n[[proxy.routes]]\npath = \"/a\"", "top level"),
         ] {
             let err = parse(text).unwrap_err();

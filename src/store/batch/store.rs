@@ -10,8 +10,9 @@ use uuid::Uuid;
 
 use super::Batched;
 use crate::store::{
-    BatchStats, Claim, ClaimRequest, Found, InFlightUsage, PoolStats, PruneBatch, Record, Recovery,
-    Result, Store, StoreError, StoredResponse, StoredUsage, Write, Written,
+    BatchStats, Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats,
+    PruneBatch, Record, Recovery, Resolve, Result, Store, StoreError, StoredResponse, StoredUsage,
+    Write, Written,
 };
 
 #[async_trait]
@@ -60,6 +61,10 @@ impl Store for Batched {
         }
     }
 
+    async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        self.store.mark_unknown(tenant, reservation_id).await
+    }
+
     async fn extend(
         &self,
         tenant: &str,
@@ -88,6 +93,22 @@ impl Store for Batched {
         reservation_id: Uuid,
     ) -> Result<Option<Found>> {
         self.store.find_by_reservation(tenant, reservation_id).await
+    }
+
+    async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>> {
+        self.store.find_key(tenant, key_hash).await
+    }
+
+    async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage> {
+        self.store.list_keys(query).await
+    }
+
+    async fn resolve(&self, resolve: &Resolve) -> Result<Option<Found>> {
+        self.store.resolve(resolve).await
+    }
+
+    async fn count_unknown(&self) -> Result<u64> {
+        self.store.count_unknown().await
     }
 
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {

@@ -115,17 +115,13 @@ pub(super) async fn flush(store: &dyn Store, jobs: &mut Vec<Job>) {
 
 /// Whether a claim of the key `claim` read, placed after the writes
 /// `between`, is bound to find the same record and claim nothing: the record
-/// is alive and either completed or held under a live lease, and none of
-/// `between` completes or releases its holder (the only writes that change
-/// such a record; a claim of it leaves it as it is).
+/// refuses claims ([`Record::refuses_claims`](crate::store::Record::refuses_claims):
+/// completed, unknown, or held), and none of `between` completes or releases
+/// its holder (the only writes of a batch that change such a record; a
+/// claim of it leaves it as it is).
 fn settled(claim: &Claim, between: &[Job]) -> bool {
     let record = &claim.record;
-    let holds = match record.state {
-        KeyState::Completed => true,
-        KeyState::InFlight => record.lease_expires_at.is_some_and(|end| end > claim.now),
-    };
-    record.expires_at > claim.now
-        && holds
+    record.refuses_claims(claim.now)
         && !between.iter().any(|job| match &job.write {
             Write::Complete { reservation_id, .. } | Write::Release { reservation_id, .. } => {
                 *reservation_id == record.reservation_id

@@ -26,17 +26,16 @@ pub enum Layout {
 /// The tables and the function the migrations distribute.
 const KEYS: &str = "idempotency_keys";
 const RESERVATIONS: &str = "idempotency_reservations";
+/// The claim function's signature, as the latest migration made it.
+pub(super) const RESERVE_SIGNATURE: &str =
+    "idemgate_reserve(text, bytea, text, uuid, float8, float8, int8, text)";
+/// The batch function's signature, as the latest migration made it.
+pub(super) const WRITE_BATCH_SIGNATURE: &str = "idemgate_write_batch(text, text[], text[], \
+     bytea[], text[], uuid[], float8[], float8[], int8[], int4[], jsonb[], bytea[], text[])";
 /// The functions distributed by their tenant argument: name, signature.
 const FUNCTIONS: [(&str, &str); 2] = [
-    (
-        "idemgate_reserve",
-        "idemgate_reserve(text, bytea, text, uuid, float8, float8, int8)",
-    ),
-    (
-        "idemgate_write_batch",
-        "idemgate_write_batch(text, text[], text[], bytea[], text[], uuid[], float8[], \
-         float8[], int8[], int4[], jsonb[], bytea[])",
-    ),
+    ("idemgate_reserve", RESERVE_SIGNATURE),
+    ("idemgate_write_batch", WRITE_BATCH_SIGNATURE),
 ];
 
 /// Serializes the distribution across idemgate processes starting together.

@@ -7,7 +7,9 @@ use chrono::{DateTime, Utc};
 use sqlx::FromRow;
 use uuid::Uuid;
 
-use crate::store::{KeyState, Record, Recovery, Result, StoreError, StoredResponse};
+use crate::store::{
+    Found, KeyState, LeaseExpiry, Record, Recovery, Resolution, Result, StoreError, StoredResponse,
+};
 
 /// One row of `idempotency_keys`, as [`key_columns!`](crate::store::key_columns) lists it.
 #[derive(FromRow)]
@@ -27,6 +29,11 @@ pub(super) struct KeyRow {
     pub(super) created_at: DateTime<Utc>,
     pub(super) completed_at: Option<DateTime<Utc>>,
     pub(super) expires_at: DateTime<Utc>,
+    pub(super) on_lease_expiry: String,
+    pub(super) resolved_action: Option<String>,
+    pub(super) resolved_reason: Option<String>,
+    pub(super) resolved_by: Option<String>,
+    pub(super) resolved_at: Option<DateTime<Utc>>,
 }
 
 #[derive(FromRow)]
@@ -53,6 +60,17 @@ pub(super) struct FoundRow {
     pub(super) row: KeyRow,
 }
 
+impl TryFrom<FoundRow> for Found {
+    type Error = StoreError;
+
+    fn try_from(r: FoundRow) -> Result<Found> {
+        Ok(Found {
+            now: r.db_now,
+            record: r.row.try_into()?,
+        })
+    }
+}
+
 impl TryFrom<KeyRow> for Record {
     type Error = StoreError;
 
@@ -62,6 +80,13 @@ impl TryFrom<KeyRow> for Record {
             r.response_status.map(i64::from),
             r.response_headers,
             r.response_body,
+        )?;
+        let on_lease_expiry = LeaseExpiry::parse(&r.on_lease_expiry).map_err(StoreError::other)?;
+        let resolution = Resolution::from_columns(
+            r.resolved_action,
+            r.resolved_reason,
+            r.resolved_by,
+            r.resolved_at,
         )?;
         Ok(Record {
             tenant: r.tenant,
@@ -79,6 +104,8 @@ impl TryFrom<KeyRow> for Record {
             created_at: r.created_at,
             completed_at: r.completed_at,
             expires_at: r.expires_at,
+            on_lease_expiry,
+            resolution,
         })
     }
 }

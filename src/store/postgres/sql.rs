@@ -12,24 +12,24 @@ use std::sync::LazyLock;
 use super::citus;
 use crate::store::key_columns;
 
-// The claim (migration `20261202000001_reserve_function.sql`): insert a new
+// The claim (migration `20261204000001_outcome_unknown.sql`): insert a new
 // record, or, under the row lock that ON CONFLICT takes, reset an expired one
-// or take over an in-flight one whose lease ended; else read the record as it
-// stands. `$7` is the tenant's limit of live in-flight keys, NULL for none. A
-// function, so that it is one router call on Citus too: see the migration.
+// or take over an in-flight one whose lease ended under 'takeover'; else read
+// the record as it stands. `$7` is the tenant's limit of live in-flight keys,
+// NULL for none; `$8` the new holder's `on_lease_expiry`. A function, so that
+// it is one router call on Citus too: see the migration.
 pub(super) const RESERVE: &str = concat!(
     "SELECT claimed, db_now, ",
     key_columns!(),
-    " FROM idemgate_reserve($1, $2, $3, $4, $5, $6, $7)"
+    " FROM idemgate_reserve($1, $2, $3, $4, $5, $6, $7, $8)"
 );
 
-// Claims, commits and releases in one call (migration
-// `20261203000001_write_batch_function.sql`); the arrays hold one item per
-// write, NULL where a kind of write has no such argument.
+// Claims, commits and releases in one call (the same migration); the arrays
+// hold one item per write, NULL where a kind of write has no such argument.
 pub(super) const WRITE_BATCH: &str = concat!(
     "SELECT ord, claimed, db_now, ",
     key_columns!(),
-    " FROM idemgate_write_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+    " FROM idemgate_write_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
 );
 
 pub(super) static PRUNE: LazyLock<String> = LazyLock::new(|| {
@@ -42,41 +42,54 @@ pub(super) static PRUNE: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// Restricts a statement on `idempotency_keys k` to the row whose current
-/// holder is reservation `$2` of tenant `$1`, while the record is alive.
+/// holder is reservation `$2` of tenant `$1`, while the record is alive and
+/// in one of the `states` (an SQL list).
 macro_rules! current_holder {
-    () => {
-        "k.tenant = $1 AND k.reservation_id = $2
+    ($states:literal) => {
+        concat!(
+            "k.tenant = $1 AND k.reservation_id = $2
            AND k.key_hash = (SELECT r.key_hash FROM idempotency_reservations r
                               WHERE r.tenant = $1 AND r.reservation_id = $2)
-           AND k.state = 'in_flight' AND k.expires_at > now()"
+           AND k.state IN (",
+            $states,
+            ") AND k.expires_at > now()"
+        )
     };
 }
 
+// A commit or a release settles the key its holder marked unknown too: its
+// reservation id is still the current one.
 pub(super) const COMPLETE: &str = concat!(
     "UPDATE idempotency_keys k SET state = 'completed', response_status = $3,
             response_headers = $4, response_body = $5, completed_at = now(),
             lease_expires_at = NULL
       WHERE ",
-    current_holder!(),
+    current_holder!("'in_flight', 'unknown'"),
     " RETURNING ",
     key_columns!()
 );
 
 pub(super) const RELEASE: &str = concat!(
     "UPDATE idempotency_keys k SET expires_at = now(), lease_expires_at = now() WHERE ",
-    current_holder!(),
+    current_holder!("'in_flight', 'unknown'"),
+    " RETURNING k.key_hash"
+);
+
+pub(super) const MARK_UNKNOWN: &str = concat!(
+    "UPDATE idempotency_keys k SET state = 'unknown' WHERE ",
+    current_holder!("'in_flight'"),
     " RETURNING k.key_hash"
 );
 
 pub(super) const EXTEND: &str = concat!(
     "UPDATE idempotency_keys k SET lease_expires_at = now() + make_interval(secs => $3) WHERE ",
-    current_holder!(),
+    current_holder!("'in_flight'"),
     " RETURNING k.lease_expires_at"
 );
 
 pub(super) const CHECKPOINT: &str = concat!(
     "UPDATE idempotency_keys k SET recovery_point = $3, recovery_data = $4 WHERE ",
-    current_holder!(),
+    current_holder!("'in_flight'"),
     " RETURNING ",
     key_columns!()
 );
@@ -88,6 +101,87 @@ pub(super) const FIND: &str = concat!(
       WHERE k.tenant = $1
         AND k.key_hash = (SELECT r.key_hash FROM idempotency_reservations r
                            WHERE r.tenant = $1 AND r.reservation_id = $2)"
+);
+
+pub(super) const FIND_KEY: &str = concat!(
+    "SELECT now() AS db_now, ",
+    key_columns!(),
+    " FROM idempotency_keys k WHERE k.tenant = $1 AND k.key_hash = $2"
+);
+
+/// An alive record that is unknown: marked so, or in flight past its lease
+/// under 'hold'.
+macro_rules! unknown {
+    () => {
+        "(k.state = 'unknown'
+          OR (k.state = 'in_flight' AND k.on_lease_expiry = 'hold'
+              AND k.lease_expires_at <= now()))"
+    };
+}
+
+/// The operators' listing: alive records, oldest first, after the cursor
+/// `($5, $6, $7)` (NULLs: from the start). `$1` the effective state (NULL:
+/// any), `$2` the tenant (NULL: any), `$3` the least age in seconds (NULL:
+/// any), `$4` the page's size.
+pub(super) const LIST_KEYS: &str = concat!(
+    "SELECT now() AS db_now, ",
+    key_columns!(),
+    " FROM idempotency_keys k
+      WHERE k.expires_at > now()
+        AND ($2::text IS NULL OR k.tenant = $2)
+        AND ($3::float8 IS NULL OR k.created_at <= now() - make_interval(secs => $3))
+        AND ($5::timestamptz IS NULL OR (k.created_at, k.tenant, k.key_hash) > ($5, $6, $7))
+        AND CASE $1::text
+              WHEN 'unknown' THEN ",
+    unknown!(),
+    "
+              WHEN 'in_flight' THEN k.state = 'in_flight' AND NOT ",
+    unknown!(),
+    "
+              WHEN 'completed' THEN k.state = 'completed'
+              ELSE true END
+      ORDER BY k.created_at, k.tenant, k.key_hash
+      LIMIT $4"
+);
+
+pub(super) const COUNT_UNKNOWN: &str = concat!(
+    "SELECT count(*) FROM idempotency_keys k WHERE k.expires_at > now() AND ",
+    unknown!()
+);
+
+/// The settlement applies to the record of `($1, $2)` while it still has
+/// reservation id `$3` and is stuck: alive, and unknown or in flight past
+/// its lease.
+macro_rules! stuck {
+    () => {
+        "k.tenant = $1 AND k.key_hash = $2 AND k.reservation_id = $3
+           AND k.expires_at > now()
+           AND (k.state = 'unknown'
+                OR (k.state = 'in_flight' AND k.lease_expires_at <= now()))"
+    };
+}
+
+// `$4` reason, `$5` who.
+pub(super) const RESOLVE_RELEASE: &str = concat!(
+    "UPDATE idempotency_keys k SET expires_at = now(), lease_expires_at = now(),
+            resolved_action = 'release', resolved_reason = $4, resolved_by = $5,
+            resolved_at = now()
+      WHERE ",
+    stuck!(),
+    " RETURNING now() AS db_now, ",
+    key_columns!()
+);
+
+// `$4` reason, `$5` who, `$6` status, `$7` headers, `$8` body.
+pub(super) const RESOLVE_COMPLETE: &str = concat!(
+    "UPDATE idempotency_keys k SET state = 'completed', response_status = $6,
+            response_headers = $7, response_body = $8, completed_at = now(),
+            lease_expires_at = NULL, resolved_action = 'complete', resolved_reason = $4,
+            resolved_by = $5, resolved_at = now()
+      WHERE ",
+    stuck!(),
+    " RETURNING now() AS db_now, ",
+    key_columns!()
 );
 
 /// A tenant's live in-flight keys, up to `$2`; the partial index
@@ -126,18 +220,21 @@ pub fn complete() -> &'static str {
 
 /// Every per-request statement, by name, for tests that check how a
 /// distributed database plans each. Binds, after tenant (text): `reserve`
-/// and `complete` as above; `release`: reservation id; `extend`: reservation
-/// id, lease seconds (float8); `checkpoint`: reservation id, recovery point
-/// (text), data (jsonb); `find`: reservation id; `in_flight_usage`: limit
-/// (int8); `stored_usage`: nothing.
-pub fn per_request() -> [(&'static str, &'static str); 8] {
+/// and `complete` as above; `release`, `mark_unknown`: reservation id;
+/// `extend`: reservation id, lease seconds (float8); `checkpoint`:
+/// reservation id, recovery point (text), data (jsonb); `find`: reservation
+/// id; `find_key`: key hash (bytea); `in_flight_usage`: limit (int8);
+/// `stored_usage`: nothing.
+pub fn per_request() -> [(&'static str, &'static str); 10] {
     [
         ("reserve", RESERVE),
         ("complete", COMPLETE),
         ("release", RELEASE),
+        ("mark_unknown", MARK_UNKNOWN),
         ("extend", EXTEND),
         ("checkpoint", CHECKPOINT),
         ("find", FIND),
+        ("find_key", FIND_KEY),
         ("in_flight_usage", IN_FLIGHT_USAGE),
         ("stored_usage", STORED_USAGE),
     ]

@@ -14,8 +14,9 @@ use super::rows::{ClaimRow, FoundRow, KeyRow, headers_json};
 use super::sql::*;
 use super::write_batch::BATCH_WRITERS;
 use crate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, PoolStats, PruneBatch, Record, Recovery, Result,
-    Store, StoreError, StoredResponse, StoredUsage, Write, Written,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, KeyState, PoolStats, PruneBatch,
+    Record, Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse,
+    StoredUsage, Write, Written,
 };
 
 #[async_trait]
@@ -34,7 +35,8 @@ impl Store for PgStore {
                 .bind(req.reservation_id)
                 .bind(f64::from(req.lease_seconds))
                 .bind(f64::from(req.ttl_seconds))
-                .bind(req.max_in_flight.map(i64::from));
+                .bind(req.max_in_flight.map(i64::from))
+                .bind(req.on_lease_expiry.as_str());
             let row: Option<ClaimRow> = self.fetch_row(query).await?;
             match row {
                 Some(row) => {
@@ -83,6 +85,15 @@ impl Store for PgStore {
         .await
     }
 
+    async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        self.fetch_scalar(
+            sqlx::query_scalar(MARK_UNKNOWN)
+                .bind(tenant)
+                .bind(reservation_id),
+        )
+        .await
+    }
+
     async fn extend(
         &self,
         tenant: &str,
@@ -124,13 +135,71 @@ impl Store for PgStore {
         let row: Option<FoundRow> = self
             .fetch_row(sqlx::query_as(FIND).bind(tenant).bind(reservation_id))
             .await?;
-        row.map(|r| {
-            Ok(Found {
-                now: r.db_now,
-                record: r.row.try_into()?,
-            })
-        })
-        .transpose()
+        row.map(Found::try_from).transpose()
+    }
+
+    async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>> {
+        let row: Option<FoundRow> = self
+            .fetch_row(sqlx::query_as(FIND_KEY).bind(tenant).bind(key_hash))
+            .await?;
+        row.map(Found::try_from).transpose()
+    }
+
+    async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage> {
+        let after = query.after.as_ref();
+        let rows: Vec<FoundRow> = self
+            .fetch_all(
+                sqlx::query_as(LIST_KEYS)
+                    .bind(query.state.map(KeyState::as_str))
+                    .bind(query.tenant.as_deref())
+                    .bind(query.older_than.map(|d| d.as_secs_f64()))
+                    .bind(i64::from(query.limit.max(1)))
+                    .bind(after.map(|c| c.created_at))
+                    .bind(after.map(|c| c.tenant.as_str()))
+                    .bind(after.map(|c| c.key_hash.as_slice())),
+            )
+            .await?;
+        let now = match rows.first() {
+            Some(row) => row.db_now,
+            None => self
+                .fetch_scalar(sqlx::query_scalar("SELECT now()"))
+                .await?
+                .ok_or_else(|| StoreError::other("now() returned no row"))?,
+        };
+        let records = rows
+            .into_iter()
+            .map(|row| Record::try_from(row.row))
+            .collect::<Result<_>>()?;
+        Ok(KeyPage { records, now })
+    }
+
+    async fn resolve(&self, resolve: &Resolve) -> Result<Option<Found>> {
+        let query = match resolve.action {
+            ResolveAction::Release => sqlx::query_as(RESOLVE_RELEASE),
+            ResolveAction::Complete => sqlx::query_as(RESOLVE_COMPLETE),
+        }
+        .bind(&resolve.tenant)
+        .bind(&resolve.key_hash)
+        .bind(resolve.reservation_id)
+        .bind(&resolve.reason)
+        .bind(&resolve.by);
+        let query = match (resolve.action, &resolve.response) {
+            (ResolveAction::Complete, Some(response)) => query
+                .bind(i32::from(response.status))
+                .bind(headers_json(&response.headers))
+                .bind(&response.body),
+            (ResolveAction::Complete, None) => {
+                return Err(StoreError::other("a completion without a response"));
+            }
+            (ResolveAction::Release, _) => query,
+        };
+        let row: Option<FoundRow> = self.fetch_row(query).await?;
+        row.map(Found::try_from).transpose()
+    }
+
+    async fn count_unknown(&self) -> Result<u64> {
+        let n: Option<i64> = self.fetch_scalar(sqlx::query_scalar(COUNT_UNKNOWN)).await?;
+        Ok(n.and_then(|n| u64::try_from(n).ok()).unwrap_or(0))
     }
 
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
@@ -198,18 +267,16 @@ impl Store for PgStore {
         // cached plan would keep the answer of its first run), reading
         // neither table.
         let found: Option<(bool, bool, bool, bool)> = self
-            .fetch_row(sqlx::query_as(
-                "SELECT to_regclass('idempotency_keys') IS NOT NULL,
+            .fetch_row(
+                sqlx::query_as(
+                    "SELECT to_regclass('idempotency_keys') IS NOT NULL,
                         to_regclass('idempotency_reservations') IS NOT NULL,
-                        to_regprocedure(
-                            'idemgate_reserve(text, bytea, text, uuid, float8, float8, int8)')
-                            IS NOT NULL,
-                        to_regprocedure(
-                            'idemgate_write_batch(text, text[], text[], bytea[], text[], uuid[],
-                                                  float8[], float8[], int8[], int4[], jsonb[],
-                                                  bytea[])')
-                            IS NOT NULL",
-            ))
+                        to_regprocedure($1) IS NOT NULL,
+                        to_regprocedure($2) IS NOT NULL",
+                )
+                .bind(citus::RESERVE_SIGNATURE)
+                .bind(citus::WRITE_BATCH_SIGNATURE),
+            )
             .await?;
         match found {
             Some((true, true, true, true)) => Ok(()),

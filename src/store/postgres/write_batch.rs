@@ -31,6 +31,7 @@ impl PgStore {
         let mut statuses: Vec<Option<i32>> = Vec::with_capacity(n);
         let mut headers: Vec<Option<serde_json::Value>> = Vec::with_capacity(n);
         let mut bodies: Vec<Option<&[u8]>> = Vec::with_capacity(n);
+        let mut on_lease_expiry: Vec<Option<&str>> = Vec::with_capacity(n);
         for write in writes {
             let (op, id) = match write {
                 Write::Claim(req) => ("claim", req.reservation_id),
@@ -44,6 +45,7 @@ impl PgStore {
                 Write::Claim(req) => Some(req),
                 _ => None,
             };
+            on_lease_expiry.push(claim.map(|r| r.on_lease_expiry.as_str()));
             key_hashes.push(claim.map(|r| &r.key_hash[..]));
             fingerprints.push(claim.and_then(|r| r.fingerprint.as_deref()));
             leases.push(claim.map(|r| f64::from(r.lease_seconds)));
@@ -69,7 +71,8 @@ impl PgStore {
             .bind(&limits)
             .bind(&statuses)
             .bind(&headers)
-            .bind(&bodies);
+            .bind(&bodies)
+            .bind(&on_lease_expiry);
         let rows: Vec<BatchRow> = match self.fetch_all(query).await {
             Ok(rows) => rows,
             Err(e) => return writes.iter().map(|_| Err(e.clone())).collect(),
@@ -108,7 +111,7 @@ impl PgStore {
     }
 
     /// Runs a query on one of the store's connections; every row.
-    async fn fetch_all<'q, O>(
+    pub(super) async fn fetch_all<'q, O>(
         &self,
         query: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
     ) -> Result<Vec<O>>

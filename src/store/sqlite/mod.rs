@@ -56,7 +56,7 @@ use rows::{KeyRow, now_ms, ts};
 use sql::SELECT_KEY;
 use tx::{WriteTx, after_write, claim_in, complete_in, release_in};
 
-use super::{Claim, ClaimRequest, KeyState, Record, Result, StoreError, Write, Written};
+use super::{Claim, ClaimRequest, Record, Result, StoreError, Write, Written};
 use lock::FileLock;
 
 /// The SQLite schema migrations (`migrations/sqlite`).
@@ -239,12 +239,7 @@ impl SqliteStore {
         };
         let record = Record::try_from(row)?;
         let now = ts(now)?;
-        let live = record.expires_at > now
-            && match record.state {
-                KeyState::Completed => true,
-                KeyState::InFlight => record.lease_expires_at.is_some_and(|end| end > now),
-            };
-        Ok(live.then_some(Claim {
+        Ok(record.refuses_claims(now).then_some(Claim {
             claimed: false,
             record,
             now,

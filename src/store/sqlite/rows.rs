@@ -6,7 +6,9 @@ use chrono::{DateTime, Utc};
 use sqlx::FromRow;
 use uuid::fmt::Hyphenated;
 
-use crate::store::{KeyState, Record, Recovery, Result, StoreError, StoredResponse};
+use crate::store::{
+    KeyState, LeaseExpiry, Record, Recovery, Resolution, Result, StoreError, StoredResponse,
+};
 
 /// This process's clock in whole milliseconds, the stored precision, so that
 /// the `now` handed to the engine is exactly the one the SQL compared with.
@@ -46,6 +48,11 @@ pub(super) struct KeyRow {
     pub(super) created_at: i64,
     pub(super) completed_at: Option<i64>,
     pub(super) expires_at: i64,
+    pub(super) on_lease_expiry: String,
+    pub(super) resolved_action: Option<String>,
+    pub(super) resolved_reason: Option<String>,
+    pub(super) resolved_by: Option<String>,
+    pub(super) resolved_at: Option<i64>,
 }
 
 impl TryFrom<KeyRow> for Record {
@@ -83,6 +90,13 @@ impl TryFrom<KeyRow> for Record {
             created_at: ts(r.created_at)?,
             completed_at: ts_opt(r.completed_at)?,
             expires_at: ts(r.expires_at)?,
+            on_lease_expiry: LeaseExpiry::parse(&r.on_lease_expiry).map_err(StoreError::other)?,
+            resolution: Resolution::from_columns(
+                r.resolved_action,
+                r.resolved_reason,
+                r.resolved_by,
+                ts_opt(r.resolved_at)?,
+            )?,
         })
     }
 }

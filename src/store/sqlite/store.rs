@@ -11,8 +11,9 @@ use super::rows::*;
 use super::sql::*;
 use super::tx::*;
 use crate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, PoolStats, PruneBatch, Record, Recovery, Result,
-    Store, StoreError, StoredResponse, StoredUsage, Write, Written,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, KeyState, PoolStats, PruneBatch,
+    Record, Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse,
+    StoredUsage, Write, Written,
 };
 
 #[async_trait]
@@ -44,6 +45,19 @@ impl Store for SqliteStore {
     async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
         let mut tx = self.begin_write().await?;
         let key_hash = release_in(&mut tx, tenant, reservation_id, now_ms()).await?;
+        tx.commit().await.map_err(classify)?;
+        Ok(key_hash)
+    }
+
+    async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        let mut tx = self.begin_write().await?;
+        let key_hash: Option<Vec<u8>> = sqlx::query_scalar(MARK_UNKNOWN)
+            .bind(tenant)
+            .bind(reservation_id.hyphenated())
+            .bind(now_ms())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(classify)?;
         tx.commit().await.map_err(classify)?;
         Ok(key_hash)
     }
@@ -111,6 +125,91 @@ impl Store for SqliteStore {
             })
         })
         .transpose()
+    }
+
+    async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>> {
+        let now = now_ms();
+        let row: Option<KeyRow> = sqlx::query_as(SELECT_KEY)
+            .bind(tenant)
+            .bind(key_hash)
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(classify)?;
+        row.map(|r| {
+            Ok(Found {
+                now: ts(now)?,
+                record: r.try_into()?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage> {
+        let now = now_ms();
+        let created_by = query.older_than.map(|d| {
+            now.saturating_sub(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        });
+        let after = query.after.as_ref();
+        let rows: Vec<KeyRow> = sqlx::query_as(LIST_KEYS)
+            .bind(now)
+            .bind(query.state.map(KeyState::as_str))
+            .bind(query.tenant.as_deref())
+            .bind(created_by)
+            .bind(i64::from(query.limit.max(1)))
+            .bind(after.map(|c| c.created_at.timestamp_millis()))
+            .bind(after.map(|c| c.tenant.as_str()))
+            .bind(after.map(|c| c.key_hash.as_slice()))
+            .fetch_all(&self.reader)
+            .await
+            .map_err(classify)?;
+        Ok(KeyPage {
+            records: rows
+                .into_iter()
+                .map(Record::try_from)
+                .collect::<Result<_>>()?,
+            now: ts(now)?,
+        })
+    }
+
+    async fn resolve(&self, resolve: &Resolve) -> Result<Option<Found>> {
+        let id = resolve.reservation_id.hyphenated();
+        let mut tx = self.begin_write().await?;
+        let now = now_ms();
+        let query = match resolve.action {
+            ResolveAction::Release => sqlx::query_as(RESOLVE_RELEASE),
+            ResolveAction::Complete => sqlx::query_as(RESOLVE_COMPLETE),
+        }
+        .bind(&resolve.tenant)
+        .bind(&resolve.key_hash)
+        .bind(id)
+        .bind(now)
+        .bind(&resolve.reason)
+        .bind(&resolve.by);
+        let query = match (resolve.action, &resolve.response) {
+            (ResolveAction::Complete, Some(response)) => query
+                .bind(i64::from(response.status))
+                .bind(headers_json(&response.headers)?)
+                .bind(&response.body),
+            (ResolveAction::Complete, None) => {
+                return Err(StoreError::other("a completion without a response"));
+            }
+            (ResolveAction::Release, _) => query,
+        };
+        let row: Option<KeyRow> = query.fetch_optional(&mut *tx).await.map_err(classify)?;
+        let record = row.map(Record::try_from).transpose()?;
+        tx.commit().await.map_err(classify)?;
+        record
+            .map(|record| Ok(Found { record, now: ts(now)? }))
+            .transpose()
+    }
+
+    async fn count_unknown(&self) -> Result<u64> {
+        let n: i64 = sqlx::query_scalar(COUNT_UNKNOWN)
+            .bind(now_ms())
+            .fetch_one(&self.reader)
+            .await
+            .map_err(classify)?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {

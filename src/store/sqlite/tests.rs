@@ -14,6 +14,7 @@ fn claim(key: u8) -> ClaimRequest {
         reservation_id: Uuid::new_v4(),
         lease_seconds: 30,
         ttl_seconds: 60,
+        on_lease_expiry: crate::store::LeaseExpiry::Takeover,
         max_in_flight: None,
     }
 }

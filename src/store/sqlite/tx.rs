@@ -123,6 +123,7 @@ pub(super) async fn claim_in(
             .bind(now)
             .bind(secs_ms(req.lease_seconds))
             .bind(secs_ms(req.ttl_seconds))
+            .bind(req.on_lease_expiry.as_str())
             .fetch_optional(&mut *tx)
             .await
             .map_err(classify)?

@@ -180,7 +180,7 @@ pub async fn checkpoint_reservation(
         .checkpoint(&tenant, id, &body.into())
         .await?
         .map_err(ApiError::from)?;
-    Ok(axum::Json(record_view(id, &record, true)))
+    Ok(axum::Json(record_view(id, &record, true, chrono::Utc::now())))
 }
 
 /// The public view of the record a reservation belongs to.
@@ -215,12 +215,14 @@ pub async fn get_reservation(
         Some(Lookup::Gone) => Err(ApiError::Gone(
             "this reservation's key expired or was released, or another request holds it now",
         )),
-        Some(Lookup::Record { record, live }) => Ok(axum::Json(record_view(id, &record, live))),
+        Some(Lookup::Record { record, live, now }) => {
+            Ok(axum::Json(record_view(id, &record, live, now)))
+        }
     }
 }
 
 /// The commit's body as the response to store, checked.
-fn stored_response(body: CommitBody, max_body: usize) -> Result<StoredResponse> {
+pub(crate) fn stored_response(body: CommitBody, max_body: usize) -> Result<StoredResponse> {
     if !(100..=599).contains(&body.status) {
         return Err(ApiError::InvalidRequest(format!(
             "status is {}; it must be between 100 and 599",

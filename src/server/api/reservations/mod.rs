@@ -182,6 +182,9 @@ async fn reserve(
             lease_seconds,
             ttl_seconds,
             wait,
+            on_lease_expiry: body
+                .on_lease_expiry
+                .map_or(crate::store::LeaseExpiry::Takeover, Into::into),
         })
         .await?;
     let metric = decision.outcome();

@@ -1,0 +1,533 @@
+//! `idemgate keys list | show | resolve`: the operators' work on stuck keys,
+//! straight against `DATABASE_URL` (the admin endpoints do the same over
+//! HTTP; both run [`crate::server::operations`]). Output is a table a person
+//! reads, with ages in words, or JSON (`--json`) in the admin endpoints'
+//! shapes for scripts.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{Context as _, bail};
+use chrono::{DateTime, Utc};
+use clap::{Args, Subcommand};
+
+use crate::engine::{Engine, Limits};
+use crate::problem::ApiError;
+use crate::server::api::views::CommitBody;
+use crate::server::config::{SealArgs, StoreArgs};
+use crate::server::operations::{
+    self, Action, KeyList, KeyView, ListQuery, ResolveBody, ShownState, list::StateFilter,
+};
+use crate::server::wiring;
+
+/// `idemgate keys`: see, and settle, the keys nobody will settle by
+/// themselves.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// List keys, oldest first (`--state unknown`: the ones waiting for an
+    /// operator).
+    List(ListArgs),
+    /// Show one key.
+    Show(ShowArgs),
+    /// Settle a stuck key: --release (nothing happened: the next request
+    /// executes) or --complete with the response that really happened
+    /// (every retry replays it), and a --reason.
+    Resolve(ResolveArgs),
+}
+
+/// Where the keys are.
+#[derive(Debug, Clone, Args)]
+pub struct Database {
+    #[command(flatten)]
+    pub store: StoreArgs,
+
+    #[command(flatten)]
+    pub seal: SealArgs,
+
+    /// Print JSON (the admin endpoints' shapes) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `keys list`.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// Only keys in this state: unknown (marked so, or held past their
+    /// lease), in_flight, or completed.
+    #[arg(long, value_name = "unknown|in_flight|completed", value_parser = parse_state)]
+    pub state: Option<StateFilter>,
+
+    /// Only this tenant's keys, as stored.
+    #[arg(long)]
+    pub tenant: Option<String>,
+
+    /// Only keys first reserved at least this many seconds ago.
+    #[arg(long, value_name = "SECONDS")]
+    pub older_than: Option<u64>,
+
+    /// The most keys to print (1 to 1000) on one page.
+    #[arg(long, value_name = "N", default_value_t = operations::list::DEFAULT_LIMIT)]
+    pub limit: u32,
+
+    /// Start after this cursor (the `next` of an earlier page).
+    #[arg(long)]
+    pub cursor: Option<String>,
+
+    /// Every page, not just the first.
+    #[arg(long)]
+    pub all: bool,
+
+    #[command(flatten)]
+    pub db: Database,
+}
+
+/// Which key: `TENANT KEY_HASH`, or `TENANT --key KEY`, or
+/// `--tenant-of VALUE --key KEY` for the proxy's tenants.
+#[derive(Debug, Clone, Args)]
+pub struct KeyRef {
+    /// The key's tenant, as stored (the reservation API's tenant name; the
+    /// proxy's is the hex SHA-256 of its tenant header, or `anonymous`).
+    #[arg(value_name = "TENANT")]
+    pub tenant: Option<String>,
+
+    /// The lowercase hex SHA-256 of the key, as `keys list` shows it.
+    #[arg(value_name = "KEY_HASH", conflicts_with = "key")]
+    pub key_hash: Option<String>,
+
+    /// The raw key, hashed here (never stored or printed).
+    #[arg(long, value_name = "KEY")]
+    pub key: Option<String>,
+
+    /// The proxy's tenant: the value its tenant header (Authorization by
+    /// default) carried, hashed here as the proxy does.
+    #[arg(long, value_name = "HEADER_VALUE", conflicts_with = "tenant")]
+    pub tenant_of: Option<String>,
+}
+
+/// `keys show`.
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    #[command(flatten)]
+    pub key: KeyRef,
+
+    #[command(flatten)]
+    pub db: Database,
+}
+
+/// `keys resolve`.
+#[derive(Debug, Args)]
+pub struct ResolveArgs {
+    #[command(flatten)]
+    pub key: KeyRef,
+
+    /// Nothing happened: forget the key, so that the next request with it
+    /// executes.
+    #[arg(long, conflicts_with = "complete", required_unless_present = "complete")]
+    pub release: bool,
+
+    /// This is what happened: store the response given by --status,
+    /// --header and --body, which every retry then replays.
+    #[arg(long)]
+    pub complete: bool,
+
+    /// Why (kept with the record and logged).
+    #[arg(long, required = true)]
+    pub reason: String,
+
+    /// Who settles it (default: $USER).
+    #[arg(long)]
+    pub by: Option<String>,
+
+    /// With --complete: the status of the response that happened.
+    #[arg(long, value_name = "STATUS", requires = "complete")]
+    pub status: Option<u16>,
+
+    /// With --complete: a header line of it, `Name: value` (repeatable).
+    #[arg(long, value_name = "NAME: VALUE", requires = "complete")]
+    pub header: Vec<String>,
+
+    /// With --complete: its body, as text.
+    #[arg(long, value_name = "TEXT", requires = "complete", conflicts_with = "body_file")]
+    pub body: Option<String>,
+
+    /// With --complete: its body, from a file.
+    #[arg(long, value_name = "FILE", requires = "complete")]
+    pub body_file: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub db: Database,
+}
+
+fn parse_state(s: &str) -> Result<StateFilter, String> {
+    match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+        "unknown" => Ok(StateFilter::Unknown),
+        "in_flight" => Ok(StateFilter::InFlight),
+        "completed" => Ok(StateFilter::Completed),
+        _ => Err("expected unknown, in_flight or completed".into()),
+    }
+}
+
+/// Runs one `keys` command.
+pub async fn run(command: KeysCommand) -> anyhow::Result<()> {
+    match command {
+        KeysCommand::List(args) => list(args).await,
+        KeysCommand::Show(args) => show(args).await,
+        KeysCommand::Resolve(args) => resolve(args).await,
+    }
+}
+
+/// The engine over the database `db` names, migrated (as `prune` does).
+async fn engine(db: &Database) -> anyhow::Result<Engine> {
+    let store = wiring::open_store(&db.store, true).await.map_err(|e| {
+        if db.store.database_url.trim().starts_with("sqlite") && e.to_string().contains("lock") {
+            e.context(
+                "a running idemgate holds this SQLite file: ask it instead, on its admin \
+                 endpoints (GET /v1/admin/keys?state=unknown on serve's listener, or on the \
+                 proxy's admin listener)",
+            )
+        } else {
+            e
+        }
+    })?;
+    let sealer = db.seal.sealer()?;
+    Ok(Engine::new(store, Limits::default())
+        .with_replay_cache(0)
+        .with_sealer(sealer))
+}
+
+async fn list(args: ListArgs) -> anyhow::Result<()> {
+    let engine = engine(&args.db).await?;
+    let mut query = ListQuery {
+        state: args.state,
+        tenant: args.tenant.clone(),
+        older_than: args.older_than,
+        limit: Some(args.limit),
+        cursor: args.cursor.clone(),
+    };
+    let mut all = KeyList {
+        keys: Vec::new(),
+        next: None,
+    };
+    loop {
+        let page = operations::list(&engine, &query).await.map_err(refused)?;
+        all.keys.extend(page.keys);
+        all.next = page.next;
+        match &all.next {
+            Some(next) if args.all => query.cursor = Some(next.clone()),
+            _ => break,
+        }
+    }
+    if args.db.json {
+        return print_json(&all);
+    }
+    let now = Utc::now();
+    let mut out = std::io::stdout().lock();
+    if all.keys.is_empty() {
+        let which = match args.state {
+            Some(StateFilter::Unknown) => "No key is unknown or held past its lease.",
+            Some(StateFilter::InFlight) => "No key is in flight.",
+            Some(StateFilter::Completed) => "No key is completed.",
+            None => "No keys.",
+        };
+        writeln!(out, "{which}")?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{:<10} {:<10} {:<14} {:<14} {:>7}  {:<22}  DETAIL",
+        "STATE", "AGE", "TENANT", "KEY HASH", "ATTEMPT", "LEASE"
+    )?;
+    for key in &all.keys {
+        writeln!(
+            out,
+            "{:<10} {:<10} {:<14} {:<14} {:>7}  {:<22}  {}",
+            state_word(key.state),
+            words(now - key.created_at),
+            short(&key.tenant),
+            &key.key_hash[..12],
+            key.attempt,
+            lease_words(key, now),
+            detail(key),
+        )?;
+    }
+    writeln!(
+        out,
+        "\n{} key(s).{}",
+        all.keys.len(),
+        match &all.next {
+            Some(next) => format!(" More: --cursor {next} (or --all)."),
+            None => String::new(),
+        }
+    )?;
+    if all.keys.iter().any(|k| k.state == ShownState::Unknown) {
+        writeln!(
+            out,
+            "Settle an unknown key with: idemgate keys resolve TENANT KEY_HASH --release \
+             --reason '…' (nothing happened) or --complete --status N --body '…' --reason '…' \
+             (this happened); `idemgate keys show TENANT KEY_HASH` shows one whole."
+        )?;
+    }
+    Ok(())
+}
+
+async fn show(args: ShowArgs) -> anyhow::Result<()> {
+    let (tenant, hash) = key_of(&args.key)?;
+    let engine = engine(&args.db).await?;
+    let view = operations::show(&engine, &tenant, &hash)
+        .await
+        .map_err(refused)?;
+    if args.db.json {
+        return print_json(&view);
+    }
+    print_view(&view)
+}
+
+async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
+    let (tenant, hash) = key_of(&args.key)?;
+    let response = if args.complete {
+        let Some(status) = args.status else {
+            bail!("--complete needs --status: the status of the response that really happened");
+        };
+        let mut headers = Vec::new();
+        for line in &args.header {
+            let Some((name, value)) = line.split_once(':') else {
+                bail!("--header {line:?}: expected `Name: value`");
+            };
+            headers.push((name.trim().to_owned(), value.trim().to_owned()));
+        }
+        let body = match (&args.body, &args.body_file) {
+            (Some(text), _) => Some(text.clone().into_bytes()),
+            (None, Some(path)) => Some(
+                std::fs::read(path)
+                    .with_context(|| format!("--body-file {}: cannot read it", path.display()))?,
+            ),
+            (None, None) => None,
+        };
+        let (body, body_base64) = match body {
+            None => (None, None),
+            Some(bytes) => match String::from_utf8(bytes) {
+                Ok(text) => (Some(text), None),
+                Err(e) => {
+                    use base64::Engine as _;
+                    (
+                        None,
+                        Some(base64::engine::general_purpose::STANDARD.encode(e.into_bytes())),
+                    )
+                }
+            },
+        };
+        Some(CommitBody {
+            status,
+            headers,
+            body,
+            body_base64,
+        })
+    } else {
+        None
+    };
+    let by = args
+        .by
+        .clone()
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| "idemgate keys".to_owned());
+    let engine = engine(&args.db).await?;
+    let body = ResolveBody {
+        action: if args.complete {
+            Action::Complete
+        } else {
+            Action::Release
+        },
+        reason: args.reason.clone(),
+        response,
+    };
+    let max_body = usize::MAX;
+    let view = operations::resolve(&engine, &tenant, &hash, body, &by, max_body)
+        .await
+        .map_err(refused)?;
+    if args.db.json {
+        return print_json(&view);
+    }
+    let mut out = std::io::stdout().lock();
+    match view.state {
+        ShownState::Released => writeln!(
+            out,
+            "Released: the next request with this key executes. (by {by})"
+        )?,
+        _ => writeln!(
+            out,
+            "Completed: every retry with this key replays status {}. (by {by})",
+            view.status.unwrap_or_default()
+        )?,
+    }
+    drop(out);
+    print_view(&view)
+}
+
+/// The tenant and key hash `key` names.
+fn key_of(key: &KeyRef) -> anyhow::Result<(String, String)> {
+    let tenant = match (&key.tenant, &key.tenant_of) {
+        (Some(tenant), _) => tenant.clone(),
+        (None, Some(value)) => {
+            use sha2::{Digest, Sha256};
+            hex::encode(Sha256::digest(value.as_bytes()))
+        }
+        (None, None) => bail!(
+            "name the key's tenant: TENANT (as `keys list` shows it), or --tenant-of VALUE for \
+             the proxy (the tenant header's value)"
+        ),
+    };
+    let hash = match (&key.key_hash, &key.key) {
+        (Some(hash), _) => hash.clone(),
+        (None, Some(raw)) => {
+            let parsed = crate::key::parse_value(raw.as_bytes(), &crate::key::KeyPolicy::default())
+                .map_err(|e| anyhow::anyhow!("--key: {}", ApiError::from(e)))?;
+            hex::encode(parsed.hash())
+        }
+        (None, None) => bail!(
+            "name the key: KEY_HASH (as `keys list` shows it), or --key KEY to hash it here"
+        ),
+    };
+    Ok((tenant, hash))
+}
+
+/// An operation's refusal, in its problem's words.
+fn refused(e: ApiError) -> anyhow::Error {
+    match e {
+        ApiError::Internal(why) => anyhow::anyhow!("internal error: {why}"),
+        ApiError::StoreUnavailable => {
+            anyhow::anyhow!("the database named by DATABASE_URL is unavailable")
+        }
+        other => anyhow::anyhow!("{} ({})", other, other.slug()),
+    }
+}
+
+fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, value)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+fn print_view(view: &KeyView) -> anyhow::Result<()> {
+    let now = Utc::now();
+    let mut out = std::io::stdout().lock();
+    let when = |t: DateTime<Utc>| format!("{} ({})", t.format("%Y-%m-%d %H:%M:%S UTC"), ago(now, t));
+    writeln!(out, "tenant          {}", view.tenant)?;
+    writeln!(out, "key hash        {}", view.key_hash)?;
+    writeln!(out, "state           {}", state_word(view.state))?;
+    writeln!(out, "attempt         {}", view.attempt)?;
+    writeln!(out, "reservation id  {}", view.reservation_id)?;
+    writeln!(
+        out,
+        "on lease expiry {}",
+        match view.on_lease_expiry {
+            crate::server::api::views::LeaseExpiry::Hold => "hold",
+            crate::server::api::views::LeaseExpiry::Takeover => "takeover",
+        }
+    )?;
+    writeln!(out, "created         {}", when(view.created_at))?;
+    if let Some(lease) = view.lease_expires_at {
+        writeln!(out, "lease ends      {}", when(lease))?;
+    }
+    if let Some(done) = view.completed_at {
+        writeln!(out, "completed       {}", when(done))?;
+    }
+    writeln!(out, "expires         {}", when(view.expires_at))?;
+    if let Some(recovery) = &view.recovery {
+        writeln!(out, "recovery point  {}", recovery.recovery_point)?;
+        if let Some(data) = &recovery.data {
+            writeln!(out, "recovery data   {data}")?;
+        }
+    }
+    if let Some(status) = view.status {
+        writeln!(out, "stored status   {status}")?;
+    }
+    if let Some(r) = &view.resolution {
+        writeln!(
+            out,
+            "resolved        {} by {}, {}: {}",
+            match r.action {
+                Action::Release => "released",
+                Action::Complete => "completed",
+            },
+            r.by,
+            ago(now, r.at),
+            r.reason
+        )?;
+    }
+    Ok(())
+}
+
+fn state_word(state: ShownState) -> &'static str {
+    match state {
+        ShownState::InFlight => "in_flight",
+        ShownState::Completed => "completed",
+        ShownState::Unknown => "unknown",
+        ShownState::Released => "released",
+    }
+}
+
+fn short(tenant: &str) -> String {
+    if tenant.chars().count() <= 14 {
+        tenant.to_owned()
+    } else {
+        format!("{}…", tenant.chars().take(13).collect::<String>())
+    }
+}
+
+fn lease_words(key: &KeyView, now: DateTime<Utc>) -> String {
+    match (key.state, key.lease_expires_at) {
+        (ShownState::Completed | ShownState::Released, _) | (_, None) => "-".into(),
+        (_, Some(end)) if end <= now => format!("ended {} ago", words(now - end)),
+        (_, Some(end)) => format!("ends in {}", words(end - now)),
+    }
+}
+
+fn detail(key: &KeyView) -> String {
+    if let Some(r) = &key.resolution {
+        return format!("resolved by {}: {}", r.by, r.reason);
+    }
+    match (key.status, &key.recovery) {
+        (Some(status), _) => format!("status {status}"),
+        (None, Some(recovery)) => format!("recovery point {}", recovery.recovery_point),
+        (None, None) => String::new(),
+    }
+}
+
+fn ago(now: DateTime<Utc>, then: DateTime<Utc>) -> String {
+    if then <= now {
+        format!("{} ago", words(now - then))
+    } else {
+        format!("in {}", words(then - now))
+    }
+}
+
+/// A span in words a person reads at a glance: "12 seconds", "3 minutes",
+/// "5 hours", "2 days".
+pub fn words(span: chrono::TimeDelta) -> String {
+    let secs = span.num_seconds().max(0);
+    let (n, unit) = match secs {
+        0..60 => (secs, "second"),
+        60..3_600 => (secs / 60, "minute"),
+        3_600..86_400 => (secs / 3_600, "hour"),
+        _ => (secs / 86_400, "day"),
+    };
+    format!("{n} {unit}{}", if n == 1 { "" } else { "s" })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_in_words() {
+        let s = chrono::TimeDelta::seconds;
+        assert_eq!(words(s(0)), "0 seconds");
+        assert_eq!(words(s(1)), "1 second");
+        assert_eq!(words(s(59)), "59 seconds");
+        assert_eq!(words(s(60)), "1 minute");
+        assert_eq!(words(s(7_200)), "2 hours");
+        assert_eq!(words(s(86_400 * 3 + 5)), "3 days");
+        assert_eq!(words(s(-5)), "0 seconds");
+    }
+}

@@ -1,0 +1,91 @@
+//! `list`: the alive keys an operator asks for, oldest first, a page at a
+//! time.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use super::{KeyView, decode_cursor, encode_cursor, view};
+use crate::engine::Engine;
+use crate::problem::ApiError;
+use crate::store::{KeyCursor, KeyQuery, KeyState};
+
+/// Keys a page holds when the operator names no limit.
+pub const DEFAULT_LIMIT: u32 = 100;
+/// The most keys one page holds.
+pub const MAX_LIMIT: u32 = 1000;
+
+/// Which keys to list.
+#[derive(Debug, Clone, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    /// Only keys in this state: `unknown` (marked so, or held past their
+    /// lease: the work queue), `in_flight`, or `completed`.
+    pub state: Option<StateFilter>,
+    /// Only this tenant's keys (as stored).
+    pub tenant: Option<String>,
+    /// Only keys first reserved at least this many seconds ago.
+    pub older_than: Option<u64>,
+    /// The most keys on this page (1 to 1000, default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    pub limit: Option<u32>,
+    /// Where the page starts: the `next` of the page before.
+    pub cursor: Option<String>,
+}
+
+/// A state to list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StateFilter {
+    /// In flight under a live lease (or past it under `takeover`).
+    InFlight,
+    /// Unknown: marked so, or held past its lease.
+    Unknown,
+    /// Completed.
+    Completed,
+}
+
+/// One page of keys.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct KeyList {
+    /// The keys, oldest first.
+    pub keys: Vec<KeyView>,
+    /// The cursor of the next page, `null` after the last.
+    pub next: Option<String>,
+}
+
+/// The page of keys `query` asks for.
+pub async fn list(engine: &Engine, query: &ListQuery) -> Result<KeyList, ApiError> {
+    let limit = query.limit.unwrap_or(DEFAULT_LIMIT);
+    if !(1..=MAX_LIMIT).contains(&limit) {
+        return Err(ApiError::InvalidRequest(format!(
+            "limit is {limit}; it must be between 1 and {MAX_LIMIT}"
+        )));
+    }
+    let after = query.cursor.as_deref().map(decode_cursor).transpose()?;
+    let page = engine
+        .list_keys(&KeyQuery {
+            state: query.state.map(|s| match s {
+                StateFilter::InFlight => KeyState::InFlight,
+                StateFilter::Unknown => KeyState::Unknown,
+                StateFilter::Completed => KeyState::Completed,
+            }),
+            tenant: query.tenant.clone().filter(|t| !t.is_empty()),
+            older_than: query.older_than.map(Duration::from_secs),
+            limit,
+            after,
+        })
+        .await?;
+    let full = page.records.len() >= limit as usize;
+    let next = page
+        .records
+        .last()
+        .filter(|_| full)
+        .map(|last| encode_cursor(&KeyCursor::after(last)));
+    Ok(KeyList {
+        keys: page.records.iter().map(|r| view(r, page.now)).collect(),
+        next,
+    })
+}

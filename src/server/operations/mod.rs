@@ -1,0 +1,221 @@
+//! What an operator runs on stuck keys — [`list`], [`show`], [`resolve`] —
+//! one implementation behind both the admin endpoints (`/v1/admin/keys…`)
+//! and the `idemgate keys` command. Each takes the engine and what the
+//! operator asked, and returns the [`KeyView`]s both print.
+//!
+//! A key is named by its tenant, as stored, and its key hash (the lowercase
+//! hex SHA-256 of the key); the raw key is never shown.
+
+pub mod list;
+pub mod resolve;
+pub mod show;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::problem::ApiError;
+use crate::server::api::views::{LeaseExpiry, Recovery};
+use crate::store::{self, KeyCursor, Record};
+
+pub use list::{KeyList, ListQuery, list};
+pub use resolve::{ResolveBody, resolve};
+pub use show::show;
+
+/// What an operator sees of one key: never the raw key.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct KeyView {
+    /// The tenant, as stored (the proxy's is the hex SHA-256 of its tenant
+    /// header, or `anonymous`).
+    pub tenant: String,
+    /// The lowercase hex SHA-256 of the key.
+    pub key_hash: String,
+    /// The key's state now: `unknown` for one marked so or held past its
+    /// lease; `released` once an operator released it (it is forgotten).
+    pub state: ShownState,
+    /// 1 for the first holder, more after takeovers.
+    pub attempt: i32,
+    /// The current holder's reservation id.
+    pub reservation_id: Uuid,
+    /// What the lease's end without news means for it.
+    pub on_lease_expiry: LeaseExpiry,
+    /// When the key was first reserved.
+    pub created_at: DateTime<Utc>,
+    /// When the current lease ends (or ended); `null` once completed.
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// When the key is forgotten.
+    pub expires_at: DateTime<Utc>,
+    /// When its response was stored.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// The last recovery point its holder recorded.
+    pub recovery: Option<Recovery>,
+    /// The stored response's status, once completed.
+    pub status: Option<u16>,
+    /// How an operator settled it, if one did.
+    pub resolution: Option<ResolutionView>,
+}
+
+/// A key's state, as an operator sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ShownState {
+    /// A holder owns it under a live lease (or, under `takeover`, its lease
+    /// ended and the next request takes it over).
+    InFlight,
+    /// Its response is stored and replayed.
+    Completed,
+    /// Whether its effect happened is unknown: refused until settled.
+    Unknown,
+    /// An operator released it: forgotten, the next request executes.
+    Released,
+}
+
+/// Who settled a key, how, when and why.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ResolutionView {
+    /// `release` or `complete`.
+    pub action: Action,
+    /// Why, in the operator's words.
+    pub reason: String,
+    /// Who: the admin token's name, or the command line's user.
+    pub by: String,
+    /// When.
+    pub at: DateTime<Utc>,
+}
+
+/// How a stuck key is settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// Nothing happened: the key is forgotten and the next request executes.
+    Release,
+    /// This is what happened: the response given is stored, and every retry
+    /// replays it.
+    Complete,
+}
+
+impl From<Action> for store::ResolveAction {
+    fn from(action: Action) -> store::ResolveAction {
+        match action {
+            Action::Release => store::ResolveAction::Release,
+            Action::Complete => store::ResolveAction::Complete,
+        }
+    }
+}
+
+impl From<store::ResolveAction> for Action {
+    fn from(action: store::ResolveAction) -> Action {
+        match action {
+            store::ResolveAction::Release => Action::Release,
+            store::ResolveAction::Complete => Action::Complete,
+        }
+    }
+}
+
+/// `record` as an operator sees it at `now`.
+pub fn view(record: &Record, now: DateTime<Utc>) -> KeyView {
+    let state = match crate::engine::shown_state(record, now) {
+        Some(store::KeyState::InFlight) => ShownState::InFlight,
+        Some(store::KeyState::Completed) => ShownState::Completed,
+        Some(store::KeyState::Unknown) => ShownState::Unknown,
+        None => ShownState::Released,
+    };
+    KeyView {
+        tenant: record.tenant.clone(),
+        key_hash: hex::encode(&record.key_hash),
+        state,
+        attempt: record.attempt,
+        reservation_id: record.reservation_id,
+        on_lease_expiry: record.on_lease_expiry.into(),
+        created_at: record.created_at,
+        lease_expires_at: record.lease_expires_at,
+        expires_at: record.expires_at,
+        completed_at: record.completed_at,
+        recovery: record.recovery.clone().map(Recovery::from),
+        status: record.response.as_ref().map(|r| r.status),
+        resolution: record.resolution.as_ref().map(|r| ResolutionView {
+            action: r.action.into(),
+            reason: r.reason.clone(),
+            by: r.by.clone(),
+            at: r.at,
+        }),
+    }
+}
+
+/// A key hash as an operator writes it: 64 hex digits.
+pub fn key_hash(hex_text: &str) -> Result<Vec<u8>, ApiError> {
+    let text = hex_text.trim();
+    match hex::decode(text) {
+        Ok(bytes) if bytes.len() == 32 => Ok(bytes),
+        _ => Err(ApiError::InvalidRequest(format!(
+            "the key hash must be the 64 hex digits of the key's SHA-256; got {} characters",
+            text.len()
+        ))),
+    }
+}
+
+/// A cursor as the listing hands it out: opaque to the caller.
+pub(crate) fn encode_cursor(cursor: &KeyCursor) -> String {
+    let text = format!(
+        "{}.{}.{}",
+        cursor.created_at.timestamp_micros(),
+        hex::encode(cursor.tenant.as_bytes()),
+        hex::encode(&cursor.key_hash)
+    );
+    URL_SAFE_NO_PAD.encode(text)
+}
+
+/// A cursor handed out by [`encode_cursor`].
+pub(crate) fn decode_cursor(text: &str) -> Result<KeyCursor, ApiError> {
+    let bad = || ApiError::InvalidRequest("cursor is not one this listing handed out".into());
+    let bytes = URL_SAFE_NO_PAD.decode(text.trim()).map_err(|_| bad())?;
+    let text = String::from_utf8(bytes).map_err(|_| bad())?;
+    let mut parts = text.splitn(3, '.');
+    let (Some(micros), Some(tenant), Some(hash)) = (parts.next(), parts.next(), parts.next())
+    else {
+        return Err(bad());
+    };
+    let created_at = micros
+        .parse::<i64>()
+        .ok()
+        .and_then(DateTime::from_timestamp_micros)
+        .ok_or_else(bad)?;
+    let tenant = hex::decode(tenant)
+        .ok()
+        .and_then(|t| String::from_utf8(t).ok())
+        .ok_or_else(bad)?;
+    let key_hash = hex::decode(hash).map_err(|_| bad())?;
+    Ok(KeyCursor {
+        created_at,
+        tenant,
+        key_hash,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_read_back_what_they_wrote() {
+        let cursor = KeyCursor {
+            created_at: DateTime::from_timestamp_micros(1_764_000_000_123_456).unwrap(),
+            tenant: "acme.eu".into(),
+            key_hash: vec![0xab; 32],
+        };
+        assert_eq!(decode_cursor(&encode_cursor(&cursor)).unwrap(), cursor);
+        for bad in ["", "x", "MTIz", "!!"] {
+            assert!(decode_cursor(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn key_hashes_are_64_hex_digits() {
+        assert_eq!(key_hash(&"0a".repeat(32)).unwrap(), vec![10; 32]);
+        assert!(key_hash("0a").is_err());
+        assert!(key_hash(&"zz".repeat(32)).is_err());
+    }
+}
