@@ -58,7 +58,10 @@ fn every_operation_has_a_verb_resource_id_and_problem_errors() {
                     "commit_",
                     "release_",
                     "extend_",
-                    "checkpoint_"
+                    "checkpoint_",
+                    "list_",
+                    "show_",
+                    "resolve_"
                 ]
                 .iter()
                 .any(|p| id.starts_with(p)),
@@ -75,7 +78,7 @@ fn every_operation_has_a_verb_resource_id_and_problem_errors() {
             ids.push(id);
         }
     }
-    assert_eq!(ids.len(), 10, "{ids:?}");
+    assert_eq!(ids.len(), 13, "{ids:?}");
 }
 
 /// A reserve answers `201` (reserved) or `200` (the replay); a client that
@@ -183,6 +186,9 @@ fn response_headers_are_declared_where_they_are_sent() {
     // Every door that reads or writes the store can find it away.
     let store_doors: BTreeSet<String> = [
         "get /readyz",
+        "get /v1/admin/keys",
+        "get /v1/admin/keys/{tenant}/{key_hash}",
+        "post /v1/admin/keys/{tenant}/{key_hash}/resolve",
         "get /v1/reservations/{id}",
         "post /v1/reservations",
         "post /v1/reservations/{id}/checkpoint",
