@@ -21,7 +21,9 @@ impl Engine {
         if let Some(outcome) = self.cached_outcome(req) {
             return Ok(outcome);
         }
-        let wait = req.wait.map_or(Duration::ZERO, |w| w.min(self.limits.max_wait));
+        let wait = req
+            .wait
+            .map_or(Duration::ZERO, |w| w.min(self.limits.max_wait));
         if wait.is_zero() {
             return self.claim(req).await;
         }

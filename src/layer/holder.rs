@@ -22,8 +22,8 @@ use super::policy::{Door, LayerPolicy};
 use super::produce::{Produced, produce};
 use super::shared::{Inner, Shared};
 use crate::engine::CommitOutcome;
-use crate::problem::ApiError;
 use crate::headers::IDEMPOTENCY_ATTEMPT;
+use crate::problem::ApiError;
 use crate::store::{LeaseExpiry, StoreError, StoredResponse};
 
 /// What became of the key.

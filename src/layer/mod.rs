@@ -6,8 +6,10 @@
 //! A guarded request (`POST` and `PATCH` by default) that carries a key runs
 //! once: its response is stored and every retry gets it back with
 //! `Idempotent-Replayed: true` and `Idempotency-Expires`. A duplicate that
-//! arrives while the first is still running gets `409 request-in-flight`
-//! (or, with `Prefer: wait=N`, the replay once it lands), the same key with
+//! arrives while the first is still running is held until the first
+//! answers, and gets its replay ([`LayerPolicy::default_wait`], 10 s by
+//! default; `Prefer: wait=N` says how long itself, and `Prefer: wait=0`
+//! asks for the immediate `409 request-in-flight`), the same key with
 //! another payload `422 key-reused`, a malformed key `400 key-invalid`, and a
 //! request body over the limit `413 payload-too-large` before the service is
 //! called. Responses with a release status (408, 425, 429, 503 by default) are
@@ -25,8 +27,23 @@
 //! the service produces it, a copy is recorded, and the key is committed when
 //! the body ends — before the client's body ends, so a client that has the
 //! whole answer and retries at once is replayed. A body that fails midway
-//! fails the client's body too and leaves the key in flight (its outcome is
-//! unknown).
+//! fails the client's body too, and its key's outcome is unknown (below).
+//!
+//! # Unknown outcomes
+//!
+//! When the layer cannot know whether the inner service acted — it failed
+//! (or its response broke off) after the request reached it, it ran past
+//! [`LayerPolicy::abandon_after`], or it answered with [`OutcomeUnknown`] —
+//! or when the process holding a key dies, stalls or loses its store for
+//! longer than the lease, [`LayerPolicy::on_lease_expiry`] decides. Under
+//! [`LeaseExpiry::Hold`](crate::store::LeaseExpiry::Hold), the default, the
+//! key is never run again by itself: every request with it gets
+//! `409 outcome-unknown` until the holder's own late commit (a commit
+//! deferred while the store was away lands, and the key replays) or an
+//! operator (`idemgate keys`, `/v1/admin/keys`) settles it. Under
+//! [`LeaseExpiry::Takeover`](crate::store::LeaseExpiry::Takeover) the next
+//! request after the lease runs again, and the inner service sees
+//! `Idempotency-Attempt: N`.
 //!
 //! A request of a method that is not guarded passes through untouched, its
 //! extensions included, so a WebSocket handshake reaches the service with
@@ -62,12 +79,12 @@
 //! the background while the store is away. Once the server has stopped
 //! taking requests, wait for it with
 //! [`IdempotencyLayer::finish_deferred`]; a process that exits first leaves
-//! those keys in flight until their leases end (never executed twice, but
-//! the retry waits, and a late answer is lost).
+//! those keys to their lease's end (never executed twice under `hold`, but
+//! their outcome is then unknown and a late answer is lost).
 //!
 //! The inner service can steer the key through response extensions:
 //! [`NotExecuted`] releases it (the effect never started), [`OutcomeUnknown`]
-//! leaves it in flight until its lease ends (the effect may have happened).
+//! says the effect may have happened, as above.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -146,8 +163,10 @@ pub use service::Idempotency;
 pub struct NotExecuted;
 
 /// Response extension: the request may have been executed, but its outcome is
-/// unknown (the proxy sets it with its `504` on a timeout). Nothing is stored
-/// and the key stays in flight until its lease ends: a retry meanwhile is a
-/// `409`, not a second execution.
+/// unknown (the proxy sets it with its `502` for a connection that broke
+/// after the request was sent). Nothing is stored; under
+/// [`LeaseExpiry::Hold`](crate::store::LeaseExpiry::Hold) the key is marked
+/// unknown (every retry `409 outcome-unknown` until settled), under
+/// `Takeover` it stays in flight until its lease ends.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OutcomeUnknown;

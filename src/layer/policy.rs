@@ -127,9 +127,9 @@ pub struct LayerPolicy {
     /// How long a request holds its key without news from its holder. The
     /// holder extends it every third of its length while the inner service
     /// works and its response body is read, so a slow handler or origin
-    /// keeps its key (a retry meanwhile is a `409`); a retry after a lease
-    /// that was not extended (the process died or stalled) takes the key
-    /// over.
+    /// keeps its key (a retry meanwhile waits, or is a `409`); a lease that
+    /// was not extended (the process died or stalled) ends as
+    /// [`on_lease_expiry`](Self::on_lease_expiry) says.
     pub lease: Duration,
     /// How long the client waits for the head of the inner service's answer
     /// (`None`, the default: as long as it takes); a body that is still
@@ -143,9 +143,8 @@ pub struct LayerPolicy {
     pub answer_timeout: Option<Duration>,
     /// The longest a call may run while its lease is kept alive (`None`, the
     /// default: no bound, a handler is never abandoned). Past it the call is
-    /// dropped, its outcome unknown: the key stays in flight until its lease
-    /// ends, and a retry after that takes it over. The proxy sets it to its
-    /// upstream abandon bound.
+    /// dropped, its outcome unknown ([`on_lease_expiry`](Self::on_lease_expiry)
+    /// says what follows). The proxy sets it to its upstream abandon bound.
     pub abandon_after: Option<Duration>,
     /// What a lease that ends without news means (default
     /// [`LeaseExpiry::Hold`]): the holder was killed, stalled, or cut off

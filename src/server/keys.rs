@@ -122,7 +122,11 @@ pub struct ResolveArgs {
 
     /// Nothing happened: forget the key, so that the next request with it
     /// executes.
-    #[arg(long, conflicts_with = "complete", required_unless_present = "complete")]
+    #[arg(
+        long,
+        conflicts_with = "complete",
+        required_unless_present = "complete"
+    )]
     pub release: bool,
 
     /// This is what happened: store the response given by --status,
@@ -147,7 +151,12 @@ pub struct ResolveArgs {
     pub header: Vec<String>,
 
     /// With --complete: its body, as text.
-    #[arg(long, value_name = "TEXT", requires = "complete", conflicts_with = "body_file")]
+    #[arg(
+        long,
+        value_name = "TEXT",
+        requires = "complete",
+        conflicts_with = "body_file"
+    )]
     pub body: Option<String>,
 
     /// With --complete: its body, from a file.
@@ -383,9 +392,9 @@ fn key_of(key: &KeyRef) -> anyhow::Result<(String, String)> {
                 .map_err(|e| anyhow::anyhow!("--key: {}", ApiError::from(e)))?;
             hex::encode(parsed.hash())
         }
-        (None, None) => bail!(
-            "name the key: KEY_HASH (as `keys list` shows it), or --key KEY to hash it here"
-        ),
+        (None, None) => {
+            bail!("name the key: KEY_HASH (as `keys list` shows it), or --key KEY to hash it here")
+        }
     };
     Ok((tenant, hash))
 }
@@ -411,7 +420,8 @@ fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
 fn print_view(view: &KeyView) -> anyhow::Result<()> {
     let now = Utc::now();
     let mut out = std::io::stdout().lock();
-    let when = |t: DateTime<Utc>| format!("{} ({})", t.format("%Y-%m-%d %H:%M:%S UTC"), ago(now, t));
+    let when =
+        |t: DateTime<Utc>| format!("{} ({})", t.format("%Y-%m-%d %H:%M:%S UTC"), ago(now, t));
     writeln!(out, "tenant          {}", view.tenant)?;
     writeln!(out, "key hash        {}", view.key_hash)?;
     writeln!(out, "state           {}", state_word(view.state))?;

@@ -253,8 +253,7 @@ impl Record {
             && match self.state {
                 KeyState::Completed | KeyState::Unknown => true,
                 KeyState::InFlight => {
-                    self.lease_expires_at.is_some_and(|end| end > now)
-                        || self.held_past_lease(now)
+                    self.lease_expires_at.is_some_and(|end| end > now) || self.held_past_lease(now)
                 }
             }
     }

@@ -2,14 +2,18 @@
 //! database and a real counting origin:
 //!
 //! * `kill -9` a proxy while its requests are at a slow origin: after a
-//!   restart, a retry within the lease is a 409, a retry after it executes
-//!   exactly once more, and no key stays in flight beyond lease + 5 s;
+//!   restart, a retry within the lease is a 409 `request-in-flight`; after
+//!   it, under `hold` (the default), `409 outcome-unknown` and never a second
+//!   execution, every key listed by `idemgate keys list --state unknown`
+//!   until an operator settles it; under `takeover`, the retry executes
+//!   exactly once more, with `Idempotency-Attempt: 2`;
 //! * `kill -9` a `serve` while its clients hold checkpointed reservations: a
 //!   retry within the lease is a 409, after it a takeover (attempt 2, the
 //!   checkpoint handed on), and the dead holder's commit is `lease-lost`;
 //! * a paused old holder: (a) over the reservation API, (b) a SIGSTOPped
-//!   proxy whose request outlives its lease: neither overwrites the new
-//!   holder's stored response.
+//!   proxy whose request outlives its lease under `takeover`: neither
+//!   overwrites the new holder's stored response; (c) under `hold`, the
+//!   resumed proxy's late commit settles its key, which then replays.
 //!
 //! Rerun: `cargo test --test it crash:: -- --nocapture` (the figures go to stderr).
 
@@ -31,13 +35,29 @@ const PROXY_LEASE: Duration = Duration::from_secs(UPSTREAM_TIMEOUT + 5);
 const MARGIN: Duration = Duration::from_secs(5);
 
 async fn post(base: &str, path: &str, key: &str) -> reqwest::Result<(u16, bool, Value)> {
-    let res = http()
+    send(base, path, key, None).await
+}
+
+/// As [`post`], asking for the immediate answer: a duplicate in flight is
+/// its 409 rather than a wait for the replay.
+async fn post_now(base: &str, path: &str, key: &str) -> reqwest::Result<(u16, bool, Value)> {
+    send(base, path, key, Some("wait=0")).await
+}
+
+async fn send(
+    base: &str,
+    path: &str,
+    key: &str,
+    prefer: Option<&str>,
+) -> reqwest::Result<(u16, bool, Value)> {
+    let mut req = http()
         .post(format!("{base}{path}"))
         .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(r#"{"amount":5}"#)
-        .send()
-        .await?;
+        .header("content-type", "application/json");
+    if let Some(prefer) = prefer {
+        req = req.header("prefer", prefer);
+    }
+    let res = req.body(r#"{"amount":5}"#).send().await?;
     let status = res.status().as_u16();
     let replayed = res
         .headers()
@@ -47,11 +67,23 @@ async fn post(base: &str, path: &str, key: &str) -> reqwest::Result<(u16, bool, 
 }
 
 async fn proxy(db: &TestDb, upstream: &Upstream) -> ProxyProcess {
+    proxy_with(db, upstream, "hold").await
+}
+
+/// A proxy whose keys' leases end as `on_lease_expiry` says.
+async fn proxy_with(db: &TestDb, upstream: &Upstream, on_lease_expiry: &str) -> ProxyProcess {
     let t = UPSTREAM_TIMEOUT.to_string();
     let mut p = ProxyProcess::start_with(
         db,
         &upstream.url(),
-        &["--upstream-timeout", &t, "--db-max-connections", "8"],
+        &[
+            "--upstream-timeout",
+            &t,
+            "--db-max-connections",
+            "8",
+            "--on-lease-expiry",
+            on_lease_expiry,
+        ],
     )
     .await;
     // Keep the logs flowing; a full pipe would stall the process.
@@ -66,19 +98,17 @@ fn slug(body: &Value) -> &str {
         .unwrap_or_default()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn kill_9_proxy_mid_request_then_keys_recover_after_the_lease() {
-    const N: usize = 20;
-    let db = TestDb::new().await;
-    let upstream = Upstream::start_numbered().await;
-    let mut victim = proxy(&db, &upstream).await;
-    let survivor = proxy(&db, &upstream).await;
-    let keys: Vec<String> = (0..N).map(|_| fresh_key()).collect();
-
-    // N requests at a slow origin through the victim.
+/// `N` requests at a 1.5 s origin through `victim`, which is killed once
+/// every one has reached the origin; their clients' errors are checked.
+/// Returns when the requests were sent and when the victim died.
+async fn kill_mid_request(
+    victim: &mut ProxyProcess,
+    upstream: &Upstream,
+    keys: &[String],
+) -> (Instant, Instant) {
     let reserved_at = Instant::now();
     let mut clients = Vec::new();
-    for key in &keys {
+    for key in keys {
         let (base, key) = (victim.base(), key.clone());
         clients.push(tokio::spawn(async move {
             post(&base, "/numbered/1500", &key).await
@@ -97,17 +127,152 @@ async fn kill_9_proxy_mid_request_then_keys_recover_after_the_lease() {
     for c in clients {
         assert!(c.await.unwrap().is_err(), "a killed proxy cannot answer");
     }
-    assert_eq!(count_state(&db, "in_flight").await, N as i64);
-    // Restart it (a new process on the same database).
+    (reserved_at, killed_at)
+}
+
+/// Under `hold`, the default: the keys of a killed proxy are never sent
+/// upstream again. Within the lease a retry is `409 request-in-flight`; a
+/// retry that waits is told `409 outcome-unknown` as soon as the lease ends;
+/// after it every retry is that, through any proxy; `idemgate keys list
+/// --state unknown` lists every key; an operator completes half of them
+/// (their retries replay what the operator gave) and releases the other
+/// half (their retries execute afresh).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_proxy_mid_request_leaves_held_keys_for_an_operator() {
+    const N: usize = 20;
+    let db = TestDb::new().await;
+    let upstream = Upstream::start_numbered().await;
+    let mut victim = proxy(&db, &upstream).await;
+    let survivor = proxy(&db, &upstream).await;
+    let keys: Vec<String> = (0..N).map(|_| fresh_key()).collect();
+    let (reserved_at, _) = kill_mid_request(&mut victim, &upstream, &keys).await;
     let restarted = proxy(&db, &upstream).await;
 
+    let (status, _, body) = post_now(&restarted.base(), "/numbered/1500", &keys[0])
+        .await
+        .unwrap();
+    assert_eq!((status, slug(&body)), (409, "request-in-flight"), "{body}");
+    // A retry that waits (the default) is told the outcome is unknown at
+    // the lease's end, not at the end of its wait.
+    let (status, _, body) = post(&survivor.base(), "/numbered/1500", &keys[1])
+        .await
+        .unwrap();
+    assert_eq!((status, slug(&body)), (409, "outcome-unknown"), "{body}");
+    let told_at = reserved_at.elapsed();
+    assert!(
+        told_at >= PROXY_LEASE - Duration::from_millis(500) && told_at < PROXY_LEASE + MARGIN,
+        "told {told_at:?} after the reservation; lease {PROXY_LEASE:?}"
+    );
+    for (i, key) in keys.iter().enumerate() {
+        let base = [&restarted, &survivor][i % 2].base();
+        let (status, _, body) = post(&base, "/numbered/1500", key).await.unwrap();
+        assert_eq!((status, slug(&body)), (409, "outcome-unknown"), "{body}");
+        assert_eq!(upstream.started(key), 1, "never sent upstream again");
+    }
+
+    let listed = common::bin::keys_json(&db.url, &["list", "--state", "unknown", "--all"]);
+    let listed = listed["keys"].as_array().unwrap();
+    assert_eq!(listed.len(), N, "{listed:#?}");
+    assert!(
+        listed
+            .iter()
+            .all(|k| k["state"] == "unknown" && k["attempt"] == 1)
+    );
+    let table = common::bin::keys(&db.url, &["list", "--state", "unknown"]);
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.contains("unknown") && table.contains("seconds") && table.contains("ended"),
+        "{table}"
+    );
+    for (i, key) in keys.iter().enumerate() {
+        let tenant = listed[0]["tenant"].as_str().unwrap().to_owned();
+        let out = if i % 2 == 0 {
+            common::bin::keys(
+                &db.url,
+                &[
+                    "resolve",
+                    &tenant,
+                    "--key",
+                    key,
+                    "--complete",
+                    "--status",
+                    "201",
+                    "--header",
+                    "content-type: application/json",
+                    "--body",
+                    r#"{"execution":1,"settled":true}"#,
+                    "--reason",
+                    "the origin's ledger shows the charge",
+                    "--by",
+                    "ops",
+                ],
+            )
+        } else {
+            common::bin::keys(
+                &db.url,
+                &[
+                    "resolve",
+                    &tenant,
+                    "--key",
+                    key,
+                    "--release",
+                    "--reason",
+                    "the origin has no such charge",
+                ],
+            )
+        };
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    for (i, key) in keys.iter().enumerate() {
+        let (status, replayed, body) = post(&survivor.base(), "/numbered/1500", key).await.unwrap();
+        if i % 2 == 0 {
+            assert_eq!((status, replayed), (201, true), "{body}");
+            assert_eq!(body["settled"], true, "the operator's response: {body}");
+            assert_eq!(upstream.started(key), 1);
+        } else {
+            assert_eq!((status, replayed), (201, false), "{body}");
+            assert_eq!(body["execution"], 2, "released: executed afresh");
+            assert_eq!(
+                upstream.attempts(key),
+                [None, None],
+                "a new key, not a takeover"
+            );
+        }
+    }
+    assert!(
+        common::bin::keys_json(&db.url, &["list", "--state", "unknown"])["keys"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// Under `takeover`: a retry within the lease is a 409; after it each key
+/// executes exactly once more, carrying `Idempotency-Attempt: 2`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_proxy_mid_request_then_keys_recover_after_the_lease() {
+    const N: usize = 20;
+    let db = TestDb::new().await;
+    let upstream = Upstream::start_numbered().await;
+    let mut victim = proxy_with(&db, &upstream, "takeover").await;
+    let survivor = proxy_with(&db, &upstream, "takeover").await;
+    let keys: Vec<String> = (0..N).map(|_| fresh_key()).collect();
+    let (reserved_at, killed_at) = kill_mid_request(&mut victim, &upstream, &keys).await;
+    assert_eq!(count_state(&db, "in_flight").await, N as i64);
+    // Restart it (a new process on the same database).
+    let restarted = proxy_with(&db, &upstream, "takeover").await;
+
     // Within the lease: 409, and nothing runs again.
-    let (status, _, body) = post(&restarted.base(), "/numbered/1500", &keys[0])
+    let (status, _, body) = post_now(&restarted.base(), "/numbered/1500", &keys[0])
         .await
         .unwrap();
     assert_eq!(status, 409, "{body}");
     assert_eq!(slug(&body), "request-in-flight");
-    let (status, _, _) = post(&survivor.base(), "/numbered/1500", &keys[1])
+    let (status, _, _) = post_now(&survivor.base(), "/numbered/1500", &keys[1])
         .await
         .unwrap();
     assert_eq!(status, 409);
@@ -124,7 +289,8 @@ async fn kill_9_proxy_mid_request_then_keys_recover_after_the_lease() {
         let key = key.clone();
         retries.push(tokio::spawn(async move {
             loop {
-                let (status, replayed, body) = post(&base, "/numbered/1500", &key).await.unwrap();
+                let (status, replayed, body) =
+                    post_now(&base, "/numbered/1500", &key).await.unwrap();
                 if status == 409 {
                     assert_eq!(slug(&body), "request-in-flight");
                     assert!(
@@ -149,6 +315,11 @@ async fn kill_9_proxy_mid_request_then_keys_recover_after_the_lease() {
     assert!(recovered_after >= PROXY_LEASE - Duration::from_millis(500));
     for key in &keys {
         assert_eq!(upstream.started(key), 2, "one more execution, not more");
+        assert_eq!(
+            upstream.attempts(key),
+            [None, Some("2".to_owned())],
+            "the takeover says which attempt it is"
+        );
         // The retry of the retry is a replay of the second execution.
         let (status, replayed, body) = post(&survivor.base(), "/numbered/1500", key).await.unwrap();
         assert_eq!(
@@ -332,11 +503,16 @@ async fn sigstopped_proxy_past_its_lease_cannot_overwrite_the_takeover() {
     let mut old = ProxyProcess::start_with(
         &db,
         &upstream.url(),
-        &["--upstream-timeout", &UPSTREAM_TIMEOUT.to_string()],
+        &[
+            "--upstream-timeout",
+            &UPSTREAM_TIMEOUT.to_string(),
+            "--on-lease-expiry",
+            "takeover",
+        ],
     )
     .await;
     let old_log = drain_stderr(&mut old.child);
-    let new = proxy(&db, &upstream).await;
+    let new = proxy_with(&db, &upstream, "takeover").await;
     let key = fresh_key();
 
     let reserved_at = Instant::now();
@@ -396,4 +572,58 @@ async fn sigstopped_proxy_past_its_lease_cannot_overwrite_the_takeover() {
             "the old commit was not refused:\n{log}"
         );
     }
+}
+
+/// Under `hold`: a proxy stopped past its lease while its call runs leaves
+/// its key unknown (another proxy answers `409 outcome-unknown`, and never
+/// calls the origin again); when it resumes, its late commit still lands —
+/// its reservation id is still the key's — and the key replays the one
+/// execution through every proxy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigstopped_proxy_past_its_lease_settles_its_held_key_when_it_resumes() {
+    let db = TestDb::new().await;
+    let upstream = Upstream::start_numbered().await;
+    let old = proxy(&db, &upstream).await;
+    let new = proxy(&db, &upstream).await;
+    let key = fresh_key();
+
+    let reserved_at = Instant::now();
+    let first = {
+        let (base, key) = (old.base(), key.clone());
+        tokio::spawn(async move { post(&base, "/numbered/1000", &key).await })
+    };
+    assert!(
+        until(Duration::from_secs(5), || upstream.started(&key) == 1).await,
+        "the first execution did not start"
+    );
+    signal(old.child.id(), "STOP");
+    assert!(
+        until(Duration::from_secs(5), || upstream.finished(&key) == 1).await,
+        "the first execution did not finish"
+    );
+    tokio::time::sleep(
+        (PROXY_LEASE + Duration::from_millis(300)).saturating_sub(reserved_at.elapsed()),
+    )
+    .await;
+    let (status, _, body) = post(&new.base(), "/numbered/1000", &key).await.unwrap();
+    assert_eq!((status, slug(&body)), (409, "outcome-unknown"), "{body}");
+    let listed = common::bin::keys_json(&db.url, &["list", "--state", "unknown"]);
+    assert_eq!(listed["keys"].as_array().unwrap().len(), 1, "{listed}");
+
+    signal(old.child.id(), "CONT");
+    let (old_status, _, old_body) = first.await.unwrap().expect("the resumed proxy answers");
+    assert_eq!(old_status, 201, "{old_body}");
+    assert_eq!(old_body["execution"], 1);
+    for base in [old.base(), new.base()] {
+        let (status, replayed, body) = post(&base, "/numbered/1000", &key).await.unwrap();
+        assert_eq!((status, replayed), (201, true), "{body}");
+        assert_eq!(body["execution"], 1, "the one execution, replayed");
+    }
+    assert_eq!(upstream.started(&key), 1, "the origin ran once");
+    assert!(
+        common::bin::keys_json(&db.url, &["list", "--state", "unknown"])["keys"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
 }

@@ -80,6 +80,22 @@ impl Gate {
         .await
     }
 
+    /// `POST path` with `key` and a JSON `body`, asking for the immediate
+    /// answer (`Prefer: wait=0`): a duplicate in flight is its 409.
+    async fn post_now(&self, path: &str, key: &str, body: &str) -> TestResponse {
+        self.send(
+            "POST",
+            path,
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+                ("prefer", "wait=0"),
+            ],
+            Body::from(body.to_owned()),
+        )
+        .await
+    }
+
     /// `POST path` with `key` and a JSON `body`.
     async fn post(&self, path: &str, key: &str, body: &str) -> TestResponse {
         self.send(
@@ -310,7 +326,11 @@ async fn missing_key_passes_through_unless_required(b: Backend) {
     assert_eq!(strict.counts.total(), 1);
 }
 
-async fn a_duplicate_in_flight_is_409_and_prefer_wait_gets_the_replay(b: Backend) {
+/// A duplicate of a key in flight is held for the first answer and gets its
+/// replay, without asking: clients in the wild send no `Prefer: wait`.
+/// `Prefer: wait=0` asks for the immediate 409; a default wait of `None`
+/// answers every duplicate at once.
+async fn a_duplicate_in_flight_waits_for_the_replay_unless_it_asks_not_to(b: Backend) {
     let gate = Arc::new(Gate::new(&b, LayerPolicy::default()).await);
     let key = fresh_key();
     let first = {
@@ -318,25 +338,34 @@ async fn a_duplicate_in_flight_is_409_and_prefer_wait_gets_the_replay(b: Backend
         tokio::spawn(async move { gate.post("/slow/700", &key, "{}").await })
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let dup = gate.post("/slow/700", &key, "{}").await;
+    let dup = gate.post_now("/slow/700", &key, "{}").await;
     dup.assert_problem(409, "request-in-flight");
     assert!(dup.header("retry-after").parse::<u64>().unwrap() >= 1);
-    let waiter = gate
-        .send(
-            "POST",
-            "/slow/700",
-            &[
-                ("idempotency-key", &key),
-                ("content-type", "application/json"),
-                ("prefer", "wait=5"),
-            ],
-            Body::from("{}"),
-        )
-        .await;
+    let started = std::time::Instant::now();
+    let waiter = gate.post("/slow/700", &key, "{}").await;
     assert_eq!(waiter.status, 201, "{waiter:#?}");
     assert!(replayed(&waiter));
-    assert_eq!(first.await.unwrap().status, 201);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "woken by the commit, not at the end of the wait"
+    );
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(waiter.text, first.text, "the first answer, replayed");
     assert_eq!(gate.counts.started(&key), 1);
+
+    let at_once = Arc::new(Gate::new(&b, LayerPolicy::default().default_wait(None)).await);
+    let key = fresh_key();
+    let first = {
+        let (gate, key) = (at_once.clone(), key.clone());
+        tokio::spawn(async move { gate.post("/slow/700", &key, "{}").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    at_once
+        .post("/slow/700", &key, "{}")
+        .await
+        .assert_problem(409, "request-in-flight");
+    assert_eq!(first.await.unwrap().status, 201);
 }
 
 async fn a_client_that_hangs_up_does_not_cancel_the_call(b: Backend) {
@@ -644,22 +673,23 @@ async fn the_inner_service_steers_the_key(b: Backend) {
     assert_eq!(send("/not-executed", key.clone()).await.status, 502);
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 
-    // OutcomeUnknown: left in flight, the retry is a 409.
+    // OutcomeUnknown: the key is held, and the retry, even one that asks
+    // to wait, is told at once that the outcome is unknown.
     let key = fresh_key();
     assert_eq!(send("/unknown", key.clone()).await.status, 502);
-    send("/unknown", key.clone())
-        .await
-        .assert_problem(409, "request-in-flight");
+    let retry = send("/unknown", key.clone()).await;
+    retry.assert_problem(409, "outcome-unknown");
+    assert!(retry.headers.get("retry-after").is_none(), "{retry:#?}");
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 
-    // An error of the inner service: a 500 problem, the key left in flight.
+    // An error of the inner service: a 500 problem, and the outcome unknown.
     let key = fresh_key();
     send("/fails", key.clone())
         .await
         .assert_problem(500, "internal");
     send("/fails", key.clone())
         .await
-        .assert_problem(409, "request-in-flight");
+        .assert_problem(409, "outcome-unknown");
     // Unguarded, the error is a 500 too.
     let req = Request::get("/fails").body(Body::empty()).unwrap();
     read(svc.clone().oneshot(req).await.unwrap())
@@ -716,7 +746,7 @@ async fn a_handler_slower_than_its_lease_keeps_its_key(b: Backend) {
     // at the start.
     for wait_ms in [2_600, 1_000] {
         tokio::time::sleep(Duration::from_millis(wait_ms)).await;
-        let dup = gate.post("/slow/4500", &key, "{}").await;
+        let dup = gate.post_now("/slow/4500", &key, "{}").await;
         dup.assert_problem(409, "request-in-flight");
         let retry: u64 = dup.header("retry-after").parse().unwrap();
         assert!((1..=2).contains(&retry), "Retry-After {retry}");
@@ -739,7 +769,7 @@ async fn a_response_body_slower_than_its_lease_keeps_its_key(b: Backend) {
         tokio::spawn(async move { gate.post("/drip/5/750", &key, "{}").await })
     };
     tokio::time::sleep(Duration::from_millis(2_000)).await;
-    gate.post("/drip/5/750", &key, "{}")
+    gate.post_now("/drip/5/750", &key, "{}")
         .await
         .assert_problem(409, "request-in-flight");
     let first = first.await.unwrap();
@@ -771,7 +801,7 @@ async fn retry_after_estimates_the_finish(b: Backend) {
         tokio::spawn(async move { gate.post("/slow/1000", &key, "{}").await })
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let dup = gate.post("/slow/1000", &key, "{}").await;
+    let dup = gate.post_now("/slow/1000", &key, "{}").await;
     dup.assert_problem(409, "request-in-flight");
     let told: u64 = dup.header("retry-after").parse().unwrap();
     assert_eq!(told, 1, "about 0.8 s left, rounded up: {dup:#?}");
@@ -796,7 +826,7 @@ both_stores! {
         the_inner_service_steers_the_key,
     ],
     concurrent: [
-        a_duplicate_in_flight_is_409_and_prefer_wait_gets_the_replay,
+        a_duplicate_in_flight_waits_for_the_replay_unless_it_asks_not_to,
         a_client_that_hangs_up_does_not_cancel_the_call,
         two_instances_on_one_database_execute_once,
         a_handler_slower_than_its_lease_keeps_its_key,

@@ -45,6 +45,7 @@ mod storms;
 mod streaming;
 mod tenants;
 mod tls_upstream;
+mod unknown;
 mod waiting;
 mod websocket;
 mod zero_setup;

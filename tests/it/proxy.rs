@@ -307,10 +307,14 @@ async fn an_upstream_timeout_is_504_and_the_key_stays_in_flight() {
         .post("/slow/2500", &key, "{}")
         .await
         .assert_problem(504, "upstream-timeout");
-    let retry = proxy.post("/slow/2500", &key, "{}").await;
+    let retry = proxy.post_now("/slow/2500", &key, "{}").await;
     retry.assert_problem(409, "request-in-flight");
     let wait: u64 = retry.header("retry-after").parse().unwrap();
     assert!((1..=6).contains(&wait), "lease = timeout + 5 s: {wait}");
+    // A retry that does not ask otherwise is held for the late answer.
+    let waited = proxy.post("/slow/2500", &key, "{}").await;
+    assert_eq!(waited.status, 201, "{waited:#?}");
+    assert!(replayed(&waited), "{waited:#?}");
     assert_eq!(upstream.started(&key), 1, "no second execution");
 }
 

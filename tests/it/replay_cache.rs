@@ -451,7 +451,10 @@ impl Store for AnHourAhead {
         })
     }
 
-    async fn resolve(&self, resolve: &idemgate::store::Resolve) -> Result<Option<Found>, StoreError> {
+    async fn resolve(
+        &self,
+        resolve: &idemgate::store::Resolve,
+    ) -> Result<Option<Found>, StoreError> {
         Ok(self.0.resolve(resolve).await?.map(|found| Found {
             record: skew(found.record),
             now: found.now + SKEW,

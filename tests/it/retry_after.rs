@@ -33,9 +33,10 @@ fn lease_end(res: &TestResponse) -> DateTime<Utc> {
 }
 
 /// Through the proxy (lease 35 s by default): after a few requests that
-/// took 1.5 s, 50 concurrent duplicates of a key in flight are told 1-2 s,
-/// and each one that waits what it was told and asks again gets the replay
-/// within a few seconds; the origin ran once.
+/// took 1.5 s, 50 concurrent duplicates of a key in flight that ask for the
+/// immediate answer (`Prefer: wait=0`; by default they would be held for the
+/// replay) are told 1-2 s, and each one that waits what it was told and asks
+/// again gets the replay within a few seconds; the origin ran once.
 async fn the_proxy_estimates_the_finish_not_the_lease(b: Backend) {
     let origin = Upstream::start().await;
     let proxy = Arc::new(TestProxy::start(&b.url(), &origin.url(), &[], Vec::new()).await);
@@ -66,7 +67,7 @@ async fn the_proxy_estimates_the_finish_not_the_lease(b: Backend) {
             barrier.wait().await;
             let mut told = Vec::new();
             loop {
-                let res = proxy.post("/slow/1500", &key, "{}").await;
+                let res = proxy.post_now("/slow/1500", &key, "{}").await;
                 if res.status == 409 {
                     let wait = retry_after(&res);
                     let bound = lease_end(&res);

@@ -2,7 +2,9 @@
 //! `504` in time, but the call is not abandoned. It runs on, its key's lease
 //! kept alive, and its late answer is stored, so a retry after the lease
 //! would once have ended is a replay and the origin ran once. Only the
-//! abandon bound, or a proxy that dies, leaves the outcome unknown.
+//! abandon bound, or a proxy that dies, leaves the outcome unknown: under
+//! `hold` (the default) the key is then never sent upstream again; under
+//! `takeover` the retry after the lease is, with `Idempotency-Attempt: 2`.
 
 use crate::common;
 
@@ -60,7 +62,7 @@ async fn a_slow_origin_runs_once_and_its_late_answer_is_replayed(b: Backend) {
     assert!(t0.elapsed() < Duration::from_secs(3), "504 at the timeout");
 
     at(t0, Duration::from_millis(6_500)).await;
-    let dup = proxy.post("/numbered/8000", &key, "{}").await;
+    let dup = proxy.post_now("/numbered/8000", &key, "{}").await;
     dup.assert_problem(409, "request-in-flight");
     assert_eq!(origin.started(&key), 1, "no takeover while the call runs");
 
@@ -73,10 +75,11 @@ async fn a_slow_origin_runs_once_and_its_late_answer_is_replayed(b: Backend) {
     assert_eq!(origin.finished(&key), 1, "and was not hung up on");
 }
 
-/// Past `--upstream-abandon-after` the call is dropped: its outcome is
-/// unknown, the key stays in flight until its last lease ends (a retry
-/// meanwhile is a 409), and a retry after that takes it over.
-async fn past_the_abandon_bound_the_key_waits_out_its_lease(b: Backend) {
+/// Past `--upstream-abandon-after` the call is dropped, its outcome
+/// unknown: under `hold` (the default) the key is marked so at once — a
+/// retry, even one that would wait, is `409 outcome-unknown` — and never
+/// sent upstream again, before or after its lease would have ended.
+async fn past_the_abandon_bound_the_key_is_held_unknown(b: Backend) {
     let origin = Upstream::start_numbered().await;
     let proxy = TestProxy::start(
         &b.url(),
@@ -91,10 +94,56 @@ async fn past_the_abandon_bound_the_key_waits_out_its_lease(b: Backend) {
         .post("/numbered/20000", &key, "{}")
         .await
         .assert_problem(504, "upstream-timeout");
+    at(t0, Duration::from_millis(2_000)).await;
+    proxy
+        .post_now("/numbered/20000", &key, "{}")
+        .await
+        .assert_problem(409, "request-in-flight");
+    // Abandoned at 3 s: a retry that would wait is told at once.
+    at(t0, Duration::from_millis(3_500)).await;
+    let asked = Instant::now();
+    let retry = proxy.post("/numbered/20000", &key, "{}").await;
+    retry.assert_problem(409, "outcome-unknown");
+    assert!(retry.headers.get("retry-after").is_none(), "{retry:#?}");
+    assert!(asked.elapsed() < Duration::from_secs(1), "not held");
+    // Past the lease (last extended at 2 s, so ended at 8 s): still held.
+    at(t0, Duration::from_millis(8_500)).await;
+    proxy
+        .post("/numbered/20000", &key, "{}")
+        .await
+        .assert_problem(409, "outcome-unknown");
+    assert_eq!(origin.started(&key), 1, "never sent upstream again");
+}
+
+/// Under `takeover`, the abandoned key stays in flight until its last lease
+/// ends (a retry meanwhile is a 409), and a retry after that takes it over:
+/// the origin is called again, told `Idempotency-Attempt: 2`.
+async fn past_the_abandon_bound_a_takeover_says_its_attempt(b: Backend) {
+    let origin = Upstream::start_numbered().await;
+    let proxy = TestProxy::start(
+        &b.url(),
+        &origin.url(),
+        &[
+            "--upstream-timeout",
+            "1",
+            "--upstream-abandon-after",
+            "3",
+            "--on-lease-expiry",
+            "takeover",
+        ],
+        Vec::new(),
+    )
+    .await;
+    let key = fresh_key();
+    let t0 = Instant::now();
+    proxy
+        .post("/numbered/20000", &key, "{}")
+        .await
+        .assert_problem(504, "upstream-timeout");
     // Abandoned at 3 s; the lease was last extended at 2 s, so it ends at 8 s.
     at(t0, Duration::from_millis(4_000)).await;
     proxy
-        .post("/numbered/20000", &key, "{}")
+        .post_now("/numbered/20000", &key, "{}")
         .await
         .assert_problem(409, "request-in-flight");
     at(t0, Duration::from_millis(8_500)).await;
@@ -107,48 +156,69 @@ async fn past_the_abandon_bound_the_key_waits_out_its_lease(b: Backend) {
         2,
         "after its lease the abandoned key was taken over"
     );
+    assert_eq!(origin.attempts(&key), [None, Some("2".to_owned())]);
 }
 
 both_stores! {
     serial: [],
     concurrent: [
         a_slow_origin_runs_once_and_its_late_answer_is_replayed,
-        past_the_abandon_bound_the_key_waits_out_its_lease,
+        past_the_abandon_bound_the_key_is_held_unknown,
+        past_the_abandon_bound_a_takeover_says_its_attempt,
     ],
 }
 
-/// The residual risk, as documented: a proxy killed while its call runs on
-/// stops keeping the lease alive. Another proxy on the same database answers
-/// a retry with 409 until the last lease ends, and takes the key over after
-/// it: the origin, which may have acted, runs again.
+/// A proxy killed while its call runs on stops keeping the lease alive.
+/// Another proxy on the same database answers a retry `409
+/// request-in-flight` until the last lease ends; after it, under `hold`
+/// (the default), `409 outcome-unknown`: the origin, which may have acted,
+/// is never called again, and the key is listed for an operator. Under
+/// `takeover` the retry after the lease runs again, with
+/// `Idempotency-Attempt: 2`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_proxy_killed_during_the_wait_leaves_the_key_to_its_lease() {
-    let db = TestDb::new().await;
-    let origin = Upstream::start_numbered().await;
-    let http = common::http();
-    let mut first =
-        ProxyProcess::start_with(&db, &origin.url(), &["--upstream-timeout", "1"]).await;
-    let key = fresh_key();
-    let t0 = Instant::now();
-    post(&http, &first.base(), "/numbered/20000", &key)
-        .await
-        .assert_problem(504, "upstream-timeout");
-    // The lease (6 s) was extended at 2 s; then the process dies.
-    at(t0, Duration::from_millis(2_700)).await;
-    let _ = first.child.kill();
-    let _ = first.child.wait();
+async fn a_proxy_killed_during_the_wait_leaves_the_key_to_its_choice() {
+    for choice in ["hold", "takeover"] {
+        let db = TestDb::new().await;
+        let origin = Upstream::start_numbered().await;
+        let http = common::http();
+        let flags = ["--upstream-timeout", "1", "--on-lease-expiry", choice];
+        let mut first = ProxyProcess::start_with(&db, &origin.url(), &flags).await;
+        let key = fresh_key();
+        let t0 = Instant::now();
+        post(&http, &first.base(), "/numbered/20000", &key)
+            .await
+            .assert_problem(504, "upstream-timeout");
+        // The lease (6 s) was extended at 2 s; then the process dies.
+        at(t0, Duration::from_millis(2_700)).await;
+        let _ = first.child.kill();
+        let _ = first.child.wait();
 
-    let second = ProxyProcess::start_with(&db, &origin.url(), &["--upstream-timeout", "1"]).await;
-    post(&http, &second.base(), "/numbered/20000", &key)
-        .await
-        .assert_problem(409, "request-in-flight");
-    assert_eq!(origin.started(&key), 1);
-    at(t0, Duration::from_millis(8_500)).await;
-    // Taken over: sent upstream again (which answers no faster this time).
-    post(&http, &second.base(), "/numbered/20000", &key)
-        .await
-        .assert_problem(504, "upstream-timeout");
-    assert_eq!(origin.started(&key), 2, "the takeover ran the origin again");
+        let second = ProxyProcess::start_with(&db, &origin.url(), &flags).await;
+        let now = http
+            .post(format!("{}/numbered/20000", second.base()))
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .header("prefer", "wait=0")
+            .body("{\"amount\":500}")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(now.status(), 409, "{choice}");
+        assert_eq!(origin.started(&key), 1);
+        at(t0, Duration::from_millis(8_500)).await;
+        let retry = post(&http, &second.base(), "/numbered/20000", &key).await;
+        if choice == "hold" {
+            retry.assert_problem(409, "outcome-unknown");
+            assert_eq!(origin.started(&key), 1, "never sent upstream again");
+            let listed = common::bin::keys_json(&db.url, &["list", "--state", "unknown"]);
+            assert_eq!(listed["keys"].as_array().unwrap().len(), 1, "{listed}");
+        } else {
+            // Taken over: sent upstream again (which answers no faster).
+            retry.assert_problem(504, "upstream-timeout");
+            assert_eq!(origin.started(&key), 2, "the takeover ran the origin again");
+            assert_eq!(origin.attempts(&key), [None, Some("2".to_owned())]);
+        }
+    }
 }
 
 /// SIGTERM while a call runs on after its client's 504: the proxy waits for

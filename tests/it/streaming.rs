@@ -326,8 +326,9 @@ async fn past_the_limit_the_stream_flows_on_and_the_key_is_a_tombstone(b: Backen
 }
 
 /// A stream that breaks off before its end: the client's body fails (it is
-/// never passed off as whole), and the key stays in flight.
-async fn a_stream_that_breaks_off_leaves_the_key_in_flight(b: Backend) {
+/// never passed off as whole), and the key's outcome is unknown: held, the
+/// origin never called again for it.
+async fn a_stream_that_breaks_off_leaves_the_outcome_unknown(b: Backend) {
     let origin = Origin::start().await;
     let proxy = proxy_over(&b, &origin, &[]).await;
     let (id, feed) = origin.script("text/event-stream", None);
@@ -351,7 +352,7 @@ async fn a_stream_that_breaks_off_leaves_the_key_in_flight(b: Backend) {
 
     again(&proxy, &id, &key)
         .await
-        .assert_problem(409, "request-in-flight");
+        .assert_problem(409, "outcome-unknown");
     assert_eq!(origin.calls(&id), 1);
 }
 
@@ -455,7 +456,7 @@ both_stores! {
         an_event_stream_is_streamed_and_replayed_whole,
         a_client_that_hangs_up_mid_stream_does_not_stop_the_recording,
         past_the_limit_the_stream_flows_on_and_the_key_is_a_tombstone,
-        a_stream_that_breaks_off_leaves_the_key_in_flight,
+        a_stream_that_breaks_off_leaves_the_outcome_unknown,
         a_client_with_the_whole_response_finds_the_key_completed,
         a_stream_longer_than_the_upstream_timeout_flows_to_its_end,
         the_layer_streams_a_handlers_body,

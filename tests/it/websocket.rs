@@ -279,10 +279,10 @@ async fn a_101_to_a_request_that_did_not_ask_is_a_502() {
     let res = proxy.post("/pay", &key, r#"{"amount":5}"#).await;
     res.assert_problem(502, "upstream-unavailable");
     assert_eq!(*count.lock().unwrap(), 1);
-    // The request was sent, its outcome unknown: the key stays in flight,
-    // and a retry does not reach the origin a second time.
+    // The request was sent, its outcome unknown: the key is held, and a
+    // retry does not reach the origin a second time.
     let retry = proxy.post("/pay", &key, r#"{"amount":5}"#).await;
-    retry.assert_problem(409, "request-in-flight");
+    retry.assert_problem(409, "outcome-unknown");
     assert_eq!(*count.lock().unwrap(), 1);
 
     // Unguarded, it is not recorded either way, and still no 101.

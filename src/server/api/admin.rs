@@ -62,7 +62,9 @@ impl FromRequestParts<AppState> for Operator {
                  IDEMGATE_ADMIN_TOKENS",
             ));
         }
-        Err(ApiError::Unauthorized("the bearer token is not an admin token"))
+        Err(ApiError::Unauthorized(
+            "the bearer token is not an admin token",
+        ))
     }
 }
 

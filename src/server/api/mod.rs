@@ -92,6 +92,9 @@ impl Deref for AppState {
         license(name = "Apache-2.0")
     ),
     modifiers(&BearerAuth),
+    // A query parameter's schema is not collected from its `IntoParams`
+    // type: named here, so that its `$ref` resolves.
+    components(schemas(crate::server::operations::list::StateFilter)),
     tags(
         (name = "reservations", description = "Reserve, commit, release, extend, checkpoint"),
         (name = "operations", description = "Health, readiness, metrics and the published policy"),
@@ -110,9 +113,8 @@ impl Modify for BearerAuth {
                 SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
             );
             let mut admin = Http::new(HttpAuthScheme::Bearer);
-            admin.description = Some(
-                "A token of IDEMGATE_ADMIN_TOKENS (a tenant's token is not one).".to_owned(),
-            );
+            admin.description =
+                Some("A token of IDEMGATE_ADMIN_TOKENS (a tenant's token is not one).".to_owned());
             components.add_security_scheme("admin", SecurityScheme::Http(admin));
         }
     }

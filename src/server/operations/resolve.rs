@@ -47,12 +47,9 @@ pub async fn resolve(
         )));
     }
     let response = match (body.action, body.response) {
-        (Action::Complete, Some(response)) => {
-            Some(crate::server::api::reservations::held::stored_response(
-                response,
-                max_body_bytes,
-            )?)
-        }
+        (Action::Complete, Some(response)) => Some(
+            crate::server::api::reservations::held::stored_response(response, max_body_bytes)?,
+        ),
         (Action::Complete, None) => {
             return Err(ApiError::InvalidRequest(
                 "action complete needs response: {\"status\", \"headers\", \"body\" | \

@@ -24,8 +24,8 @@ use http::Method;
 use serde::Deserialize;
 
 use crate::layer::Route;
-use crate::store::LeaseExpiry;
 use crate::server::config::{ConfigError, file};
+use crate::store::LeaseExpiry;
 
 /// One `[[routes]]` entry as written.
 #[derive(Debug, Deserialize)]

@@ -36,8 +36,42 @@ pub struct Serving {
 /// tower-http's ERROR: the error itself is logged where it happens (a 500 at
 /// ERROR with its cause, a lost upstream or store at WARN), and during an
 /// outage every request, and every `/readyz` probe, is a 503.
-pub fn trace_layer() -> TraceLayer<SharedClassifier<ServerErrorsAsFailures>> {
-    TraceLayer::new_for_http().on_failure(DefaultOnFailure::new().level(tracing::Level::WARN))
+///
+/// The span names the request's route as routed (`/v1/admin/keys/{tenant}/{key_hash}`)
+/// where there is one, rather than its path: an operator's path holds a
+/// whole key hash, which logs may only show a prefix of. The proxy's
+/// requests, which no route matches, are named by their path.
+pub fn trace_layer() -> TraceLayer<SharedClassifier<ServerErrorsAsFailures>, MakeSpan> {
+    TraceLayer::new_for_http()
+        .make_span_with(MakeSpan)
+        .on_failure(DefaultOnFailure::new().level(tracing::Level::WARN))
+}
+
+/// The span of one request: its method, and its route or its path.
+#[derive(Debug, Clone, Copy)]
+pub struct MakeSpan;
+
+impl<B> tower_http::trace::MakeSpan<B> for MakeSpan {
+    fn make_span(&mut self, req: &http::Request<B>) -> tracing::Span {
+        let route = req
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .map(axum::extract::MatchedPath::as_str);
+        match route {
+            Some(route) => tracing::debug_span!(
+                "request",
+                method = %req.method(),
+                route,
+                version = ?req.version(),
+            ),
+            None => tracing::debug_span!(
+                "request",
+                method = %req.method(),
+                uri = %req.uri(),
+                version = ?req.version(),
+            ),
+        }
+    }
 }
 
 /// Largest request head (request line and headers) a client may send; a

@@ -146,9 +146,9 @@ impl Store for SqliteStore {
 
     async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage> {
         let now = now_ms();
-        let created_by = query.older_than.map(|d| {
-            now.saturating_sub(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        });
+        let created_by = query
+            .older_than
+            .map(|d| now.saturating_sub(i64::try_from(d.as_millis()).unwrap_or(i64::MAX)));
         let after = query.after.as_ref();
         let rows: Vec<KeyRow> = sqlx::query_as(LIST_KEYS)
             .bind(now)
@@ -199,7 +199,12 @@ impl Store for SqliteStore {
         let record = row.map(Record::try_from).transpose()?;
         tx.commit().await.map_err(classify)?;
         record
-            .map(|record| Ok(Found { record, now: ts(now)? }))
+            .map(|record| {
+                Ok(Found {
+                    record,
+                    now: ts(now)?,
+                })
+            })
             .transpose()
     }
 

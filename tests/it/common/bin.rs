@@ -27,6 +27,34 @@ pub fn idemgate_at(url: &str) -> Command {
 
 pub use super::free_port;
 
+/// `idemgate keys ARGS…` over the database at `url`, run to its end.
+pub fn keys(url: &str, args: &[&str]) -> std::process::Output {
+    idemgate_at(url)
+        .arg("keys")
+        .args(args)
+        .output()
+        .expect("idemgate keys runs")
+}
+
+/// `idemgate keys ARGS… --json`, which must succeed: its JSON.
+#[track_caller]
+pub fn keys_json(url: &str, args: &[&str]) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = keys(url, &all);
+    assert!(
+        out.status.success(),
+        "idemgate keys {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "idemgate keys {args:?}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
 /// A running `idemgate serve`, killed on drop.
 pub struct Served {
     pub child: Child,

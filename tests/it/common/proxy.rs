@@ -192,6 +192,22 @@ impl TestProxy {
     }
 
     /// `POST path` with `key` and a JSON body.
+    /// `POST path` with `key`, asking for the immediate answer
+    /// (`Prefer: wait=0`): a duplicate in flight is its 409.
+    pub async fn post_now(&self, path: &str, key: &str, body: &str) -> TestResponse {
+        self.send(
+            "POST",
+            path,
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+                ("prefer", "wait=0"),
+            ],
+            Some(body),
+        )
+        .await
+    }
+
     pub async fn post(&self, path: &str, key: &str, body: &str) -> TestResponse {
         self.send(
             "POST",
@@ -260,8 +276,14 @@ impl ProxyProcess {
     /// As [`ProxyProcess::start`], with extra `proxy` flags (e.g.
     /// `--upstream-timeout 2`).
     pub async fn start_with(db: &TestDb, upstream: &str, extra: &[&str]) -> ProxyProcess {
+        ProxyProcess::start_at(&db.url, upstream, extra).await
+    }
+
+    /// As [`ProxyProcess::start_with`], over the database at `url` (a
+    /// SQLite one too).
+    pub async fn start_at(url: &str, upstream: &str, extra: &[&str]) -> ProxyProcess {
         let (port, admin) = (super::bin::free_port(), super::bin::free_port());
-        let child = super::bin::idemgate(db)
+        let child = super::bin::idemgate_at(url)
             .env_remove("IDEMGATE_UPSTREAM")
             .env_remove("IDEMGATE_ADMIN_LISTEN")
             .args(["proxy", "--upstream", upstream])

@@ -43,6 +43,8 @@ use tokio::task::JoinHandle;
 pub struct Counts {
     started: Mutex<HashMap<String, usize>>,
     finished: Mutex<HashMap<String, usize>>,
+    /// The `Idempotency-Attempt` each request with a key carried, in order.
+    attempts: Mutex<HashMap<String, Vec<Option<String>>>>,
     total: AtomicUsize,
     charges: AtomicUsize,
 }
@@ -62,6 +64,17 @@ impl Counts {
     /// Every request that reached a handler.
     pub fn total(&self) -> usize {
         self.total.load(Ordering::SeqCst)
+    }
+
+    /// The `Idempotency-Attempt` header of each request with this key that
+    /// reached a handler, in order (`None`: it carried none).
+    pub fn attempts(&self, key: &str) -> Vec<Option<String>> {
+        self.attempts
+            .lock()
+            .unwrap()
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
     }
 }
 
@@ -100,6 +113,17 @@ async fn count(State(counts): State<Arc<Counts>>, req: Request, next: Next) -> R
             .unwrap()
             .entry(key.clone())
             .or_default() += 1;
+        let attempt = req
+            .headers()
+            .get("idempotency-attempt")
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        counts
+            .attempts
+            .lock()
+            .unwrap()
+            .entry(key.clone())
+            .or_default()
+            .push(attempt);
     }
     let res = next.run(req).await;
     if let Some(key) = key {
@@ -291,6 +315,10 @@ impl Upstream {
 
     pub fn total(&self) -> usize {
         self.counts.total()
+    }
+
+    pub fn attempts(&self, key: &str) -> Vec<Option<String>> {
+        self.counts.attempts(key)
     }
 }
 

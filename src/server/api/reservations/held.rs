@@ -180,7 +180,12 @@ pub async fn checkpoint_reservation(
         .checkpoint(&tenant, id, &body.into())
         .await?
         .map_err(ApiError::from)?;
-    Ok(axum::Json(record_view(id, &record, true, chrono::Utc::now())))
+    Ok(axum::Json(record_view(
+        id,
+        &record,
+        true,
+        chrono::Utc::now(),
+    )))
 }
 
 /// The public view of the record a reservation belongs to.

@@ -74,9 +74,9 @@ pub(super) fn register_metrics() {
         (status = 400, description = "key-missing, key-invalid or invalid-request", body = Problem, content_type = "application/problem+json",
          headers(("Repeatability-Result" = inline(RepeatabilityResult), description = "To a `Repeatability-Request-ID` request only."))),
         Unauthorized,
-        (status = 409, description = "request-in-flight", body = Problem, content_type = "application/problem+json",
+        (status = 409, description = "request-in-flight: another holder's lease is alive (with Retry-After); or outcome-unknown: whether the key's effect happened is unknown (its holder marked it so, or its lease ended under `hold`), and it is not run again until its holder's late commit or release, or an operator, settles it (no Retry-After: waiting will not settle it)", body = Problem, content_type = "application/problem+json",
          headers(
-            ("Retry-After" = inline(RetryAfterSeconds), description = "Whole seconds until the holder has likely finished (at least 1, never past its lease)."),
+            ("Retry-After" = inline(RetryAfterSeconds), description = "request-in-flight only: whole seconds until the holder has likely finished (at least 1, never past its lease)."),
             ("Repeatability-Result" = inline(RepeatabilityResult), description = "To a `Repeatability-Request-ID` request only."),
          )),
         (status = 412, description = "first-sent-too-old: the request's first attempt is older than its key would be remembered; nothing was reserved", body = Problem, content_type = "application/problem+json",

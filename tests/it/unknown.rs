@@ -1,0 +1,758 @@
+//! Unknown outcomes held, and operators who settle them (SPEC §2, §5, §11):
+//! the reservation API's `on_lease_expiry`, the layer's default `hold` and
+//! its takeover's `Idempotency-Attempt`, the proxy's key whose upstream hung
+//! up after acting, and the admin endpoints that list, show and resolve such
+//! keys — on both stores.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use common::app::{TestApp, TestResponse, fresh_key};
+use common::backend::Backend;
+use common::proxy::ProxyProcess;
+use http::Request;
+use http_body_util::BodyExt;
+use idemgate::engine::{Engine, Limits, ReserveOutcome, ReserveRequest};
+use idemgate::layer::LayerPolicy;
+use idemgate::store::LeaseExpiry;
+use idemgate::{IdempotencyLayer, LeaseExpiry as RootLeaseExpiry};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tower::ServiceExt;
+
+fn hash_hex(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+fn reserve_body(extra: Value) -> String {
+    let mut body = json!({"fingerprint": "fp"});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body.to_string()
+}
+
+// === the reservation API ===
+
+/// Reserved with `hold`, a key past its lease without news is `409
+/// outcome-unknown` (no `Retry-After`: waiting will not settle it) to every
+/// reserve, and its holder's late commit, release or extend still applies.
+async fn a_held_key_past_its_lease_waits_for_its_holder(b: Backend) {
+    let app = TestApp::new(&b.url(), &[]).await;
+    let held = reserve_body(json!({"lease_seconds": 1, "on_lease_expiry": "hold"}));
+
+    // The late commit settles it: a replay.
+    let key = fresh_key();
+    let first = app.reserve(&key, &held).await;
+    assert_eq!(first.status, 201, "{first:#?}");
+    let id = first.reservation_id();
+    app.reserve(&key, &held)
+        .await
+        .assert_problem(409, "request-in-flight");
+    TestApp::outlive(1).await;
+    let unknown = app.reserve(&key, &held).await;
+    unknown.assert_problem(409, "outcome-unknown");
+    assert!(unknown.headers.get("retry-after").is_none(), "{unknown:#?}");
+    assert!(unknown.body.get("retry_after_seconds").is_none());
+    // Another payload is still a reuse of the key.
+    app.reserve(&key, &reserve_body(json!({"fingerprint": "other"})))
+        .await
+        .assert_problem(422, "key-reused");
+    let view = app
+        .send("GET", &format!("/v1/reservations/{id}"), &[], None)
+        .await;
+    assert_eq!(view.body["state"], "unknown", "{view:#?}");
+    assert_eq!(view.body["live"], true, "its holder may still settle it");
+    let commit = app
+        .act(&id, "commit", r#"{"status":201,"body":"late"}"#)
+        .await;
+    assert_eq!(commit.status, 200, "{commit:#?}");
+    let replay = app.reserve(&key, &held).await;
+    assert_eq!(replay.status, 200, "{replay:#?}");
+    assert_eq!(replay.body["response"]["body"], "late");
+
+    // The late release: the key is new again.
+    let key = fresh_key();
+    let id = app.reserve(&key, &held).await.reservation_id();
+    TestApp::outlive(1).await;
+    app.reserve(&key, &held)
+        .await
+        .assert_problem(409, "outcome-unknown");
+    assert_eq!(app.act(&id, "release", "").await.status, 204);
+    let again = app.reserve(&key, &held).await;
+    assert_eq!(
+        (again.status.as_u16(), again.body["attempt"].clone()),
+        (201, json!(1))
+    );
+
+    // The late extend: its holder is alive after all, and holds it again.
+    let key = fresh_key();
+    let id = app.reserve(&key, &held).await.reservation_id();
+    TestApp::outlive(1).await;
+    let extended = app.act(&id, "extend", r#"{"lease_seconds":30}"#).await;
+    assert_eq!(extended.status, 200, "{extended:#?}");
+    app.reserve(&key, &held)
+        .await
+        .assert_problem(409, "request-in-flight");
+}
+
+/// The reservation API keeps `takeover` unless asked (its holder gets the
+/// recovery point), and refuses a choice it does not know.
+async fn the_reservation_api_takes_over_by_default(b: Backend) {
+    let app = TestApp::new(&b.url(), &[]).await;
+    let key = fresh_key();
+    let body = reserve_body(json!({"lease_seconds": 1}));
+    assert_eq!(app.reserve(&key, &body).await.status, 201);
+    TestApp::outlive(1).await;
+    let taken = app.reserve(&key, &body).await;
+    assert_eq!(taken.status, 201, "{taken:#?}");
+    assert_eq!(taken.body["attempt"], 2);
+    app.reserve(&fresh_key(), r#"{"on_lease_expiry":"retry"}"#)
+        .await
+        .assert_problem(400, "invalid-request");
+    let policy = app.send("GET", "/v1/policy", &[], None).await;
+    assert_eq!(policy.body["on_lease_expiry"]["default"], "takeover");
+    assert_eq!(policy.body["default_wait_seconds"], 0);
+}
+
+/// A caller waiting on a key (`Prefer: wait`) is told as soon as the key
+/// becomes unknown, not at the end of its wait.
+async fn a_waiter_is_told_at_once_when_the_key_becomes_unknown(b: Backend) {
+    let app = TestApp::new(&b.url(), &[]).await;
+    let key = fresh_key();
+    let held = reserve_body(json!({"lease_seconds": 2, "on_lease_expiry": "hold"}));
+    assert_eq!(app.reserve(&key, &held).await.status, 201);
+    let asked = Instant::now();
+    let waited = app
+        .send(
+            "POST",
+            "/v1/reservations",
+            &[("idempotency-key", &key), ("prefer", "wait=10")],
+            Some(&held),
+        )
+        .await;
+    waited.assert_problem(409, "outcome-unknown");
+    let took = asked.elapsed();
+    assert!(
+        took >= Duration::from_millis(1_500) && took < Duration::from_secs(4),
+        "told {took:?} after asking; the lease ended at 2 s"
+    );
+}
+
+// === operators ===
+
+async fn admin(
+    app: &TestApp,
+    method: &str,
+    path: &str,
+    auth: Option<&str>,
+    body: Option<Value>,
+) -> TestResponse {
+    let headers: Vec<(&str, &str)> = auth.map(|a| ("authorization", a)).into_iter().collect();
+    let body = body.map(|b| b.to_string());
+    app.send(method, path, &headers, body.as_deref()).await
+}
+
+/// Four keys — completed, in flight, unknown, in flight past its lease under
+/// takeover — listed by state, tenant, age and page; shown one by one;
+/// resolved only when stuck: completed with the response that happened
+/// (every retry replays it) or released (the next request executes).
+async fn operators_list_show_and_resolve_stuck_keys(b: Backend) {
+    let app = TestApp::new(&b.url(), &[]).await;
+    let (done, live, held, lapsed) = (fresh_key(), fresh_key(), fresh_key(), fresh_key());
+    let id = app
+        .reserve(&done, &reserve_body(json!({})))
+        .await
+        .reservation_id();
+    assert_eq!(
+        app.act(&id, "commit", r#"{"status":200,"body":"ok"}"#)
+            .await
+            .status,
+        200
+    );
+    let held_body = reserve_body(json!({"lease_seconds": 1, "on_lease_expiry": "hold"}));
+    let lapsed_body = reserve_body(json!({"lease_seconds": 1}));
+    assert_eq!(app.reserve(&held, &held_body).await.status, 201);
+    assert_eq!(app.reserve(&lapsed, &lapsed_body).await.status, 201);
+    assert_eq!(
+        app.reserve(&live, &reserve_body(json!({}))).await.status,
+        201
+    );
+    TestApp::outlive(1).await;
+
+    let list = |query: &'static str| {
+        let app = &app;
+        async move {
+            let res = admin(app, "GET", &format!("/v1/admin/keys{query}"), None, None).await;
+            assert_eq!(res.status, 200, "{query}: {res:#?}");
+            res.body
+        }
+    };
+    let hashes = |body: &Value| -> Vec<String> {
+        body["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k["key_hash"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let unknown = list("?state=unknown").await;
+    assert_eq!(hashes(&unknown), [hash_hex(&held)], "{unknown:#}");
+    let view = &unknown["keys"][0];
+    assert_eq!(view["state"], "unknown");
+    assert_eq!(view["tenant"], "default");
+    assert_eq!(view["on_lease_expiry"], "hold");
+    assert_eq!(view["attempt"], 1);
+    assert!(view["lease_expires_at"].is_string() && view["reservation_id"].is_string());
+    assert_eq!(unknown["next"], Value::Null);
+    let in_flight = list("?state=in_flight").await;
+    assert_eq!(hashes(&in_flight), [hash_hex(&lapsed), hash_hex(&live)]);
+    assert_eq!(hashes(&list("?state=completed").await), [hash_hex(&done)]);
+    let all = hashes(&list("").await);
+    assert_eq!(all.len(), 4, "oldest first: {all:?}");
+    assert_eq!(all[0], hash_hex(&done));
+    assert!(hashes(&list("?older_than=3600").await).is_empty());
+    assert!(hashes(&list("?tenant=nobody").await).is_empty());
+    assert_eq!(hashes(&list("?tenant=default&older_than=1").await).len(), 4);
+    // Page by page, with the cursor each page hands out.
+    let mut paged = Vec::new();
+    let mut cursor = None::<String>;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/v1/admin/keys?limit=1&cursor={c}"),
+            None => "/v1/admin/keys?limit=1".to_owned(),
+        };
+        let page = admin(&app, "GET", &path, None, None).await;
+        assert_eq!(page.status, 200, "{page:#?}");
+        paged.extend(hashes(&page.body));
+        match page.body["next"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+        assert!(paged.len() <= 4, "the pages do not end: {paged:?}");
+    }
+    assert_eq!(paged, all);
+    for bad in [
+        "?limit=0",
+        "?limit=1001",
+        "?state=lost",
+        "?cursor=nope",
+        "?nope=1",
+    ] {
+        admin(&app, "GET", &format!("/v1/admin/keys{bad}"), None, None)
+            .await
+            .assert_problem(400, "invalid-request");
+    }
+
+    let show = admin(
+        &app,
+        "GET",
+        &format!("/v1/admin/keys/default/{}", hash_hex(&done)),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(show.status, 200, "{show:#?}");
+    assert_eq!(
+        (show.body["state"].clone(), show.body["status"].clone()),
+        (json!("completed"), json!(200))
+    );
+    admin(
+        &app,
+        "GET",
+        &format!("/v1/admin/keys/default/{}", hash_hex(&fresh_key())),
+        None,
+        None,
+    )
+    .await
+    .assert_problem(404, "not-found");
+    admin(&app, "GET", "/v1/admin/keys/default/abc", None, None)
+        .await
+        .assert_problem(400, "invalid-request");
+
+    let resolve = |key: &str, body: Value| {
+        let path = format!("/v1/admin/keys/default/{}/resolve", hash_hex(key));
+        let app = &app;
+        async move { admin(app, "POST", &path, None, Some(body)).await }
+    };
+    let complete = json!({
+        "action": "complete",
+        "reason": "the ledger shows charge ch_9",
+        "response": {"status": 201, "headers": [["content-type", "application/json"]], "body": "{\"charge\":\"ch_9\"}"},
+    });
+    // Not stuck: completed, or in flight under a live lease.
+    resolve(&done, complete.clone())
+        .await
+        .assert_problem(409, "key-not-stuck");
+    resolve(&live, complete.clone())
+        .await
+        .assert_problem(409, "key-not-stuck");
+    resolve(&fresh_key(), complete.clone())
+        .await
+        .assert_problem(404, "not-found");
+    for bad in [
+        json!({"action": "complete", "reason": "no response"}),
+        json!({"action": "release", "reason": "x", "response": {"status": 200}}),
+        json!({"action": "release", "reason": " "}),
+        json!({"action": "forget", "reason": "x"}),
+        json!({"action": "release"}),
+    ] {
+        resolve(&held, bad.clone())
+            .await
+            .assert_problem(400, "invalid-request");
+    }
+    let settled = resolve(&held, complete.clone()).await;
+    assert_eq!(settled.status, 200, "{settled:#?}");
+    assert_eq!(settled.body["state"], "completed");
+    assert_eq!(settled.body["status"], 201);
+    assert_eq!(settled.body["resolution"]["action"], "complete");
+    assert_eq!(
+        settled.body["resolution"]["reason"],
+        "the ledger shows charge ch_9"
+    );
+    assert_eq!(settled.body["resolution"]["by"], "loopback");
+    assert!(settled.body["resolution"]["at"].is_string());
+    let replay = app.reserve(&held, &held_body).await;
+    assert_eq!(replay.status, 200, "{replay:#?}");
+    assert_eq!(replay.body["response"]["body"], "{\"charge\":\"ch_9\"}");
+    resolve(&held, complete.clone())
+        .await
+        .assert_problem(409, "key-not-stuck");
+
+    let released = resolve(
+        &lapsed,
+        json!({"action": "release", "reason": "the charge never happened"}),
+    )
+    .await;
+    assert_eq!(released.status, 200, "{released:#?}");
+    assert_eq!(released.body["state"], "released");
+    assert_eq!(released.body["resolution"]["action"], "release");
+    let fresh = app.reserve(&lapsed, &lapsed_body).await;
+    assert_eq!(fresh.status, 201, "{fresh:#?}");
+    assert_eq!(fresh.body["attempt"], 1, "a new key, not a takeover");
+    assert!(hashes(&list("?state=unknown").await).is_empty());
+}
+
+/// With `IDEMGATE_ADMIN_TOKENS`, the operators' endpoints need one of them:
+/// none is `401`, a tenant's token `403`; the name of the token used is
+/// recorded with the resolution. Without any, on a listener that is not on
+/// loopback, they answer `403`.
+async fn the_admin_endpoints_need_an_admin_token(b: Backend) {
+    let app = TestApp::new(
+        &b.url(),
+        &[
+            "--tokens",
+            "acme:tenant-secret-1",
+            "--admin-tokens",
+            "alice:admin-secret-1",
+        ],
+    )
+    .await;
+    let key = fresh_key();
+    let held = reserve_body(json!({"lease_seconds": 1, "on_lease_expiry": "hold"}));
+    assert_eq!(
+        app.reserve_as("Bearer tenant-secret-1", &key, &held)
+            .await
+            .status,
+        201
+    );
+    TestApp::outlive(1).await;
+    admin(&app, "GET", "/v1/admin/keys", None, None)
+        .await
+        .assert_problem(401, "unauthorized");
+    admin(&app, "GET", "/v1/admin/keys", Some("Bearer wrong"), None)
+        .await
+        .assert_problem(401, "unauthorized");
+    admin(
+        &app,
+        "GET",
+        "/v1/admin/keys",
+        Some("Bearer tenant-secret-1"),
+        None,
+    )
+    .await
+    .assert_problem(403, "forbidden");
+    let listed = admin(
+        &app,
+        "GET",
+        "/v1/admin/keys?state=unknown",
+        Some("Bearer admin-secret-1"),
+        None,
+    )
+    .await;
+    assert_eq!(listed.status, 200, "{listed:#?}");
+    assert_eq!(listed.body["keys"][0]["tenant"], "acme");
+    let path = format!("/v1/admin/keys/acme/{}/resolve", hash_hex(&key));
+    let settled = admin(
+        &app,
+        "POST",
+        &path,
+        Some("Bearer admin-secret-1"),
+        Some(json!({"action": "release", "reason": "refunded by hand"})),
+    )
+    .await;
+    assert_eq!(settled.status, 200, "{settled:#?}");
+    assert_eq!(settled.body["resolution"]["by"], "alice");
+
+    let exposed = TestApp::new(
+        &b.url(),
+        &[
+            "--tokens",
+            "acme:tenant-secret-1",
+            "--listen",
+            "0.0.0.0:8080",
+        ],
+    )
+    .await;
+    admin(&exposed, "GET", "/v1/admin/keys", None, None)
+        .await
+        .assert_problem(403, "forbidden");
+}
+
+// === the layer ===
+
+/// An engine over `b`'s store that reserves `key` as a holder that then
+/// dies: its lease of 1 s ends without news.
+async fn a_dead_holder(b: &Backend, key: &str, choice: LeaseExpiry) {
+    let engine = Engine::new(b.open().await, Limits::default());
+    let reserved = engine
+        .reserve(&ReserveRequest {
+            tenant: "anonymous".into(),
+            key_hash: Sha256::digest(key.as_bytes()).into(),
+            fingerprint: None,
+            lease_seconds: 1,
+            ttl_seconds: 60,
+            wait: None,
+            on_lease_expiry: choice,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(reserved, ReserveOutcome::Reserved(_)));
+}
+
+/// The layer holds by default: a key whose holder died is never run again;
+/// with `on_lease_expiry(Takeover)` it is, and the inner service is told
+/// `Idempotency-Attempt: 2`. A client's own `Idempotency-Attempt` is never
+/// passed on.
+async fn the_layer_holds_by_default_and_a_takeover_says_its_attempt(b: Backend) {
+    common::logs::init();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer_over = |policy: LayerPolicy| {
+        let calls = calls.clone();
+        let store = b.open();
+        async move {
+            let engine = Arc::new(Engine::new(store.await, Limits::default()));
+            axum::Router::new()
+                .route(
+                    "/charge",
+                    axum::routing::post(move |headers: http::HeaderMap| {
+                        let calls = calls.clone();
+                        async move {
+                            calls.fetch_add(1, Ordering::SeqCst);
+                            let attempt = headers
+                                .get("idempotency-attempt")
+                                .map(|v| v.to_str().unwrap().to_owned());
+                            axum::Json(json!({ "attempt": attempt }))
+                        }
+                    }),
+                )
+                .layer(IdempotencyLayer::new(engine, policy))
+        }
+    };
+    let post = |app: axum::Router, key: String, attempt: Option<&'static str>| async move {
+        let mut req = Request::post("/charge").header("idempotency-key", key);
+        if let Some(a) = attempt {
+            req = req.header("idempotency-attempt", a);
+        }
+        let res = app.oneshot(req.body(Body::empty()).unwrap()).await.unwrap();
+        let status = res.status().as_u16();
+        let bytes = res.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice::<Value>(&bytes).unwrap())
+    };
+
+    let holding = layer_over(LayerPolicy::default()).await;
+    assert_eq!(
+        LayerPolicy::default().on_lease_expiry,
+        RootLeaseExpiry::Hold
+    );
+    let key = fresh_key();
+    a_dead_holder(&b, &key, LeaseExpiry::Hold).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let (status, body) = post(holding.clone(), key.clone(), None).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(body["type"].as_str().unwrap().ends_with("/outcome-unknown"));
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+
+    let taking = layer_over(LayerPolicy::default().on_lease_expiry(LeaseExpiry::Takeover)).await;
+    let key = fresh_key();
+    a_dead_holder(&b, &key, LeaseExpiry::Takeover).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let (status, body) = post(taking.clone(), key.clone(), Some("7")).await;
+    assert_eq!((status, body["attempt"].clone()), (200, json!("2")));
+    let (status, body) = post(taking.clone(), fresh_key(), Some("7")).await;
+    assert_eq!(
+        (status, body["attempt"].clone()),
+        (200, Value::Null),
+        "a first attempt says none, whatever the client sent"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+// === the proxy ===
+
+/// An origin that acts, then hangs up without an answer; it counts its
+/// executions.
+async fn hang_up_origin() -> (String, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let count = Arc::new(AtomicUsize::new(0));
+    let acted = count.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let acted = acted.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0; 8192];
+                let mut seen = Vec::new();
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                acted.fetch_add(1, Ordering::SeqCst);
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    (format!("http://{addr}"), count)
+}
+
+/// A proxy whose upstream hung up after acting holds the key (`hold`, the
+/// default): the retry is `409 outcome-unknown`, never a second execution;
+/// the admin listener lists it (with its admin token), an operator
+/// completes it with what happened, and the retry replays that; the gauge
+/// `idemgate_keys_unknown` counts it on each pruning pass. A process of its
+/// own, for the gauge is the process's.
+async fn a_key_whose_upstream_hung_up_waits_for_an_operator(b: Backend) {
+    let (origin, acted) = hang_up_origin().await;
+    let mut proxy = ProxyProcess::start_at(
+        &b.url(),
+        &origin,
+        &[
+            "--admin-tokens",
+            "ops:proxy-admin-secret",
+            "--prune-interval",
+            "1",
+        ],
+    )
+    .await;
+    common::bin::drain_stderr(&mut proxy.child);
+    let http = common::http();
+    let base = proxy.base();
+    let admin_base = format!("http://127.0.0.1:{}", proxy.admin);
+    let key = fresh_key();
+    let post = || {
+        http.post(format!("{base}/charge"))
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .body(r#"{"amount":5}"#)
+            .send()
+    };
+    let first = post().await.unwrap();
+    assert_eq!(first.status(), 502);
+    let retry = post().await.unwrap();
+    assert_eq!(retry.status(), 409);
+    assert!(retry.headers().get("retry-after").is_none());
+    let retry: Value = retry.json().await.unwrap();
+    assert!(
+        retry["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("/outcome-unknown"),
+        "{retry}"
+    );
+    assert_eq!(acted.load(Ordering::SeqCst), 1, "never sent upstream again");
+
+    let admin = |method: reqwest::Method, path: &str, auth: bool, body: Option<Value>| {
+        let mut req = http.request(method, format!("{admin_base}{path}"));
+        if auth {
+            req = req.header("authorization", "Bearer proxy-admin-secret");
+        }
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        async move {
+            let res = req.send().await.unwrap();
+            (
+                res.status().as_u16(),
+                res.json::<Value>().await.unwrap_or(Value::Null),
+            )
+        }
+    };
+    let (status, _) = admin(reqwest::Method::GET, "/v1/admin/keys", false, None).await;
+    assert_eq!(status, 401);
+    let (status, listed) = admin(
+        reqwest::Method::GET,
+        "/v1/admin/keys?state=unknown",
+        true,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{listed}");
+    let keys = listed["keys"].as_array().unwrap();
+    assert_eq!(keys.len(), 1, "{listed}");
+    assert_eq!(keys[0]["tenant"], "anonymous");
+    assert_eq!(keys[0]["key_hash"], hash_hex(&key));
+
+    let gauge = || async {
+        let text = http
+            .get(format!("{admin_base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("idemgate_keys_unknown "))
+            .map(|v| v.trim().to_owned())
+    };
+    let started = Instant::now();
+    while gauge().await.as_deref() != Some("1") {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the gauge never said 1"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let path = format!("/v1/admin/keys/anonymous/{}/resolve", hash_hex(&key));
+    let (status, settled) = admin(
+        reqwest::Method::POST,
+        &path,
+        true,
+        Some(json!({
+            "action": "complete",
+            "reason": "the origin's log shows the charge",
+            "response": {"status": 201, "headers": [["content-type", "application/json"]], "body": "{\"charge\":\"ch_1\"}"},
+        })),
+    )
+    .await;
+    assert_eq!(status, 200, "{settled}");
+    assert_eq!(settled["resolution"]["by"], "ops");
+    let replay = post().await.unwrap();
+    assert_eq!(replay.status(), 201);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let replay: Value = replay.json().await.unwrap();
+    assert_eq!(replay["charge"], "ch_1");
+    assert_eq!(acted.load(Ordering::SeqCst), 1);
+    let started = Instant::now();
+    while gauge().await.as_deref() != Some("0") {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the gauge never fell to 0"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+both_stores! {
+    serial: [
+        the_reservation_api_takes_over_by_default,
+        operators_list_show_and_resolve_stuck_keys,
+        the_admin_endpoints_need_an_admin_token,
+    ],
+    concurrent: [
+        a_held_key_past_its_lease_waits_for_its_holder,
+        a_waiter_is_told_at_once_when_the_key_becomes_unknown,
+        the_layer_holds_by_default_and_a_takeover_says_its_attempt,
+        a_key_whose_upstream_hung_up_waits_for_an_operator,
+    ],
+}
+
+/// A proxy cut off from its database for longer than the lease, while the
+/// origin answers its call: the client gets the origin's answer, the
+/// commit is retried in the background, and the key, held meanwhile (every
+/// other proxy would answer `409 outcome-unknown`), becomes a replay once
+/// the database is back — where a takeover would have lost the answer and
+/// run the origin again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_deferred_past_the_lease_turns_the_held_key_into_a_replay() {
+    use common::pg::TempCluster;
+    use common::upstream::Upstream;
+
+    let cluster = TempCluster::start().await.expect("a private PostgreSQL");
+    let upstream = Upstream::start_numbered().await;
+    let mut cut_off = ProxyProcess::start_at(
+        &cluster.url(),
+        &upstream.url(),
+        &["--upstream-timeout", "1", "--db-acquire-timeout", "1"],
+    )
+    .await;
+    let log = common::bin::drain_stderr(&mut cut_off.child);
+    let http = common::http();
+    let key = fresh_key();
+    let post = |base: String| {
+        http.post(format!("{base}/numbered/800"))
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+    };
+    let first = tokio::spawn(post(cut_off.base()));
+    let started = Instant::now();
+    while upstream.started(&key) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never forwarded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cluster.stop().await.expect("stop");
+    let first = first.await.unwrap().expect("the proxy answers");
+    assert_eq!(
+        first.status(),
+        201,
+        "the origin's answer reaches its client"
+    );
+    let first: Value = first.json().await.unwrap();
+    assert_eq!(first["execution"], 1);
+    // Past the lease (the upstream timeout + 5 s) with the database away.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    cluster.restart().await.expect("restart");
+
+    let other = ProxyProcess::start_at(
+        &cluster.url(),
+        &upstream.url(),
+        &["--upstream-timeout", "1"],
+    )
+    .await;
+    let started = Instant::now();
+    let replay = loop {
+        let res = post(other.base()).await.unwrap();
+        let status = res.status().as_u16();
+        let body: Value = res.json().await.unwrap();
+        if status == 201 {
+            break body;
+        }
+        assert_eq!(status, 409, "{body}");
+        assert!(
+            body["type"].as_str().unwrap().ends_with("/outcome-unknown"),
+            "held, not in flight: {body}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "the deferred commit never landed:\n{}",
+            log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(replay, first, "the first answer, replayed");
+    assert_eq!(upstream.started(&key), 1, "the origin ran once");
+    assert!(log.lock().unwrap().contains("the deferred commit landed"));
+}
