@@ -15,6 +15,8 @@ import pytest
 
 TOKEN = "client-tests-token-acme"
 OTHER_TOKEN = "client-tests-token-globex"
+#: The tenant TOKEN names: the one the operators' endpoints file its keys under.
+TENANT = "acme"
 
 
 def _free_port() -> int:
@@ -91,6 +93,19 @@ def _serve(binary: str, database_url: str, work: Path) -> Server:
     return Server(base_url, process, log)
 
 
+def settle(base_url: str, key: str, body: dict[str, object], tenant: str = TENANT) -> dict[str, object]:
+    """An operator settles a stuck key through ``POST /v1/admin/keys/{tenant}/{key_hash}/resolve``
+    (open on loopback without IDEMGATE_ADMIN_TOKENS): the key goes by its
+    SHA-256, never in the clear."""
+    import hashlib
+
+    key_hash = hashlib.sha256(key.encode("utf-8")).hexdigest()
+    answer = httpx.post(f"{base_url}/v1/admin/keys/{tenant}/{key_hash}/resolve", json=body, timeout=10)
+    assert answer.status_code == 200, answer.text
+    view: dict[str, object] = answer.json()
+    return view
+
+
 @pytest.fixture(scope="session", params=["sqlite", "postgres"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`idemgate serve` on each store: a SQLite file, and a PostgreSQL database
@@ -120,7 +135,10 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         _drop(database_url)
 
 class Origin:
-    """A payments API that counts its charges, per idempotency key."""
+    """A payments API that counts its charges, per idempotency key: ``/slow/MS``
+    takes that long, ``/flaky`` answers 503 to a key's first call, ``/hangup``
+    charges and then closes the connection without answering, ``/events``
+    streams."""
 
     def __init__(self) -> None:
         import threading
@@ -148,6 +166,13 @@ class Origin:
                     call = origin.calls[key]
                 if self.path.startswith("/events"):
                     self._events(key)
+                    return
+                if self.path.startswith("/hangup"):
+                    # The charge is made, then the connection drops before
+                    # any answer: whether it happened, the caller cannot tell.
+                    with origin.lock:
+                        origin.charges[key] = origin.charges.get(key, 0) + 1
+                    self.close_connection = True
                     return
                 if self.path.startswith("/flaky") and call == 1:
                     self._answer(503, b'{"error":"busy"}', {"retry-after": "1"})

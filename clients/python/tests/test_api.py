@@ -15,6 +15,7 @@ from idemgate_client import (
     Client,
     Completed,
     KeyReused,
+    OutcomeUnknown,
     RequestInFlight,
     Reserved,
     Unauthorized,
@@ -116,6 +117,36 @@ def test_prefer_wait_gets_the_replay_when_the_first_finishes(idem, server):
     assert time.monotonic() - started < 5
 
 
+def test_a_held_key_past_its_lease_is_outcome_unknown(idem):
+    key = fresh_key()
+    held = idem.reserve(key, request=CHARGE, lease_seconds=1, on_lease_expiry="hold")
+    assert isinstance(held, Reserved)
+    time.sleep(1.5)  # its holder was cut off: the lease ends without news
+    for wait in (None, 5):  # waiting does not help: nothing will settle it by itself
+        started = time.monotonic()
+        with pytest.raises(OutcomeUnknown) as unknown:
+            idem.reserve(key, request=CHARGE, wait=wait)
+        assert time.monotonic() - started < 2
+        assert unknown.value.status == 409
+        assert unknown.value.type.endswith("/outcome-unknown")
+        assert unknown.value.retry_after is None
+        assert "retry_after_seconds" not in unknown.value.body
+        assert unknown.value.dead_letter_reason == "outcome_unknown"
+    assert idem.get(held.reservation_id).state == "unknown"
+    # The holder's own late commit settles it: every request then replays it.
+    idem.commit(held.reservation_id, status=201, body="late")
+    replay = idem.reserve(key, request=CHARGE)
+    assert isinstance(replay, Completed) and replay.response.text() == "late"
+
+
+def test_a_key_under_takeover_is_taken_over_not_unknown(idem):
+    key = fresh_key()
+    idem.reserve(key, request=CHARGE, lease_seconds=1, on_lease_expiry="takeover")
+    time.sleep(1.5)
+    taken = idem.reserve(key, request=CHARGE)
+    assert isinstance(taken, Reserved) and taken.attempt == 2
+
+
 def test_tenants_do_not_share_keys(server, idem):
     key = fresh_key()
     idem.reserve(key, request=CHARGE)
@@ -141,5 +172,12 @@ def test_the_async_client(server):
             assert isinstance(replay, Completed) and replay.response.text() == "async"
             with pytest.raises(KeyReused):
                 await idem.reserve(key, request={**CHARGE, "body": {"amount": 1}})
+
+            unknown = fresh_key()
+            await idem.reserve(unknown, request=CHARGE, lease_seconds=1, on_lease_expiry="hold")
+            await asyncio.sleep(1.5)
+            with pytest.raises(OutcomeUnknown) as refused:
+                await idem.reserve(unknown, request=CHARGE)
+            assert refused.value.retry_after is None
 
     asyncio.run(flow())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -15,11 +16,12 @@ from idemgate_client import (
     InFlight,
     KeyReused,
     NotExecuted,
+    OutcomeUnknown,
     Reserved,
     derive_key,
 )
 
-from conftest import TOKEN
+from conftest import TOKEN, settle
 
 CHARGE = {"method": "POST", "path": "/charges", "body": {"amount": 500}}
 
@@ -88,6 +90,7 @@ def test_a_key_held_past_the_budget_is_in_flight_not_run(client, server):
         Guard(client, wait_budget=1.0).run(key, other, request=CHARGE)
     assert time.monotonic() - started < 2.5
     assert busy.value.key == key and busy.value.lease_expires_at is not None
+    assert busy.value.dead_letter_reason == "idempotency_in_flight"
     holder.join()
     assert other.runs == 0 and slow.runs == 1
 
@@ -123,6 +126,37 @@ def test_an_effect_that_failed_after_it_may_have_acted_keeps_the_key(client):
     charge = Charges()
     with pytest.raises(InFlight):
         guard.run(key, charge, request=CHARGE)
+    assert charge.runs == 0
+
+
+def test_an_unknown_outcome_is_not_run_and_goes_to_the_dead_letter_queue(client, server):
+    # A guard for an effect that cannot reconcile: its lease ending means unknown.
+    guard, key = Guard(client, lease_seconds=1, on_lease_expiry="hold"), fresh_key()
+
+    def broke(_: Holding) -> object:
+        raise ConnectionError("the payment API hung up after the request was sent")
+
+    with pytest.raises(ConnectionError):
+        guard.run(key, broke, request=CHARGE)
+    time.sleep(1.5)  # the lease ends: nobody knows whether the charge went out
+    charge = Charges()
+    for retry in (guard, Guard(client)):  # whoever retries, whatever it would choose
+        with pytest.raises(OutcomeUnknown) as unknown:
+            retry.run(key, charge, request=CHARGE)
+        assert unknown.value.dead_letter_reason == "outcome_unknown"
+        assert unknown.value.retry_after is None
+    assert charge.runs == 0
+
+    # An operator finds that the charge went through and completes the key
+    # with it: every run returns that result, and the effect still never runs.
+    view = settle(server.base_url, key, {
+        "action": "complete",
+        "reason": "the payment API shows the charge",
+        "response": {"status": 200, "headers": [], "body": json.dumps({"charge": "ch_found", "attempt": 1})},
+    })
+    assert view["state"] == "completed"
+    assert guard.run(key, charge, request=CHARGE) == {"charge": "ch_found", "attempt": 1}
+    assert Guard(client).run(key, charge, request=CHARGE) == {"charge": "ch_found", "attempt": 1}
     assert charge.runs == 0
 
 
@@ -193,8 +227,22 @@ def test_the_async_guard(server):
                 await AsyncGuard(a).run(released, declined, request=CHARGE)
             assert isinstance(await a.reserve(released, request=CHARGE), Reserved)
 
+            # A holder cut off under hold: the guard does not run the effect
+            # and says so; an operator who finds nothing happened releases the
+            # key, and the next run executes it once.
+            unknown = fresh_key()
+            await a.reserve(unknown, request=CHARGE, lease_seconds=1, on_lease_expiry="hold")
+            await asyncio.sleep(1.5)
+            with pytest.raises(OutcomeUnknown) as stuck:
+                await AsyncGuard(a).run(unknown, charge, request=CHARGE)
+            assert stuck.value.dead_letter_reason == "outcome_unknown"
+            settle(server.base_url, unknown, {"action": "release", "reason": "the payment API has no such charge"})
+            assert await AsyncGuard(a, lease_seconds=1).run(unknown, charge, request=CHARGE) == {
+                "charge": "ch_async", "attempt": 1,
+            }
+
     asyncio.run(flow())
-    assert runs == 1
+    assert runs == 2
 
 
 def test_the_decorator_form(client):

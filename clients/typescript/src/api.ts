@@ -55,7 +55,8 @@ export interface Extended {
 export interface ReservationRecord {
   reservationId: string;
   live: boolean;
-  state: "in_flight" | "completed";
+  /** `unknown`: its holder was cut off under `hold`, and nobody knows whether the effect happened. */
+  state: "in_flight" | "completed" | "unknown";
   attempt: number;
   keyHashPrefix: string;
   fingerprint: string | null;
@@ -74,6 +75,14 @@ export interface RequestDescription {
   body?: unknown;
 }
 
+/**
+ * What a lease that ends without a commit, release or extend means:
+ * `takeover` (the server's default for the reservation API) gives the key to
+ * the next caller, with the recovery point; `hold` makes its outcome unknown,
+ * and every reserve of it `OutcomeUnknown` until it is settled.
+ */
+export type LeaseExpiry = "takeover" | "hold";
+
 export interface ReserveOptions {
   request?: RequestDescription;
   fingerprint?: string;
@@ -81,6 +90,8 @@ export interface ReserveOptions {
   ttlSeconds?: number;
   /** `Prefer: wait=N`: the server holds a duplicate up to N seconds for the first to finish. */
   wait?: number;
+  /** What this reservation's lease ending without news means; unset, the server's default (`takeover`). */
+  onLeaseExpiry?: LeaseExpiry;
 }
 
 export interface CommitOptions {
@@ -137,7 +148,7 @@ function reservationRecord(value: Json): ReservationRecord {
   return {
     reservationId: String(value["reservation_id"]),
     live: Boolean(value["live"]),
-    state: value["state"] === "completed" ? "completed" : "in_flight",
+    state: value["state"] === "completed" || value["state"] === "unknown" ? value["state"] : "in_flight",
     attempt: Number(value["attempt"]),
     keyHashPrefix: String(value["key_hash_prefix"]),
     fingerprint: typeof value["fingerprint"] === "string" ? value["fingerprint"] : null,
@@ -178,8 +189,10 @@ export class Client {
 
   /**
    * Reserves `key` (`reserved`) or returns its stored response (`completed`).
-   * Throws `RequestInFlight` while another holder runs, `KeyReused` for
-   * another payload under the key.
+   * Throws `RequestInFlight` while another holder runs, `OutcomeUnknown` when
+   * a holder was cut off and nobody knows whether its effect happened (never
+   * retried: the dead-letter queue's case), `KeyReused` for another payload
+   * under the key.
    */
   async reserve(key: string, options: ReserveOptions = {}): Promise<Reserved | Completed> {
     const body: Json = {};
@@ -187,6 +200,7 @@ export class Client {
     if (options.fingerprint !== undefined) body["fingerprint"] = options.fingerprint;
     if (options.leaseSeconds !== undefined) body["lease_seconds"] = options.leaseSeconds;
     if (options.ttlSeconds !== undefined) body["ttl_seconds"] = options.ttlSeconds;
+    if (options.onLeaseExpiry !== undefined) body["on_lease_expiry"] = options.onLeaseExpiry;
     const headers: Record<string, string> = { "idempotency-key": key };
     if (options.wait !== undefined && options.wait > 0) headers["prefer"] = `wait=${options.wait}`;
     const response = await this.#call("POST", "/v1/reservations", body, headers);

@@ -2,6 +2,8 @@
  * idemgate's problem+json answers as errors, one class per problem type.
  * Each carries the HTTP status, the problem's `type`, `title` and `detail`,
  * and where the server sent them `retryAfter` (seconds) and `leaseExpiresAt`.
+ * `OutcomeUnknown` also says why the step belongs in the caller's
+ * dead-letter queue (`deadLetterReason`).
  */
 
 /** Anything this package throws about idemgate's answers. */
@@ -45,6 +47,19 @@ export class Unauthorized extends Problem { static override readonly slug = "una
 export class NotFound extends Problem { static override readonly slug = "not-found"; override name = "NotFound"; }
 /** 409: the key's first request is still running; wait and retry the same key. */
 export class RequestInFlight extends Problem { static override readonly slug = "request-in-flight"; override name = "RequestInFlight"; }
+/**
+ * 409: whether the key's first request took effect is unknown (its holder
+ * was cut off), so nothing runs it again. Never retried, under this key or a
+ * new one: the step goes to the dead-letter queue, and an operator settles
+ * the key (`idemgate keys`): released, the next request executes; completed,
+ * every retry replays the response that really happened.
+ */
+export class OutcomeUnknown extends Problem {
+  static override readonly slug = "outcome-unknown";
+  override name = "OutcomeUnknown";
+  /** The reason the step is put in the dead-letter queue with. */
+  readonly deadLetterReason = "outcome_unknown";
+}
 /** 409: this reservation id no longer holds its key. */
 export class LeaseLost extends Problem { static override readonly slug = "lease-lost"; override name = "LeaseLost"; }
 export class ReservationGone extends Problem { static override readonly slug = "reservation-gone"; override name = "ReservationGone"; }
@@ -57,7 +72,7 @@ export class Internal extends Problem { static override readonly slug = "interna
 
 const BY_SLUG = new Map<string, typeof Problem>(
   [
-    InvalidRequest, KeyMissing, KeyInvalid, Unauthorized, NotFound, RequestInFlight, LeaseLost,
+    InvalidRequest, KeyMissing, KeyInvalid, Unauthorized, NotFound, RequestInFlight, OutcomeUnknown, LeaseLost,
     ReservationGone, PayloadTooLarge, KeyReused, TenantLimit, StoreUnavailable, Internal,
   ].map((cls) => [cls.slug, cls]),
 );

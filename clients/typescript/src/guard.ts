@@ -9,15 +9,35 @@
  * - a key another caller holds is waited for (`Prefer: wait`, then retries of
  *   the same key) within `waitBudgetMs`, then `InFlight` is thrown: the step
  *   belongs in the caller's dead-letter queue, never in a second execution;
+ * - a key whose outcome is unknown (an earlier holder was cut off under
+ *   `onLeaseExpiry: "hold"`) throws `OutcomeUnknown` at once and the effect
+ *   does not run: the step belongs in the dead-letter queue, never retried
+ *   and never under a new key, until an operator settles the key
+ *   (completed: the next call resolves to that result; released: it runs);
  * - a key reused with another payload throws `KeyReused`, never retried;
  * - a takeover hands the effect `holding.attempt > 1` and the recovery point
  *   the earlier holder recorded: the effect must reconcile before acting again;
  * - the lease is extended while the effect runs;
  * - an effect that throws `NotExecuted` (it failed before acting) releases
  *   the key; any other error leaves it in flight until its lease ends,
- *   because the effect may have acted.
+ *   because the effect may have acted. What follows is `onLeaseExpiry`:
+ *   `takeover` (the server's default) hands the key to the next call, with
+ *   the recovery point to reconcile from; `hold` makes its outcome unknown,
+ *   for an effect that cannot reconcile, and leaves it to an operator.
+ *
+ * Both dead-letter errors, `InFlight` and `OutcomeUnknown`, carry
+ * `deadLetterReason` (`idempotency_in_flight`, `outcome_unknown`):
+ *
+ * ```ts
+ * try {
+ *   await guard(idem, key, charge, { request });
+ * } catch (e) {
+ *   if (e instanceof InFlight || e instanceof OutcomeUnknown) deadLetter(step, e.deadLetterReason);
+ *   else throw e;
+ * }
+ * ```
  */
-import type { Client, RecoveryPoint, RequestDescription, Reserved, Completed } from "./api.js";
+import type { Client, LeaseExpiry, RecoveryPoint, RequestDescription, Reserved, Completed } from "./api.js";
 import { IdemgateError, RequestInFlight } from "./errors.js";
 
 /** The longest single `Prefer: wait` asked for; the server caps it too. */
@@ -26,6 +46,8 @@ export const MAX_WAIT_SECONDS = 10;
 /** The key stayed held by another caller for the whole wait budget. */
 export class InFlight extends IdemgateError {
   override name = "InFlight";
+  /** The reason the step is put in the dead-letter queue with. */
+  readonly deadLetterReason = "idempotency_in_flight";
   constructor(
     readonly key: string,
     readonly waitedMs: number,
@@ -60,6 +82,13 @@ export interface GuardOptions<T> {
   /** How long to wait for another holder (default 30 000 ms). */
   waitBudgetMs?: number;
   leaseSeconds?: number;
+  /**
+   * What the guard's lease ending without a commit means (the process died,
+   * or the effect threw after it may have acted): unset, the server's default
+   * `takeover`; `hold` for an effect that cannot reconcile, whose key then
+   * waits for an operator.
+   */
+  onLeaseExpiry?: LeaseExpiry;
   /** How a result is stored and read back (default JSON). */
   encode?: (result: T) => string;
   decode?: (stored: string) => T;
@@ -78,6 +107,7 @@ async function reserve<T>(client: Client, key: string, options: GuardOptions<T>)
         ...(options.request === undefined ? {} : { request: options.request }),
         ...(options.fingerprint === undefined ? {} : { fingerprint: options.fingerprint }),
         ...(options.leaseSeconds === undefined ? {} : { leaseSeconds: options.leaseSeconds }),
+        ...(options.onLeaseExpiry === undefined ? {} : { onLeaseExpiry: options.onLeaseExpiry }),
         ...(wait > 0 ? { wait } : {}),
       });
     } catch (e) {
@@ -89,7 +119,12 @@ async function reserve<T>(client: Client, key: string, options: GuardOptions<T>)
   }
 }
 
-/** The effect's result for `key`: run now, or stored by an earlier run. */
+/**
+ * The effect's result for `key`: run now, or stored by an earlier run.
+ * Throws `InFlight` (held past the wait budget) or `OutcomeUnknown` without
+ * running the effect: both for the dead-letter queue, never for a retry
+ * under a new key.
+ */
 export async function guard<T>(
   client: Client,
   key: string,

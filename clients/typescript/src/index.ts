@@ -7,10 +7,11 @@ export type { GuardOptions, Holding } from "./guard.js";
 export { classify, isNetworkError, RELEASED, retryingFetch, UNKNOWN } from "./retry.js";
 export type { Decision, RetryOptions, Verdict } from "./retry.js";
 export type {
-  ClientOptions, CommitOptions, Completed, Extended, RecoveryPoint, RequestDescription, ReservationRecord,
-  Reserved, ReserveOptions, StoredResponse,
+  ClientOptions, CommitOptions, Completed, Extended, LeaseExpiry, RecoveryPoint, RequestDescription,
+  ReservationRecord, Reserved, ReserveOptions, StoredResponse,
 } from "./api.js";
 export {
   IdemgateError, Internal, InvalidRequest, KeyInvalid, KeyMissing, KeyReused, LeaseLost, NotFound,
-  PayloadTooLarge, Problem, RequestInFlight, ReservationGone, StoreUnavailable, TenantLimit, Unauthorized,
+  OutcomeUnknown, PayloadTooLarge, Problem, RequestInFlight, ReservationGone, StoreUnavailable, TenantLimit,
+  Unauthorized,
 } from "./errors.js";

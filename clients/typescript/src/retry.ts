@@ -7,8 +7,14 @@
  * | a timeout, a closed socket, 502, 504          | retry: the same key, the same body           |
  * | 408, 425, 429, 503 (the proxy released it)    | retry the same key after `Retry-After`       |
  * | 409 `request-in-flight`                       | wait, retry the same key; past the budget, the dead-letter queue |
+ * | 409 `outcome-unknown`                         | stop: never retried, never a new key; the dead-letter queue (`outcome_unknown`) |
  * | 422 `key-reused`                              | stop; never retried                          |
  * | anything else (2xx, a 4xx, a 500)             | the answer                                   |
+ *
+ * `idemgate proxy` holds a duplicate until the first answer by default (up
+ * to 10 s) and replays it, so a 409 `request-in-flight` is the rarer case: a
+ * first request that runs longer than that, or a caller that asked for the
+ * immediate answer (`Prefer: wait=0`).
  *
  * ```ts
  * const call = retryingFetch({ budgetMs: 30_000, attemptTimeoutMs: 10_000 });
@@ -16,7 +22,11 @@
  * ```
  */
 
-export type Decision = "retry" | "wait" | "stop" | "answer";
+/**
+ * `stop`: the key was used with another payload; `dead-letter`: whether it
+ * took effect is unknown, so never again, not even under a new key.
+ */
+export type Decision = "retry" | "wait" | "stop" | "dead-letter" | "answer";
 
 export interface Verdict {
   decision: Decision;
@@ -46,7 +56,9 @@ export function isNetworkError(error: unknown): boolean {
 
 /**
  * What to do about one attempt's outcome (see the table). Only a 409's body
- * is read (a clone of it), to tell `request-in-flight` from `lease-lost`.
+ * is read (a clone of it), to tell `request-in-flight` from
+ * `outcome-unknown` and `lease-lost`; a 409 whose body names neither is
+ * waited for.
  */
 export async function classify(outcome: Response | unknown): Promise<Verdict> {
   if (!(outcome instanceof Response)) {
@@ -63,7 +75,9 @@ export async function classify(outcome: Response | unknown): Promise<Verdict> {
     } catch {
       // not JSON: an in-flight answer all the same
     }
-    return slug === "lease-lost" ? { decision: "answer" } : withAfter("wait", retryAfter(outcome));
+    if (slug === "outcome-unknown") return { decision: "dead-letter" };
+    if (slug === "lease-lost") return { decision: "answer" };
+    return withAfter("wait", retryAfter(outcome));
   }
   if (status === 422) return { decision: "stop" };
   if (RELEASED.has(status) || UNKNOWN.has(status)) return withAfter("retry", retryAfter(outcome));
@@ -85,10 +99,11 @@ const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 /**
  * A `fetch` that retries a keyed request per {@link classify}. The request
- * goes again as it was (same key, same body); when the budget runs out the
- * last response comes back (a 409: the dead-letter queue's case) or the last
- * error is thrown. A request without the key, or with a streamed body, is
- * sent once.
+ * goes again as it was (same key, same body). A 409 `outcome-unknown` comes
+ * back at once, never sent again (the dead-letter queue's case); when the
+ * budget runs out the last response comes back (a 409 `request-in-flight`:
+ * the dead-letter queue's case too) or the last error is thrown. A request
+ * without the key, or with a streamed body, is sent once.
  */
 export function retryingFetch(options: RetryOptions = {}): typeof fetch {
   const send = options.fetch ?? fetch;
@@ -120,7 +135,8 @@ export function retryingFetch(options: RetryOptions = {}): typeof fetch {
       }
       const verdict = await classify(outcome);
       const left = budget - (Date.now() - started);
-      if (verdict.decision === "answer" || verdict.decision === "stop" || left <= 0) {
+      const final = verdict.decision === "answer" || verdict.decision === "stop" || verdict.decision === "dead-letter";
+      if (final || left <= 0) {
         if (outcome instanceof Response) return outcome;
         throw outcome;
       }

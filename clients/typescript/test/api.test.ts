@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import { after, before, describe, test } from "node:test";
 
-import { Client, KeyReused, RequestInFlight, Unauthorized, derive_key } from "../src/index.js";
+import { Client, KeyReused, OutcomeUnknown, RequestInFlight, Unauthorized, derive_key } from "../src/index.js";
 import { OTHER_TOKEN, TOKEN, postgresWanted, startServer, type Server, type Store } from "./server.js";
 
 const CHARGE = { method: "POST", path: "/charges", body: { amount: 500, currency: "EUR" } };
@@ -80,6 +80,41 @@ for (const store of stores) describe(store, () => {
     assert.equal(answer.kind, "completed");
     if (answer.kind !== "completed") return;
     assert.deepEqual(answer.response.body, payload);
+  });
+
+  test("a held key past its lease is OutcomeUnknown, without Retry-After", async () => {
+    const key = freshKey();
+    const held = await idem.reserve(key, { request: CHARGE, leaseSeconds: 1, onLeaseExpiry: "hold" });
+    if (held.kind !== "reserved") throw new Error("not reserved");
+    await new Promise((r) => setTimeout(r, 1500)); // its holder was cut off: the lease ends without news
+    for (const wait of [undefined, 5]) { // waiting does not help: nothing will settle it by itself
+      const started = Date.now();
+      await assert.rejects(idem.reserve(key, { request: CHARGE, ...(wait === undefined ? {} : { wait }) }), (e: unknown) => {
+        assert.ok(e instanceof OutcomeUnknown);
+        assert.equal(e.status, 409);
+        assert.ok(e.type.endsWith("/outcome-unknown"));
+        assert.equal(e.retryAfter, undefined);
+        assert.equal(e.body["retry_after_seconds"], undefined);
+        assert.equal(e.deadLetterReason, "outcome_unknown");
+        return true;
+      });
+      assert.ok(Date.now() - started < 2000);
+    }
+    assert.equal((await idem.get(held.reservationId)).state, "unknown");
+    // The holder's own late commit settles it: every request then replays it.
+    await idem.commit(held.reservationId, { status: 201, body: "late" });
+    const replay = await idem.reserve(key, { request: CHARGE });
+    assert.equal(replay.kind, "completed");
+    if (replay.kind !== "completed") return;
+    assert.equal(replay.response.text(), "late");
+  });
+
+  test("a key under takeover is taken over, not unknown", async () => {
+    const key = freshKey();
+    await idem.reserve(key, { request: CHARGE, leaseSeconds: 1, onLeaseExpiry: "takeover" });
+    await new Promise((r) => setTimeout(r, 1500));
+    const taken = await idem.reserve(key, { request: CHARGE });
+    assert.equal(taken.kind === "reserved" && taken.attempt, 2);
   });
 
   test("tenants apart; a wrong token is Unauthorized", async () => {

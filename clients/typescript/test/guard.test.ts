@@ -3,8 +3,10 @@ import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import { after, before, describe, test } from "node:test";
 
-import { Client, InFlight, KeyReused, NotExecuted, derive_key, guard, type Holding } from "../src/index.js";
-import { TOKEN, postgresWanted, startServer, type Server, type Store } from "./server.js";
+import {
+  Client, InFlight, KeyReused, NotExecuted, OutcomeUnknown, derive_key, guard, type Holding,
+} from "../src/index.js";
+import { TOKEN, postgresWanted, settle, startServer, type Server, type Store } from "./server.js";
 
 const CHARGE = { method: "POST", path: "/charges", body: { amount: 500 } };
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
@@ -60,7 +62,11 @@ for (const store of stores) describe(store, () => {
     await sleep(300);
     const other = charges();
     const started = Date.now();
-    await assert.rejects(guard(idem, key, other.effect, { request: CHARGE, waitBudgetMs: 1000 }), InFlight);
+    await assert.rejects(guard(idem, key, other.effect, { request: CHARGE, waitBudgetMs: 1000 }), (e: unknown) => {
+      assert.ok(e instanceof InFlight);
+      assert.equal(e.deadLetterReason, "idempotency_in_flight");
+      return true;
+    });
     assert.ok(Date.now() - started < 2500);
     await holder;
     assert.equal(other.state.runs, 0);
@@ -97,6 +103,52 @@ for (const store of stores) describe(store, () => {
     const after = charges();
     await assert.rejects(guard(idem, kept, after.effect, { request: CHARGE, waitBudgetMs: 500 }), InFlight);
     assert.equal(after.state.runs, 0);
+  });
+
+  test("an unknown outcome is not run and goes to the dead-letter queue; an operator settles it", async () => {
+    // A guard for an effect that cannot reconcile: its lease ending means unknown.
+    const held = { request: CHARGE, leaseSeconds: 1, onLeaseExpiry: "hold" } as const;
+    const key = freshKey();
+    await assert.rejects(
+      guard(idem, key, async () => {
+        throw new Error("the payment API hung up after the request was sent");
+      }, held),
+      /hung up/,
+    );
+    await sleep(1500); // the lease ends: nobody knows whether the charge went out
+    const { state, effect } = charges();
+    for (const options of [held, { request: CHARGE }]) { // whoever retries, whatever it would choose
+      await assert.rejects(guard(idem, key, effect, options), (e: unknown) => {
+        assert.ok(e instanceof OutcomeUnknown);
+        assert.equal(e.deadLetterReason, "outcome_unknown");
+        assert.equal(e.retryAfter, undefined);
+        return true;
+      });
+    }
+    assert.equal(state.runs, 0);
+
+    // An operator finds that the charge went through and completes the key
+    // with it: every call resolves to that result, and the effect never runs.
+    const view = await settle(server.baseUrl, key, {
+      action: "complete",
+      reason: "the payment API shows the charge",
+      response: { status: 200, headers: [], body: JSON.stringify({ charge: "ch_found", attempt: 1 }) },
+    });
+    assert.equal(view["state"], "completed");
+    assert.deepEqual(await guard(idem, key, effect, held), { charge: "ch_found", attempt: 1 });
+    assert.deepEqual(await guard(idem, key, effect, { request: CHARGE }), { charge: "ch_found", attempt: 1 });
+    assert.equal(state.runs, 0);
+
+    // Another holder cut off under hold; the operator finds nothing happened
+    // and releases the key: the next call runs the effect, once.
+    const released = freshKey();
+    await idem.reserve(released, { request: CHARGE, leaseSeconds: 1, onLeaseExpiry: "hold" });
+    await sleep(1500);
+    await assert.rejects(guard(idem, released, effect, { request: CHARGE }), OutcomeUnknown);
+    await settle(server.baseUrl, released, { action: "release", reason: "the payment API has no such charge" });
+    assert.deepEqual(await guard(idem, released, effect, { request: CHARGE }), { charge: "ch_1", attempt: 1 });
+    assert.deepEqual(await guard(idem, released, effect, { request: CHARGE }), { charge: "ch_1", attempt: 1 });
+    assert.equal(state.runs, 1);
   });
 
   test("the lease is extended while a long effect runs", async () => {

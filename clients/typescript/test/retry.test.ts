@@ -25,7 +25,12 @@ const rows: [string, () => Response | unknown, Decision, number | undefined][] =
   ["408", () => problem(408), "retry", undefined],
   ["425", () => problem(425), "retry", undefined],
   ["409 request-in-flight", () => problem(409, "request-in-flight", "4"), "wait", 4],
+  ["409 outcome-unknown", () => problem(409, "outcome-unknown"), "dead-letter", undefined],
   ["409 lease-lost", () => problem(409, "lease-lost"), "answer", undefined],
+  // A 409 whose body names no problem of ours is waited for, as ever.
+  ["409 without a body", () => problem(409), "wait", undefined],
+  ["409 with another JSON body", () => new Response('{"error":"conflict"}', { status: 409, headers: { "content-type": "application/json" } }), "wait", undefined],
+  ["409 with a text body", () => new Response("outcome-unknown", { status: 409 }), "wait", undefined],
   ["422", () => problem(422, "key-reused"), "stop", undefined],
   ["500", () => problem(500), "answer", undefined],
   ["402", () => problem(402), "answer", undefined],
@@ -89,9 +94,35 @@ test("in flight past the budget returns the 409", async () => {
   const k = key();
   const first = fetch(`${proxy.baseUrl}/slow/3000`, post(k));
   await new Promise((r) => setTimeout(r, 300));
-  const answer = await retryingFetch({ budgetMs: 1000, backoffMs: 100 })(`${proxy.baseUrl}/slow/3000`, post(k));
+  // The proxy would hold the duplicate until the first answers (its default
+  // wait, 10 s) and replay it; this caller asks for the 409 at once, as a
+  // client of a server without that default gets it.
+  const duplicate = { ...post(k), headers: { "content-type": "application/json", "idempotency-key": k, prefer: "wait=0" } };
+  const answer = await retryingFetch({ budgetMs: 1000, backoffMs: 100 })(`${proxy.baseUrl}/slow/3000`, duplicate);
   assert.equal(answer.status, 409);
   assert.equal((await first).status, 201);
+  assert.equal(origin.charges.get(k), 1);
+});
+
+test("an unknown outcome is retried once, then never again", async () => {
+  const k = key();
+  const attempts: [string | null, number][] = [];
+  const recording: typeof fetch = async (input, init) => {
+    const answer = await fetch(input, init);
+    attempts.push([new Headers(init?.headers).get("idempotency-key"), answer.status]);
+    return answer;
+  };
+  // The origin charges, then hangs up: the proxy answers 502 and, under its
+  // default hold, marks the key's outcome unknown.
+  const answer = await retryingFetch({ fetch: recording, budgetMs: 10_000, backoffMs: 100 })(`${proxy.baseUrl}/hangup`, post(k));
+  assert.equal(answer.status, 409);
+  assert.equal(answer.headers.get("retry-after"), null);
+  assert.equal((await classify(answer)).decision, "dead-letter");
+  const body = (await answer.json()) as { type: string };
+  assert.ok(body.type.endsWith("/outcome-unknown"));
+  // The 502 was retried under the same key; the 409 was not.
+  assert.deepEqual(attempts, [[k, 502], [k, 409]]);
+  assert.equal(origin.calls.get(k), 1);
   assert.equal(origin.charges.get(k), 1);
 });
 

@@ -1,7 +1,7 @@
 // A real `idemgate serve` for the tests: the binary named by IDEMGATE_BIN
 // (.ci/clients builds it and sets it), on a SQLite file of its own.
 import { spawn, spawnSync, type ChildProcess } from "node:child_process";
-import { randomUUID } from "node:crypto";
+import { createHash, randomUUID } from "node:crypto";
 import { mkdtempSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
@@ -9,6 +9,8 @@ import { join } from "node:path";
 
 export const TOKEN = "client-tests-token-acme";
 export const OTHER_TOKEN = "client-tests-token-globex";
+/** The tenant TOKEN names: the one the operators' endpoints file its keys under. */
+export const TENANT = "acme";
 
 export interface Server {
   baseUrl: string;
@@ -108,7 +110,28 @@ export async function startServer(store: Store = "sqlite"): Promise<Server> {
   };
 }
 
-/** A payments API that counts its charges, per idempotency key. */
+/**
+ * An operator settles a stuck key through `POST /v1/admin/keys/{tenant}/{key_hash}/resolve`
+ * (open on loopback without IDEMGATE_ADMIN_TOKENS): the key goes by its
+ * SHA-256, never in the clear.
+ */
+export async function settle(baseUrl: string, key: string, body: Record<string, unknown>, tenant = TENANT): Promise<Record<string, unknown>> {
+  const keyHash = createHash("sha256").update(key, "utf8").digest("hex");
+  const answer = await fetch(`${baseUrl}/v1/admin/keys/${tenant}/${keyHash}/resolve`, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify(body),
+  });
+  const text = await answer.text();
+  if (answer.status !== 200) throw new Error(`resolve answered ${answer.status}: ${text}`);
+  return JSON.parse(text) as Record<string, unknown>;
+}
+
+/**
+ * A payments API that counts its charges, per idempotency key: `/slow/MS`
+ * takes that long, `/flaky` answers 503 to a key's first call, `/hangup`
+ * charges and then closes the connection without answering.
+ */
 export interface Origin {
   url: string;
   charges: Map<string, number>;
@@ -128,6 +151,13 @@ export async function startOrigin(): Promise<Origin> {
       const call = (calls.get(key) ?? 0) + 1;
       calls.set(key, call);
       const path = req.url ?? "/";
+      if (path.startsWith("/hangup")) {
+        // The charge is made, then the connection drops before any answer:
+        // whether it happened, the caller cannot tell.
+        charges.set(key, (charges.get(key) ?? 0) + 1);
+        req.socket.destroy();
+        return;
+      }
       if (path.startsWith("/flaky") && call === 1) {
         res.writeHead(503, { "content-type": "application/json", "retry-after": "1" });
         res.end('{"error":"busy"}');

@@ -1,7 +1,17 @@
 """The caller's half of idemgate: keys derived from an attempt's identity,
 and typed calls of the reservation API."""
 
-from .api import AsyncClient, Client, Completed, Extended, Record, RecoveryPoint, Reserved, StoredResponse
+from .api import (
+    AsyncClient,
+    Client,
+    Completed,
+    Extended,
+    LeaseExpiry,
+    Record,
+    RecoveryPoint,
+    Reserved,
+    StoredResponse,
+)
 from .errors import (
     IdemgateError,
     InvalidRequest,
@@ -10,6 +20,7 @@ from .errors import (
     KeyReused,
     LeaseLost,
     NotFound,
+    OutcomeUnknown,
     PayloadTooLarge,
     Problem,
     RequestInFlight,
@@ -42,9 +53,11 @@ __all__ = [
     "KeyInvalid",
     "KeyMissing",
     "KeyReused",
+    "LeaseExpiry",
     "LeaseLost",
     "NotExecuted",
     "NotFound",
+    "OutcomeUnknown",
     "PayloadTooLarge",
     "Problem",
     "Record",

@@ -11,7 +11,7 @@ response after it::
         idem.commit(answer.reservation_id, status=201, body=json.dumps(result))
 
 Errors are the exceptions of :mod:`idemgate_client.errors` (``KeyReused``,
-``RequestInFlight``, …); the HTTP is httpx's.
+``RequestInFlight``, ``OutcomeUnknown``, …); the HTTP is httpx's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Generic, Mapping, TypeVar, Union
+from typing import Any, Callable, Generic, Literal, Mapping, TypeVar, Union
 from uuid import UUID
 
 import httpx
@@ -34,8 +34,15 @@ __all__ = [
     "StoredResponse",
     "RecoveryPoint",
     "Extended",
+    "LeaseExpiry",
     "Record",
 ]
+
+#: What a lease that ends without a commit, release or extend means:
+#: ``takeover`` (the server's default for the reservation API) gives the key
+#: to the next caller, with the recovery point; ``hold`` makes its outcome
+#: unknown, and every reserve of it ``OutcomeUnknown`` until it is settled.
+LeaseExpiry = Literal["takeover", "hold"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Record:
     reservation_id: UUID
     live: bool
     state: str
+    """``in_flight``, ``completed`` or ``unknown`` (its holder was cut off under ``hold``)."""
     attempt: int
     key_hash_prefix: str
     fingerprint: str | None
@@ -163,6 +171,7 @@ def _reserve_body(
     fingerprint: str | None,
     lease_seconds: int | None,
     ttl_seconds: int | None,
+    on_lease_expiry: LeaseExpiry | None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if request is not None:
@@ -173,6 +182,8 @@ def _reserve_body(
         body["lease_seconds"] = lease_seconds
     if ttl_seconds is not None:
         body["ttl_seconds"] = ttl_seconds
+    if on_lease_expiry is not None:
+        body["on_lease_expiry"] = on_lease_expiry
     return body
 
 
@@ -231,8 +242,9 @@ def _reserve_call(
     lease_seconds: int | None,
     ttl_seconds: int | None,
     wait: int | None,
+    on_lease_expiry: LeaseExpiry | None,
 ) -> _Call[Reservation]:
-    body = _reserve_body(request, fingerprint, lease_seconds, ttl_seconds)
+    body = _reserve_body(request, fingerprint, lease_seconds, ttl_seconds, on_lease_expiry)
     return _Call("POST", "/v1/reservations", _reservation, _headers(key, wait), body)
 
 
@@ -320,14 +332,23 @@ class Client:
         lease_seconds: int | None = None,
         ttl_seconds: int | None = None,
         wait: int | None = None,
+        on_lease_expiry: LeaseExpiry | None = None,
     ) -> Reservation:
         """Reserves ``key`` (``Reserved``) or returns its stored response (``Completed``).
 
         Raises ``RequestInFlight`` while another holder runs (with ``wait``,
         the server holds the call up to that many seconds first),
+        ``OutcomeUnknown`` when a holder was cut off and nobody knows whether
+        its effect happened (never retried: the dead-letter queue's case),
         ``KeyReused`` for another payload under the key.
+
+        ``on_lease_expiry`` says what this reservation's lease ending without
+        a commit or release means (see :data:`LeaseExpiry`); unset, the
+        server's default (``takeover``).
         """
-        return self._do(_reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait))
+        return self._do(
+            _reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait, on_lease_expiry)
+        )
 
     def commit(
         self,
@@ -397,8 +418,11 @@ class AsyncClient:
         lease_seconds: int | None = None,
         ttl_seconds: int | None = None,
         wait: int | None = None,
+        on_lease_expiry: LeaseExpiry | None = None,
     ) -> Reservation:
-        return await self._do(_reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait))
+        return await self._do(
+            _reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait, on_lease_expiry)
+        )
 
     async def commit(
         self,

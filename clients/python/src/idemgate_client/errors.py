@@ -3,6 +3,8 @@
 Each carries what the server said: the HTTP status, the problem's slug (the
 last segment of its ``type``), ``title`` and ``detail``, and, where the
 server sent them, ``retry_after`` (seconds) and ``lease_expires_at``.
+:class:`OutcomeUnknown` also says why the step belongs in the caller's
+dead-letter queue (``dead_letter_reason``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "Unauthorized",
     "NotFound",
     "RequestInFlight",
+    "OutcomeUnknown",
     "LeaseLost",
     "ReservationGone",
     "PayloadTooLarge",
@@ -79,6 +82,18 @@ class RequestInFlight(Problem):
     slug = "request-in-flight"
 
 
+class OutcomeUnknown(Problem):
+    """409: whether the key's first request took effect is unknown (its holder
+    was cut off), so nothing runs it again. Never retried, under this key or a
+    new one: the step goes to the dead-letter queue, and an operator settles
+    the key (``idemgate keys``): released, the next request executes;
+    completed, every retry replays the response that really happened."""
+
+    slug = "outcome-unknown"
+    #: The reason the step is put in the dead-letter queue with.
+    dead_letter_reason = "outcome_unknown"
+
+
 class LeaseLost(Problem):
     """409: this reservation id no longer holds its key."""
 
@@ -120,6 +135,7 @@ _BY_SLUG = {
         Unauthorized,
         NotFound,
         RequestInFlight,
+        OutcomeUnknown,
         LeaseLost,
         ReservationGone,
         PayloadTooLarge,

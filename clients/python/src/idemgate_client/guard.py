@@ -10,6 +10,11 @@
   the same key) within ``wait_budget`` seconds, then :class:`InFlight` is
   raised: the step belongs in the caller's dead-letter queue, never in a
   second execution;
+- a key whose outcome is unknown (an earlier holder was cut off under
+  ``on_lease_expiry="hold"``) raises :class:`~idemgate_client.OutcomeUnknown`
+  at once and the effect does not run: the step belongs in the dead-letter
+  queue, never retried and never under a new key, until an operator settles
+  the key (completed: the next run returns that result; released: it runs);
 - a key reused with another payload raises :class:`~idemgate_client.KeyReused`
   and is never retried;
 - a takeover (the earlier holder's lease ran out) hands the effect
@@ -18,7 +23,20 @@
 - the effect's lease is extended while it runs;
 - an effect that raises :class:`NotExecuted` (it failed before acting)
   releases the key, so a retry runs it; any other exception leaves the key in
-  flight until its lease ends, because the effect may have acted.
+  flight until its lease ends, because the effect may have acted. What
+  follows is the guard's ``on_lease_expiry``: ``takeover`` (the server's
+  default) hands the key to the next run, with the recovery point to
+  reconcile from; ``hold`` makes its outcome unknown, for an effect that
+  cannot reconcile, and leaves it to an operator.
+
+Both dead-letter errors, :class:`InFlight` and
+:class:`~idemgate_client.OutcomeUnknown`, carry ``dead_letter_reason``
+(``idempotency_in_flight``, ``outcome_unknown``)::
+
+    try:
+        result = guard.run(key, charge, request=...)
+    except (InFlight, OutcomeUnknown) as stuck:
+        dead_letter(step, reason=stuck.dead_letter_reason)
 """
 
 from __future__ import annotations
@@ -33,7 +51,7 @@ from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
 from uuid import UUID
 
-from .api import AsyncClient, Client, Completed, RecoveryPoint, Reserved
+from .api import AsyncClient, Client, Completed, LeaseExpiry, RecoveryPoint, Reserved
 from .errors import IdemgateError, RequestInFlight
 
 __all__ = ["AsyncGuard", "AsyncHolding", "Guard", "Holding", "InFlight", "NotExecuted"]
@@ -46,6 +64,9 @@ MAX_WAIT_SECONDS = 10
 
 class InFlight(IdemgateError):
     """The key stayed held by another caller for the whole wait budget."""
+
+    #: The reason the step is put in the dead-letter queue with.
+    dead_letter_reason = "idempotency_in_flight"
 
     def __init__(self, key: str, waited: float, lease_expires_at: datetime | None) -> None:
         self.key = key
@@ -128,7 +149,13 @@ def _pause(key: str, busy: RequestInFlight, budget: float, started: float) -> fl
 
 
 class Guard:
-    """Runs effects under idempotency keys, through one :class:`Client`."""
+    """Runs effects under idempotency keys, through one :class:`Client`.
+
+    ``on_lease_expiry`` is what the guard's lease ending without a commit
+    means (the process died, or the effect raised after it may have acted):
+    unset, the server's default ``takeover``; ``"hold"`` for an effect that
+    cannot reconcile, whose key then waits for an operator.
+    """
 
     def __init__(
         self,
@@ -136,12 +163,14 @@ class Guard:
         *,
         wait_budget: float = 30.0,
         lease_seconds: int | None = None,
+        on_lease_expiry: LeaseExpiry | None = None,
         encode: Callable[[Any], str] = json.dumps,
         decode: Callable[[str], Any] = json.loads,
     ) -> None:
         self.client = client
         self.wait_budget = wait_budget
         self.lease_seconds = lease_seconds
+        self.on_lease_expiry: LeaseExpiry | None = on_lease_expiry
         self.encode = encode
         self.decode = decode
 
@@ -153,7 +182,12 @@ class Guard:
         request: Mapping[str, Any] | None = None,
         fingerprint: str | None = None,
     ) -> T:
-        """The effect's result for ``key``: run now, or stored by an earlier run."""
+        """The effect's result for ``key``: run now, or stored by an earlier run.
+
+        Raises :class:`InFlight` (held past the wait budget) or
+        :class:`~idemgate_client.OutcomeUnknown` without running the effect:
+        both for the dead-letter queue, never for a retry under a new key.
+        """
         reserved = self._reserve(key, request, fingerprint)
         if isinstance(reserved, Completed):
             return self.decode(reserved.response.text())  # type: ignore[no-any-return]
@@ -209,6 +243,7 @@ class Guard:
                     fingerprint=fingerprint,
                     lease_seconds=self.lease_seconds,
                     wait=_wait_for(self.wait_budget, started),
+                    on_lease_expiry=self.on_lease_expiry,
                 )
             except RequestInFlight as busy:
                 time.sleep(_pause(key, busy, self.wait_budget, started))
@@ -237,12 +272,14 @@ class AsyncGuard:
         *,
         wait_budget: float = 30.0,
         lease_seconds: int | None = None,
+        on_lease_expiry: LeaseExpiry | None = None,
         encode: Callable[[Any], str] = json.dumps,
         decode: Callable[[str], Any] = json.loads,
     ) -> None:
         self.client = client
         self.wait_budget = wait_budget
         self.lease_seconds = lease_seconds
+        self.on_lease_expiry: LeaseExpiry | None = on_lease_expiry
         self.encode = encode
         self.decode = decode
 
@@ -292,6 +329,7 @@ class AsyncGuard:
                     fingerprint=fingerprint,
                     lease_seconds=self.lease_seconds,
                     wait=_wait_for(self.wait_budget, started),
+                    on_lease_expiry=self.on_lease_expiry,
                 )
             except RequestInFlight as busy:
                 await asyncio.sleep(_pause(key, busy, self.wait_budget, started))

@@ -12,6 +12,10 @@ a timeout, a closed socket, 502/504       retry, the same key and the same body
 proxy released the key)
 409 ``request-in-flight``                 wait (``Retry-After``), retry the same key;
                                           past the budget, the dead-letter queue
+409 ``outcome-unknown``                   stop: never retried, never a new key; to
+                                          the dead-letter queue (reason
+                                          ``outcome_unknown``), an operator settles
+                                          the key (``idemgate keys``)
 422 ``key-reused``                        stop: never retried (a new key only when
                                           a person changed the arguments)
 anything else (2xx, 4xx, 500)             the answer: a replayed 4xx or 500 is this
@@ -25,6 +29,11 @@ idempotency key, as an httpx transport::
     http.post(url, json=args, headers={"Idempotency-Key": derive_key(...)})
 
 A request without a key is sent once: retrying it could execute it twice.
+
+``idemgate proxy`` holds a duplicate until the first answer by default (up to
+10 s) and replays it, so a 409 ``request-in-flight`` is the rarer case: a
+first request that runs longer than that, or a caller that asked for the
+immediate answer (``Prefer: wait=0``).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class Decision(enum.Enum):
     RETRY = "retry the same key"
     WAIT = "wait, then retry the same key"
     STOP = "stop: the key was used with another payload"
+    DEAD_LETTER = "stop: whether it took effect is unknown; to the dead-letter queue, never a new key"
     ANSWER = "the answer"
 
 
@@ -78,13 +88,19 @@ def classify(outcome: httpx.Response | Exception) -> Verdict:
     """What to do about one attempt's outcome (see the module's table).
 
     Only a 409's body is read (to tell ``request-in-flight`` from
-    ``lease-lost``): a streamed answer is never consumed here."""
+    ``outcome-unknown`` and ``lease-lost``; a 409 whose body names neither is
+    waited for): a streamed answer is never consumed here."""
     if isinstance(outcome, Exception):
         if isinstance(outcome, (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)):
             return Verdict(Decision.RETRY)
         return Verdict(Decision.ANSWER)
     status = outcome.status_code
-    if status == 409 and _slug(outcome) != "lease-lost":
+    if status == 409:
+        slug = _slug(outcome)
+        if slug == "outcome-unknown":
+            return Verdict(Decision.DEAD_LETTER)
+        if slug == "lease-lost":
+            return Verdict(Decision.ANSWER)
         return Verdict(Decision.WAIT, _retry_after(outcome))
     if status == 422:
         return Verdict(Decision.STOP)
@@ -98,7 +114,7 @@ def classify(outcome: httpx.Response | Exception) -> Verdict:
 def _next(outcome: httpx.Response | Exception, left: float, pause: float) -> float | None:
     """Seconds to wait before the next attempt, or None when ``outcome`` is final."""
     verdict = classify(outcome)
-    if verdict.decision in (Decision.ANSWER, Decision.STOP) or left <= 0:
+    if verdict.decision in (Decision.ANSWER, Decision.STOP, Decision.DEAD_LETTER) or left <= 0:
         return None
     wait = verdict.after if verdict.after is not None else pause
     return max(0.0, min(wait, left))
@@ -107,9 +123,11 @@ def _next(outcome: httpx.Response | Exception, left: float, pause: float) -> flo
 class RetryTransport(httpx.BaseTransport):
     """Retries a keyed request per :func:`classify`, within ``budget`` seconds.
 
-    The request goes again as it was (same key, same body). When the budget
-    runs out, the last response is returned (a 409 says the step is still in
-    flight: the dead-letter queue's case) or the last error raised.
+    The request goes again as it was (same key, same body). A 409
+    ``outcome-unknown`` is returned at once, never sent again (the dead-letter
+    queue's case). When the budget runs out, the last response is returned (a
+    409 ``request-in-flight`` says the step is still in flight: the dead-letter
+    queue's case too) or the last error raised.
     """
 
     def __init__(
