@@ -6,15 +6,27 @@ that generates a client which cannot make a call, or cannot read an answer,
 fails here. Each step checks the status, the body, and the headers a client
 relies on.
 
-    python driver.py BASE_URL TOKEN
+Then one stuck key settled through the generated admin operations: a key
+reserved under `on_lease_expiry: hold` with a one-second lease and left
+alone is `409 outcome-unknown`; `list_keys` (state=unknown, with the admin
+token) finds it by the SHA-256 of the key; `resolve_key` completes it with a
+response; and the next reserve replays that response.
+
+    python driver.py BASE_URL TOKEN ADMIN_TOKEN TENANT
+
+TENANT is the name the server gives TOKEN's tenant; ADMIN_TOKEN is one of
+its IDEMGATE_ADMIN_TOKENS.
 """
 
+import hashlib
 import sys
+import time
 import traceback
 import uuid
 from http import HTTPStatus
 
 from idemgate_client import AuthenticatedClient, errors
+from idemgate_client.api.admin import list_keys, resolve_key
 from idemgate_client.api.reservations import (
     commit_reservation,
     create_reservation,
@@ -22,16 +34,24 @@ from idemgate_client.api.reservations import (
     release_reservation,
 )
 from idemgate_client.models import (
+    Action,
     CommitBody,
     CompletedState,
     CompletedView,
     ExtendedView,
+    KeyList,
+    KeyView,
+    LeaseExpiry,
     Problem,
     ReserveBody,
     ReservedState,
     ReservedView,
+    ResolutionView,
+    ResolveBody,
+    ShownState,
+    StateFilter,
 )
-from idemgate_client.types import Response
+from idemgate_client.types import UNSET, Response
 
 
 class CheckFailed(Exception):
@@ -105,8 +125,9 @@ def problem(step: str, res: Response, status: int, slug: str) -> Problem:
     return body
 
 
-def run(base_url: str, token: str) -> int:
+def run(base_url: str, token: str, admin_token: str, tenant: str) -> int:
     client = AuthenticatedClient(base_url=base_url, token=token, raise_on_unexpected_status=True)
+    admin = AuthenticatedClient(base_url=base_url, token=admin_token, raise_on_unexpected_status=True)
     key = f"python-{uuid.uuid4()}"
     charge = ReserveBody(fingerprint="POST /charges amount=500")
     steps = 0
@@ -194,16 +215,89 @@ def run(base_url: str, token: str) -> int:
     check(again.attempt == 1, step, "expected attempt 1: the key is new again", res)
     steps += 1
 
-    print(f"python client (openapi-python-client): {steps} steps passed")
+    steps += resolve_one(client, admin, tenant)
+
+    print(f"python client (openapi-python-client): {steps} steps passed, a resolve included")
     return 0
 
 
+def resolve_one(client: AuthenticatedClient, admin: AuthenticatedClient, tenant: str) -> int:
+    """A key whose outcome is unknown, settled by an operator through the
+    generated admin operations; the steps it took."""
+    key = f"python-{uuid.uuid4()}"
+    key_hash = hashlib.sha256(key.encode()).hexdigest()
+    steps = 0
+
+    step = current["step"] = "reserve a key under hold with a one-second lease"
+    held = ReserveBody(fingerprint="POST /refunds amount=700", on_lease_expiry=LeaseExpiry.HOLD, lease_seconds=1)
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=held)
+    first = reserved(step, res)
+    steps += 1
+
+    time.sleep(1.5)
+    step = current["step"] = "reserve it again after its lease ended"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=held)
+    unknown = problem(step, res, 409, "outcome-unknown")
+    check("retry-after" not in res.headers, step, "expected no Retry-After: waiting will not settle it", res)
+    check(unknown.retry_after_seconds in (None, UNSET), step, "expected no retry_after_seconds", res)
+    steps += 1
+
+    step = current["step"] = "list the unknown keys (admin token)"
+    res = list_keys.sync_detailed(client=admin, state=StateFilter.UNKNOWN, tenant=tenant)
+    check(res.status_code == HTTPStatus.OK, step, "expected 200", res)
+    page = res.parsed
+    check(isinstance(page, KeyList), step, "expected a KeyList", res)
+    assert isinstance(page, KeyList)
+    found = [view for view in page.keys if view.key_hash == key_hash]
+    check(len(found) == 1, step, f"expected the key's hash {key_hash} among the unknown keys", res)
+    view = found[0]
+    check(view.tenant == tenant, step, f"expected tenant {tenant}", res)
+    check(view.state == ShownState.UNKNOWN, step, "expected state unknown", res)
+    check(view.on_lease_expiry == LeaseExpiry.HOLD, step, "expected on_lease_expiry hold", res)
+    check(str(view.reservation_id) == str(first.reservation_id), step, "expected the holder's reservation id", res)
+    steps += 1
+
+    step = current["step"] = "resolve it: complete, with the response that happened"
+    lines = [["content-type", "application/json"], ["x-refund", "re_1"]]
+    res = resolve_key.sync_detailed(
+        view.tenant,
+        view.key_hash,
+        client=admin,
+        body=ResolveBody(
+            action=Action.COMPLETE,
+            reason="the refund went through (checked with the bank)",
+            response=CommitBody(status=201, headers=lines, body='{"id":"re_1"}'),
+        ),
+    )
+    check(res.status_code == HTTPStatus.OK, step, "expected 200", res)
+    settled = res.parsed
+    check(isinstance(settled, KeyView), step, "expected a KeyView", res)
+    assert isinstance(settled, KeyView)
+    check(settled.state == ShownState.COMPLETED, step, "expected state completed", res)
+    check(settled.status == 201, step, "expected the stored status 201", res)
+    resolution = settled.resolution
+    check(isinstance(resolution, ResolutionView), step, "expected the resolution kept with the key", res)
+    assert isinstance(resolution, ResolutionView)
+    check(resolution.action == Action.COMPLETE, step, "expected the resolution's action complete", res)
+    steps += 1
+
+    step = current["step"] = "reserve the resolved key again"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=held)
+    check(res.headers.get("idempotent-replayed") == "true", step, "expected Idempotent-Replayed: true", res)
+    replay = completed(step, res)
+    check(replay.response.status == 201, step, "expected the resolved status", res)
+    check(replay.response.headers == lines, step, "expected the resolved header lines", res)
+    check(replay.response.body == '{"id":"re_1"}', step, "expected the resolved body", res)
+    steps += 1
+    return steps
+
+
 def main() -> int:
-    if len(sys.argv) != 3:
-        print("usage: driver.py BASE_URL TOKEN", file=sys.stderr)
+    if len(sys.argv) != 5:
+        print("usage: driver.py BASE_URL TOKEN ADMIN_TOKEN TENANT", file=sys.stderr)
         return 2
     try:
-        return run(sys.argv[1], sys.argv[2])
+        return run(*sys.argv[1:5])
     except CheckFailed as e:
         print(f"python client: FAILED at {e}", file=sys.stderr)
     except errors.UnexpectedStatus as e:

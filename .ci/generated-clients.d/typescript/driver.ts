@@ -7,8 +7,18 @@
 // a reserve's 201 and 200 must narrow on `state`, a header line must be
 // `[string, string]`), and the server's answers must match them at run time.
 //
-//     node out/driver.js BASE_URL TOKEN
+// Then one stuck key settled through the admin operations: a key reserved
+// under `on_lease_expiry: "hold"` with a one-second lease and left alone is
+// `409 outcome-unknown`; `GET /v1/admin/keys?state=unknown` (the admin token)
+// finds it by the SHA-256 of the key; the resolve completes it with a
+// response; and the next reserve replays that response.
+//
+//     node out/driver.js BASE_URL TOKEN ADMIN_TOKEN TENANT
+//
+// TENANT is the name the server gives TOKEN's tenant; ADMIN_TOKEN is one of
+// its IDEMGATE_ADMIN_TOKENS.
 
+import { createHash } from "node:crypto";
 import createClient from "openapi-fetch";
 import type { components, paths } from "./idemgate.js";
 
@@ -26,12 +36,15 @@ export type HeaderLinesArePairs = Assert<
         : false
 >;
 
-const [baseUrl, token] = process.argv.slice(2);
-if (baseUrl === undefined || token === undefined) {
-    console.error("usage: node out/driver.js BASE_URL TOKEN");
+const [baseUrl, token, adminToken, tenant] = process.argv.slice(2);
+if (baseUrl === undefined || token === undefined || adminToken === undefined || tenant === undefined) {
+    console.error("usage: node out/driver.js BASE_URL TOKEN ADMIN_TOKEN TENANT");
     process.exit(2);
 }
 const client = createClient<paths>({ baseUrl, headers: { Authorization: `Bearer ${token}` } });
+const admin = createClient<paths>({ baseUrl, headers: { Authorization: `Bearer ${adminToken}` } });
+/** The tenant the server names `token`'s keys with. */
+const ownTenant: string = tenant;
 
 /** A reserve, with a body or with none. */
 const reserve = (key: string, body?: Schemas["ReserveBody"]) =>
@@ -178,7 +191,78 @@ async function run(): Promise<void> {
     check(again.attempt === 1, step, "expected attempt 1: the key is new again");
     steps++;
 
-    console.log(`typescript client (openapi-typescript + openapi-fetch): ${steps} steps passed`);
+    steps += await resolveOne(ownTenant);
+
+    console.log(`typescript client (openapi-typescript + openapi-fetch): ${steps} steps passed, a resolve included`);
+}
+
+/** A key whose outcome is unknown, settled by an operator through the admin operations; the steps it took. */
+async function resolveOne(tenant: string): Promise<number> {
+    const key = `typescript-${crypto.randomUUID()}`;
+    const keyHash = createHash("sha256").update(key).digest("hex");
+    const held: Schemas["ReserveBody"] = { fingerprint: "POST /refunds amount=700", on_lease_expiry: "hold", lease_seconds: 1 };
+    let steps = 0;
+
+    step = "reserve a key under hold with a one-second lease";
+    const first = reserved(step, await reserve(key, held));
+    steps++;
+
+    await new Promise((done) => setTimeout(done, 1500));
+    step = "reserve it again after its lease ended";
+    let answer = await reserve(key, held);
+    const unknown = problem(step, answer, 409, "outcome-unknown");
+    check(!answer.response.headers.has("retry-after"), step, "expected no Retry-After: waiting will not settle it", answer.response, unknown);
+    check(unknown.retry_after_seconds == null, step, "expected no retry_after_seconds", answer.response, unknown);
+    steps++;
+
+    step = "list the unknown keys (admin token)";
+    const listed = await admin.GET("/v1/admin/keys", { params: { query: { state: "unknown", tenant } } });
+    check(listed.response.status === 200, step, "expected 200", listed.response, listed.error);
+    check(listed.data, step, "expected a body", listed.response, listed.error);
+    const found = listed.data.keys.filter((view) => view.key_hash === keyHash);
+    const view = found[0];
+    check(found.length === 1 && view, step, `expected the key's hash ${keyHash} among the unknown keys`, listed.response, listed.data);
+    check(view.tenant === tenant, step, `expected tenant ${tenant}`, listed.response, view);
+    check(view.state === "unknown", step, "expected state unknown", listed.response, view);
+    check(view.on_lease_expiry === "hold", step, "expected on_lease_expiry hold", listed.response, view);
+    check(view.reservation_id === first.reservation_id, step, "expected the holder's reservation id", listed.response, view);
+    steps++;
+
+    step = "resolve it: complete, with the response that happened";
+    const lines: [string, string][] = [
+        ["content-type", "application/json"],
+        ["x-refund", "re_1"],
+    ];
+    const settled = await admin.POST("/v1/admin/keys/{tenant}/{key_hash}/resolve", {
+        params: { path: { tenant: view.tenant, key_hash: view.key_hash } },
+        body: {
+            action: "complete",
+            reason: "the refund went through (checked with the bank)",
+            response: { status: 201, headers: lines, body: '{"id":"re_1"}' },
+        },
+    });
+    check(settled.response.status === 200, step, "expected 200", settled.response, settled.error);
+    check(settled.data, step, "expected a body", settled.response, settled.error);
+    check(settled.data.state === "completed", step, "expected state completed", settled.response, settled.data);
+    check(settled.data.status === 201, step, "expected the stored status 201", settled.response, settled.data);
+    check(settled.data.resolution?.action === "complete", step, "expected the resolution kept with the key", settled.response, settled.data);
+    steps++;
+
+    step = "reserve the resolved key again";
+    answer = await reserve(key, held);
+    check(
+        answer.response.headers.get("idempotent-replayed") === "true",
+        step,
+        "expected Idempotent-Replayed: true",
+        answer.response,
+        answer.data,
+    );
+    const replay = completed(step, answer);
+    check(replay.response.status === 201, step, "expected the resolved status");
+    check(JSON.stringify(replay.response.headers) === JSON.stringify(lines), step, "expected the resolved header lines");
+    check(replay.response.body === '{"id":"re_1"}', step, "expected the resolved body");
+    steps++;
+    return steps;
 }
 
 run().catch((e: unknown) => {
