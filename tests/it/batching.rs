@@ -41,6 +41,9 @@ enum Op {
         lease: u32,
         ttl: u32,
         limit: Option<u32>,
+        /// Its lease's end holds the key (its outcome unknown) rather than
+        /// handing it over.
+        hold: bool,
     },
     /// Commits the reservation of the `back`-th claim before this one.
     Complete {
@@ -56,9 +59,10 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         5 => (0u8..2, 0u8..3, 0u8..4, prop_oneof![3 => Just(60u32), 1 => Just(0)],
               prop_oneof![4 => Just(3600u32), 1 => Just(0)],
-              prop_oneof![4 => Just(None), 1 => Just(Some(1u32)), 1 => Just(Some(0))])
-            .prop_map(|(tenant, key, fingerprint, lease, ttl, limit)| Op::Claim {
-                tenant, key, fingerprint, lease, ttl, limit,
+              prop_oneof![4 => Just(None), 1 => Just(Some(1u32)), 1 => Just(Some(0))],
+              any::<bool>())
+            .prop_map(|(tenant, key, fingerprint, lease, ttl, limit, hold)| Op::Claim {
+                tenant, key, fingerprint, lease, ttl, limit, hold,
             }),
         3 => (0usize..4, any::<u8>()).prop_map(|(back, tag)| Op::Complete { back, tag }),
         1 => (0usize..4).prop_map(|back| Op::Release { back }),
@@ -92,13 +96,18 @@ fn writes(ops: &[Op], case: usize) -> (Vec<Write>, Vec<Option<usize>>) {
                 lease,
                 ttl,
                 limit,
+                hold,
             } => {
                 let tenant = format!("case{case}-t{tenant}");
                 let id = Uuid::new_v4();
                 claims.push((tenant.clone(), id, out.len()));
                 refers.push(None);
                 out.push(Write::Claim(ClaimRequest {
-                    on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
+                    on_lease_expiry: if hold {
+                        idemgate::store::LeaseExpiry::Hold
+                    } else {
+                        idemgate::store::LeaseExpiry::Takeover
+                    },
                     tenant,
                     key_hash: Sha256::digest([key]).into(),
                     fingerprint: fingerprint(fp),

@@ -95,7 +95,7 @@ async fn the_migrations_distribute_both_tables_and_the_claim_by_tenant() {
     assert_eq!(tables[0].3, tables[1].3, "colocated: {tables:?}");
     let function: (Option<i32>, Option<i32>) = sqlx::query_as(
         "SELECT distribution_argument_index, colocationid FROM pg_dist_object
-          WHERE objid = 'idemgate_reserve(text, bytea, text, uuid, float8, float8, int8)'::regprocedure",
+          WHERE objid = 'idemgate_reserve(text, bytea, text, uuid, float8, float8, int8, text)'::regprocedure",
     )
     .fetch_one(&mut conn)
     .await
@@ -104,7 +104,7 @@ async fn the_migrations_distribute_both_tables_and_the_claim_by_tenant() {
     let batch_function: (Option<i32>, Option<i32>) = sqlx::query_as(
         "SELECT distribution_argument_index, colocationid FROM pg_dist_object
           WHERE objid = 'idemgate_write_batch(text, text[], text[], bytea[], text[], uuid[],
-                         float8[], float8[], int8[], int4[], jsonb[], bytea[])'::regprocedure",
+                         float8[], float8[], int8[], int4[], jsonb[], bytea[], text[])'::regprocedure",
     )
     .fetch_one(&mut conn)
     .await
@@ -591,4 +591,184 @@ async fn pruning_with_a_worker_down_prunes_the_rest_and_says_what_it_skipped() {
     cluster.workers[1].restart().await.expect("start it again");
     assert_eq!(prune::prune_once(app.store.as_ref()).await.unwrap(), 50);
     let _ = conn.close().await;
+}
+
+/// Operators on a cluster: unknown keys of forty tenants, on every shard of
+/// both workers, listed page by page in one order (a multi-shard query
+/// merged by the coordinator), counted for the gauge, and resolved on their
+/// tenant's shard: the completed one replays, the released one is new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_list_and_resolve_unknown_keys_across_shards() {
+    use idemgate::engine::{ReserveOutcome, ReserveRequest, Resolved, Settlement};
+    use idemgate::server::operations::{self, ListQuery, list::StateFilter};
+    use idemgate::store::{LeaseExpiry, ResolveAction, StoredResponse};
+
+    if !citus::available("operators_list_and_resolve_unknown_keys_across_shards") {
+        return;
+    }
+    let db = fresh_schema().await;
+    migrate(&db.url);
+    let backend = Backend::Postgres(db);
+    let engine = backend.engine().await;
+    let request = |tenant: usize| ReserveRequest {
+        tenant: format!("tenant-{tenant}"),
+        key_hash: [u8::try_from(tenant).unwrap(); 32],
+        fingerprint: None,
+        lease_seconds: 1,
+        ttl_seconds: 600,
+        wait: None,
+        on_lease_expiry: LeaseExpiry::Hold,
+    };
+    for tenant in 0..40 {
+        assert!(matches!(
+            engine.reserve(&request(tenant)).await.unwrap(),
+            ReserveOutcome::Reserved(_)
+        ));
+    }
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    assert_eq!(engine.store().count_unknown().await.unwrap(), 40);
+
+    let mut seen = Vec::new();
+    let mut query = ListQuery {
+        state: Some(StateFilter::Unknown),
+        limit: Some(7),
+        ..ListQuery::default()
+    };
+    loop {
+        let page = operations::list(&engine, &query).await.expect("a page");
+        seen.extend(page.keys.into_iter().map(|k| (k.created_at, k.tenant)));
+        match page.next {
+            Some(next) => query.cursor = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 40, "{seen:?}");
+    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "oldest first: {seen:?}");
+    let mut tenants: Vec<&String> = seen.iter().map(|(_, t)| t).collect();
+    tenants.sort();
+    tenants.dedup();
+    assert_eq!(tenants.len(), 40);
+
+    let settle = |action: ResolveAction| Settlement {
+        action,
+        response: (action == ResolveAction::Complete).then(|| StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: b"settled".to_vec(),
+        }),
+        reason: "a test on the cluster".into(),
+        by: "ops".into(),
+    };
+    let completed = engine
+        .resolve("tenant-3", &[3; 32], &settle(ResolveAction::Complete))
+        .await
+        .unwrap();
+    assert!(matches!(completed, Resolved::Settled(_)), "{completed:?}");
+    let released = engine
+        .resolve("tenant-4", &[4; 32], &settle(ResolveAction::Release))
+        .await
+        .unwrap();
+    assert!(matches!(released, Resolved::Settled(_)), "{released:?}");
+    assert_eq!(engine.store().count_unknown().await.unwrap(), 38);
+    match engine.reserve(&request(3)).await.unwrap() {
+        ReserveOutcome::Completed(record) => {
+            assert_eq!(record.response.unwrap().body, b"settled");
+            assert_eq!(record.resolution.unwrap().by, "ops");
+        }
+        other => panic!("{other:?}"),
+    }
+    match engine.reserve(&request(4)).await.unwrap() {
+        ReserveOutcome::Reserved(r) => assert_eq!(r.attempt, 1),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        engine.reserve(&request(5)).await.unwrap(),
+        ReserveOutcome::Unknown { .. }
+    ));
+}
+
+/// A cluster the previous version migrated and distributed takes the
+/// migration that brings unknown outcomes: the ALTERs reach every shard, the
+/// new function signatures are distributed by tenant, and the records
+/// written before keep their meaning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_of_a_distributed_database_keeps_its_records() {
+    use std::borrow::Cow;
+
+    use idemgate::engine::{ReserveOutcome, ReserveRequest};
+    use idemgate::store::LeaseExpiry;
+
+    if !citus::available("an_upgrade_of_a_distributed_database_keeps_its_records") {
+        return;
+    }
+    let db = fresh_schema().await;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres");
+    let mut older = sqlx::migrate::Migrator::new(path).await.unwrap();
+    older.migrations = Cow::Owned(
+        older
+            .migrations
+            .iter()
+            .filter(|m| m.version < 20261204000001)
+            .cloned()
+            .collect(),
+    );
+    let mut conn = connect(&db.url).await;
+    older.run(&mut conn).await.expect("the older migrations");
+    for sql in [
+        "SELECT create_distributed_table('idempotency_keys', 'tenant')",
+        "SELECT create_distributed_table('idempotency_reservations', 'tenant', \
+         colocate_with => 'idempotency_keys')",
+        "SET citus.multi_shard_modify_mode TO 'sequential'",
+        "SELECT create_distributed_function('idemgate_reserve(text, bytea, text, uuid, float8, \
+         float8, int8)'::regprocedure, 'p_tenant', colocate_with => 'idempotency_keys')",
+        "SELECT create_distributed_function('idemgate_write_batch(text, text[], text[], bytea[], \
+         text[], uuid[], float8[], float8[], int8[], int4[], jsonb[], bytea[])'::regprocedure, \
+         'p_tenant', colocate_with => 'idempotency_keys')",
+        "INSERT INTO idempotency_keys (tenant, key_hash, state, reservation_id, lease_expires_at, \
+         attempt, created_at, expires_at) \
+         SELECT 'old-' || i, sha256(i::text::bytea), 'in_flight', gen_random_uuid(), \
+                now() - interval '1 minute', 1, now() - interval '2 minutes', now() + interval '1 hour' \
+           FROM generate_series(1, 20) AS i",
+        "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash) \
+         SELECT tenant, reservation_id, key_hash FROM idempotency_keys",
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let log = migrate(&db.url);
+    assert!(log.contains("idemgate_reserve"), "{log}");
+    let function: (Option<i32>,) = sqlx::query_as(
+        "SELECT distribution_argument_index FROM pg_dist_object
+          WHERE objid = 'idemgate_reserve(text, bytea, text, uuid, float8, float8, int8, text)'::regprocedure",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(function, (Some(0),));
+    let engine = Backend::Postgres(db).engine().await;
+    for i in 1..=20u32 {
+        let hash: [u8; 32] = sha2::Digest::finalize(sha2::Digest::chain_update(
+            <sha2::Sha256 as sha2::Digest>::new(),
+            i.to_string().as_bytes(),
+        ))
+        .into();
+        let got = engine
+            .reserve(&ReserveRequest {
+                tenant: format!("old-{i}"),
+                key_hash: hash,
+                fingerprint: None,
+                lease_seconds: 30,
+                ttl_seconds: 600,
+                wait: None,
+                on_lease_expiry: LeaseExpiry::Hold,
+            })
+            .await
+            .unwrap();
+        match got {
+            ReserveOutcome::Reserved(r) => assert_eq!(r.attempt, 2, "old-{i}: taken over as before"),
+            other => panic!("old-{i}: {other:?}"),
+        }
+    }
 }

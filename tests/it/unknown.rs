@@ -661,19 +661,6 @@ async fn a_key_whose_upstream_hung_up_waits_for_an_operator(b: Backend) {
     }
 }
 
-both_stores! {
-    serial: [
-        the_reservation_api_takes_over_by_default,
-        operators_list_show_and_resolve_stuck_keys,
-        the_admin_endpoints_need_an_admin_token,
-    ],
-    concurrent: [
-        a_held_key_past_its_lease_waits_for_its_holder,
-        a_waiter_is_told_at_once_when_the_key_becomes_unknown,
-        the_layer_holds_by_default_and_a_takeover_says_its_attempt,
-        a_key_whose_upstream_hung_up_waits_for_an_operator,
-    ],
-}
 
 /// A proxy cut off from its database for longer than the lease, while the
 /// origin answers its call: the client gets the origin's answer, the
@@ -755,4 +742,121 @@ async fn a_commit_deferred_past_the_lease_turns_the_held_key_into_a_replay() {
     assert_eq!(replay, first, "the first answer, replayed");
     assert_eq!(upstream.started(&key), 1, "the origin ran once");
     assert!(log.lock().unwrap().contains("the deferred commit landed"));
+}
+
+/// The migration that brings unknown outcomes, applied to a database the
+/// previous version wrote: its records keep their meaning — an in-flight
+/// key whose lease ended is taken over as before (`takeover`), a completed
+/// one replays.
+async fn an_upgrade_keeps_what_existing_records_meant(b: Backend) {
+    use std::borrow::Cow;
+
+    const BRINGS_UNKNOWN: i64 = 20261204000001;
+    let dir = match b {
+        Backend::Postgres(_) => "postgres",
+        Backend::Sqlite(_) => "sqlite",
+    };
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations").join(dir);
+    let mut older = sqlx::migrate::Migrator::new(path).await.expect("the migrations");
+    older.migrations = Cow::Owned(
+        older
+            .migrations
+            .iter()
+            .filter(|m| m.version < BRINGS_UNKNOWN)
+            .cloned()
+            .collect(),
+    );
+    let (lapsed, done) = (fresh_key(), fresh_key());
+    let lapsed_hash = Sha256::digest(lapsed.as_bytes()).to_vec();
+    let done_hash = Sha256::digest(done.as_bytes()).to_vec();
+    match &b {
+        Backend::Postgres(db) => {
+            let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+            older.run(&pool).await.expect("the older migrations");
+            sqlx::query(
+                "INSERT INTO idempotency_keys
+                     (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at,
+                      attempt, response_status, response_headers, response_body, created_at,
+                      completed_at, expires_at)
+                 VALUES ('t', $1, NULL, 'in_flight', gen_random_uuid(), now() - interval '1 minute',
+                         1, NULL, NULL, NULL, now() - interval '2 minutes', NULL, now() + interval '1 hour'),
+                        ('t', $2, NULL, 'completed', gen_random_uuid(), NULL,
+                         1, 200, '[]', 'old', now() - interval '2 minutes', now(), now() + interval '1 hour')",
+            )
+            .bind(&lapsed_hash)
+            .bind(&done_hash)
+            .execute(&pool)
+            .await
+            .unwrap();
+            sqlx::query(
+                "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
+                 SELECT tenant, reservation_id, key_hash FROM idempotency_keys",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+        }
+        Backend::Sqlite(_) => {
+            let pool = sqlx::SqlitePool::connect(&format!("{}?mode=rwc", b.url())).await.unwrap();
+            older.run(&pool).await.expect("the older migrations");
+            let now = chrono::Utc::now().timestamp_millis();
+            // A trigger writes each record's reservation row.
+            sqlx::query(
+                "INSERT INTO idempotency_keys
+                     (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at,
+                      attempt, response_status, response_headers, response_body, created_at,
+                      completed_at, expires_at)
+                 VALUES ('t', ?1, NULL, 'in_flight', '00000000-0000-4000-8000-000000000001', ?3 - 60000,
+                         1, NULL, NULL, NULL, ?3 - 120000, NULL, ?3 + 3600000),
+                        ('t', ?2, NULL, 'completed', '00000000-0000-4000-8000-000000000002', NULL,
+                         1, 200, '[]', X'6f6c64', ?3 - 120000, ?3, ?3 + 3600000)",
+            )
+            .bind(&lapsed_hash)
+            .bind(&done_hash)
+            .bind(now)
+            .execute(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+        }
+    }
+
+    let engine = b.engine().await;
+    let request = |key_hash: &[u8]| ReserveRequest {
+        tenant: "t".into(),
+        key_hash: key_hash.try_into().unwrap(),
+        fingerprint: None,
+        lease_seconds: 30,
+        ttl_seconds: 60,
+        wait: None,
+        on_lease_expiry: LeaseExpiry::Hold,
+    };
+    match engine.reserve(&request(&lapsed_hash)).await.unwrap() {
+        ReserveOutcome::Reserved(r) => assert_eq!(r.attempt, 2, "taken over, as it was meant"),
+        other => panic!("the lapsed key was not taken over: {other:?}"),
+    }
+    match engine.reserve(&request(&done_hash)).await.unwrap() {
+        ReserveOutcome::Completed(record) => {
+            assert_eq!(record.response.unwrap().body, b"old");
+            assert_eq!(record.on_lease_expiry, LeaseExpiry::Takeover);
+            assert!(record.resolution.is_none());
+        }
+        other => panic!("the completed key does not replay: {other:?}"),
+    }
+}
+
+both_stores! {
+    serial: [
+        an_upgrade_keeps_what_existing_records_meant,
+        the_reservation_api_takes_over_by_default,
+        operators_list_show_and_resolve_stuck_keys,
+        the_admin_endpoints_need_an_admin_token,
+    ],
+    concurrent: [
+        a_held_key_past_its_lease_waits_for_its_holder,
+        a_waiter_is_told_at_once_when_the_key_becomes_unknown,
+        the_layer_holds_by_default_and_a_takeover_says_its_attempt,
+        a_key_whose_upstream_hung_up_waits_for_an_operator,
+    ],
 }
