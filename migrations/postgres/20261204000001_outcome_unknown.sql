@@ -16,27 +16,39 @@
 -- On Citus the ALTERs reach every shard, and the new signatures are
 -- distributed after the migrations (`PgStore::migrate`).
 
-ALTER TABLE idempotency_keys DROP CONSTRAINT idempotency_keys_state_check;
-ALTER TABLE idempotency_keys ADD CONSTRAINT idempotency_keys_state_check
-    CHECK (state IN ('in_flight', 'completed', 'unknown'));
-ALTER TABLE idempotency_keys
-    ADD COLUMN on_lease_expiry text NOT NULL DEFAULT 'takeover'
-        CONSTRAINT idempotency_keys_on_lease_expiry_check
-        CHECK (on_lease_expiry IN ('takeover', 'hold'));
-ALTER TABLE idempotency_keys
-    ADD COLUMN resolved_action text
-        CONSTRAINT idempotency_keys_resolved_action_check
-        CHECK (resolved_action IN ('release', 'complete'));
-ALTER TABLE idempotency_keys ADD COLUMN resolved_reason text;
-ALTER TABLE idempotency_keys ADD COLUMN resolved_by text;
-ALTER TABLE idempotency_keys ADD COLUMN resolved_at timestamptz;
+-- On a Citus cluster, the distributed functions below may only be changed in
+-- a transaction that reached every node over one connection; on a plain
+-- PostgreSQL this sets a placeholder that nothing reads.
+SET LOCAL citus.multi_shard_modify_mode TO 'sequential';
 
--- The keys marked unknown, for the operators' listing and the
--- idemgate_keys_unknown gauge (the keys held past their lease are found
--- through idempotency_keys_in_flight). Few rows: only unknown ones.
-CREATE INDEX IF NOT EXISTS idempotency_keys_unknown
-    ON idempotency_keys (created_at)
-    WHERE state = 'unknown';
+-- Each change of the table is its own statement inside one DO block: on a
+-- Citus cluster, ALTER TABLE and CREATE INDEX of a distributed table are
+-- sent to every shard with the text they were given, and a migration's text
+-- holds many statements, which a worker refuses ("cannot insert multiple
+-- commands into a prepared statement").
+DO $migration$
+BEGIN
+    EXECUTE 'ALTER TABLE idempotency_keys DROP CONSTRAINT idempotency_keys_state_check';
+    EXECUTE $$ALTER TABLE idempotency_keys ADD CONSTRAINT idempotency_keys_state_check
+                  CHECK (state IN ('in_flight', 'completed', 'unknown'))$$;
+    EXECUTE $$ALTER TABLE idempotency_keys
+                  ADD COLUMN on_lease_expiry text NOT NULL DEFAULT 'takeover'
+                  CONSTRAINT idempotency_keys_on_lease_expiry_check
+                  CHECK (on_lease_expiry IN ('takeover', 'hold'))$$;
+    EXECUTE $$ALTER TABLE idempotency_keys
+                  ADD COLUMN resolved_action text
+                  CONSTRAINT idempotency_keys_resolved_action_check
+                  CHECK (resolved_action IN ('release', 'complete'))$$;
+    EXECUTE 'ALTER TABLE idempotency_keys ADD COLUMN resolved_reason text';
+    EXECUTE 'ALTER TABLE idempotency_keys ADD COLUMN resolved_by text';
+    EXECUTE 'ALTER TABLE idempotency_keys ADD COLUMN resolved_at timestamptz';
+    -- The keys marked unknown, for the operators' listing and the
+    -- idemgate_keys_unknown gauge (the keys held past their lease are found
+    -- through idempotency_keys_in_flight). Few rows: only unknown ones.
+    EXECUTE $$CREATE INDEX IF NOT EXISTS idempotency_keys_unknown
+                  ON idempotency_keys (created_at) WHERE state = 'unknown'$$;
+END
+$migration$;
 
 DROP FUNCTION IF EXISTS idemgate_write_batch(text, text[], text[], bytea[], text[], uuid[],
                                              float8[], float8[], int8[], int4[], jsonb[], bytea[]);

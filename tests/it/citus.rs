@@ -747,7 +747,9 @@ async fn an_upgrade_of_a_distributed_database_keeps_its_records() {
     .await
     .unwrap();
     assert_eq!(function, (Some(0),));
-    let engine = Backend::Postgres(db).engine().await;
+    // Kept to the end: dropping it drops the schema.
+    let backend = Backend::Postgres(db);
+    let engine = backend.engine().await;
     for i in 1..=20u32 {
         let hash: [u8; 32] = sha2::Digest::finalize(sha2::Digest::chain_update(
             <sha2::Sha256 as sha2::Digest>::new(),

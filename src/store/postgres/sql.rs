@@ -161,14 +161,15 @@ macro_rules! stuck {
     };
 }
 
-// `$4` reason, `$5` who.
+// `$4` reason, `$5` who. The record's `resolved_at` is the clock of the
+// update (Citus refuses `now()` in a RETURNING list).
 pub(super) const RESOLVE_RELEASE: &str = concat!(
     "UPDATE idempotency_keys k SET expires_at = now(), lease_expires_at = now(),
             resolved_action = 'release', resolved_reason = $4, resolved_by = $5,
             resolved_at = now()
       WHERE ",
     stuck!(),
-    " RETURNING now() AS db_now, ",
+    " RETURNING ",
     key_columns!()
 );
 
@@ -180,7 +181,7 @@ pub(super) const RESOLVE_COMPLETE: &str = concat!(
             resolved_by = $5, resolved_at = now()
       WHERE ",
     stuck!(),
-    " RETURNING now() AS db_now, ",
+    " RETURNING ",
     key_columns!()
 );
 

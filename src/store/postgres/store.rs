@@ -193,8 +193,16 @@ impl Store for PgStore {
             }
             (ResolveAction::Release, _) => query,
         };
-        let row: Option<FoundRow> = self.fetch_row(query).await?;
-        row.map(Found::try_from).transpose()
+        let row: Option<KeyRow> = self.fetch_row(query).await?;
+        let Some(record) = row.map(Record::try_from).transpose()? else {
+            return Ok(None);
+        };
+        let now = record
+            .resolution
+            .as_ref()
+            .map(|r| r.at)
+            .ok_or_else(|| StoreError::other("a resolution without its time"))?;
+        Ok(Some(Found { record, now }))
     }
 
     async fn count_unknown(&self) -> Result<u64> {
