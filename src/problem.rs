@@ -93,6 +93,7 @@ pub enum ApiError {
     LeaseLost(&'static str),
     /// 409 key-not-stuck: an operator asked to settle a key that will be
     /// settled without one (completed, or in flight under a live lease).
+    #[cfg_attr(not(feature = "server"), allow(dead_code))]
     #[error("{0}")]
     NotStuck(String),
     /// 403 forbidden: a valid credential, but not one for this endpoint.

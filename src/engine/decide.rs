@@ -47,7 +47,7 @@ pub(super) fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome 
         };
     }
     match record.state {
-        KeyState::Completed => ReserveOutcome::Completed(record),
+        KeyState::Completed => ReserveOutcome::Completed(Box::new(record)),
         KeyState::InFlight | KeyState::Unknown => {
             let lease_expires_at = record.lease_expires_at.unwrap_or(claim.now);
             let left = (lease_expires_at - claim.now).num_milliseconds();
@@ -78,7 +78,7 @@ pub(super) fn decide_completed(record: Record, fingerprint: Option<&str>) -> Res
     if reused(&record, fingerprint) {
         ReserveOutcome::Mismatch
     } else {
-        ReserveOutcome::Completed(record)
+        ReserveOutcome::Completed(Box::new(record))
     }
 }
 

@@ -76,7 +76,7 @@ pub enum ReserveOutcome {
     /// New key, or takeover of one whose holder's lease ended.
     Reserved(Reservation),
     /// Completed before: replay the stored response.
-    Completed(Record),
+    Completed(Box<Record>),
     /// Another holder's lease is alive.
     InFlight {
         /// Whole seconds until the holder will likely have finished, from

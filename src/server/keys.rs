@@ -1,6 +1,6 @@
 //! `idemgate keys list | show | resolve`: the operators' work on stuck keys,
 //! straight against `DATABASE_URL` (the admin endpoints do the same over
-//! HTTP; both run [`crate::server::operations`]). Output is a table a person
+//! HTTP; both run `crate::server::operations`). Output is a table a person
 //! reads, with ages in words, or JSON (`--json`) in the admin endpoints'
 //! shapes for scripts.
 

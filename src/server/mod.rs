@@ -57,7 +57,7 @@ pub async fn run(argv: Vec<OsString>) -> ExitCode {
         Command::Proxy(args) => proxy::run(*args, cli.config).await,
         Command::Migrate(args) => migrate(args, json).await,
         Command::Prune(args) => prune_once(args, json).await,
-        Command::Keys { command } => keys::run(command).await,
+        Command::Keys { command } => keys::run(*command).await,
         Command::Openapi { output } => openapi(output, json),
     };
     match result {

@@ -643,7 +643,10 @@ async fn operators_list_and_resolve_unknown_keys_across_shards() {
         }
     }
     assert_eq!(seen.len(), 40, "{seen:?}");
-    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "oldest first: {seen:?}");
+    assert!(
+        seen.windows(2).all(|w| w[0] <= w[1]),
+        "oldest first: {seen:?}"
+    );
     let mut tenants: Vec<&String> = seen.iter().map(|(_, t)| t).collect();
     tenants.sort();
     tenants.dedup();
@@ -769,7 +772,9 @@ async fn an_upgrade_of_a_distributed_database_keeps_its_records() {
             .await
             .unwrap();
         match got {
-            ReserveOutcome::Reserved(r) => assert_eq!(r.attempt, 2, "old-{i}: taken over as before"),
+            ReserveOutcome::Reserved(r) => {
+                assert_eq!(r.attempt, 2, "old-{i}: taken over as before")
+            }
             other => panic!("old-{i}: {other:?}"),
         }
     }

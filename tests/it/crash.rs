@@ -621,8 +621,16 @@ async fn sigstopped_proxy_past_its_lease_settles_its_held_key_when_it_resumes() 
         _ => panic!("{old_status} {old_body}"),
     }
     let started = Instant::now();
-    while post_now(&new.base(), "/numbered/1000", &key).await.unwrap().0 == 409 {
-        assert!(started.elapsed() < Duration::from_secs(5), "the late commit never landed");
+    while post_now(&new.base(), "/numbered/1000", &key)
+        .await
+        .unwrap()
+        .0
+        == 409
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the late commit never landed"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for base in [old.base(), new.base()] {

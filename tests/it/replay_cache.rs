@@ -80,7 +80,7 @@ fn reserved(outcome: ReserveOutcome) -> Reservation {
 #[track_caller]
 fn completed(outcome: ReserveOutcome) -> Record {
     match outcome {
-        ReserveOutcome::Completed(record) => record,
+        ReserveOutcome::Completed(record) => *record,
         other => panic!("expected Completed, got {other:?}"),
     }
 }
@@ -167,7 +167,7 @@ async fn never_past_expiry(b: Backend) {
         let called_at = Utc::now();
         match reserve(&engine, &req).await {
             ReserveOutcome::Completed(record) => {
-                assert_eq!(record, stored);
+                assert_eq!(*record, stored);
                 assert!(
                     called_at < stored.expires_at,
                     "replayed at {called_at}, after expires_at {}",

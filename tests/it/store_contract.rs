@@ -106,7 +106,7 @@ fn in_flight(outcome: ReserveOutcome) -> u64 {
 #[track_caller]
 fn completed(outcome: ReserveOutcome) -> idemgate::store::Record {
     match outcome {
-        ReserveOutcome::Completed(record) => record,
+        ReserveOutcome::Completed(record) => *record,
         other => panic!("expected Completed, got {other:?}"),
     }
 }

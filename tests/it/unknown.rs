@@ -661,7 +661,6 @@ async fn a_key_whose_upstream_hung_up_waits_for_an_operator(b: Backend) {
     }
 }
 
-
 /// A proxy cut off from its database for longer than the lease, while the
 /// origin answers its call: the client gets the origin's answer, the
 /// commit is retried in the background, and the key, held meanwhile (every
@@ -756,8 +755,12 @@ async fn an_upgrade_keeps_what_existing_records_meant(b: Backend) {
         Backend::Postgres(_) => "postgres",
         Backend::Sqlite(_) => "sqlite",
     };
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations").join(dir);
-    let mut older = sqlx::migrate::Migrator::new(path).await.expect("the migrations");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("migrations")
+        .join(dir);
+    let mut older = sqlx::migrate::Migrator::new(path)
+        .await
+        .expect("the migrations");
     older.migrations = Cow::Owned(
         older
             .migrations
@@ -798,7 +801,9 @@ async fn an_upgrade_keeps_what_existing_records_meant(b: Backend) {
             pool.close().await;
         }
         Backend::Sqlite(_) => {
-            let pool = sqlx::SqlitePool::connect(&format!("{}?mode=rwc", b.url())).await.unwrap();
+            let pool = sqlx::SqlitePool::connect(&format!("{}?mode=rwc", b.url()))
+                .await
+                .unwrap();
             older.run(&pool).await.expect("the older migrations");
             let now = chrono::Utc::now().timestamp_millis();
             // A trigger writes each record's reservation row.

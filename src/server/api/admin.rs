@@ -1,6 +1,6 @@
 //! The operators' endpoints: list, show and resolve stuck keys, on `serve`'s
 //! listener and the proxy's admin listener, behind `IDEMGATE_ADMIN_TOKENS`.
-//! The operations themselves are [`crate::server::operations`], which the
+//! The operations themselves are `crate::server::operations`, which the
 //! `idemgate keys` command runs too.
 
 use axum::extract::rejection::QueryRejection;

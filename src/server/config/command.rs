@@ -60,7 +60,7 @@ pub enum Command {
     Keys {
         /// What to do.
         #[command(subcommand)]
-        command: crate::server::keys::KeysCommand,
+        command: Box<crate::server::keys::KeysCommand>,
     },
     /// Print the OpenAPI document.
     Openapi {

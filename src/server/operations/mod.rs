@@ -1,7 +1,7 @@
-//! What an operator runs on stuck keys — [`list`], [`show`], [`resolve`] —
+//! What an operator runs on stuck keys — `list`, `show`, `resolve` —
 //! one implementation behind both the admin endpoints (`/v1/admin/keys…`)
 //! and the `idemgate keys` command. Each takes the engine and what the
-//! operator asked, and returns the [`KeyView`]s both print.
+//! operator asked, and returns the `KeyView`s both print.
 //!
 //! A key is named by its tenant, as stored, and its key hash (the lowercase
 //! hex SHA-256 of the key); the raw key is never shown.
@@ -168,7 +168,7 @@ pub(crate) fn encode_cursor(cursor: &KeyCursor) -> String {
     URL_SAFE_NO_PAD.encode(text)
 }
 
-/// A cursor handed out by [`encode_cursor`].
+/// A cursor handed out by `encode_cursor`.
 pub(crate) fn decode_cursor(text: &str) -> Result<KeyCursor, ApiError> {
     let bad = || ApiError::InvalidRequest("cursor is not one this listing handed out".into());
     let bytes = URL_SAFE_NO_PAD.decode(text.trim()).map_err(|_| bad())?;
