@@ -935,3 +935,28 @@ fn every_number_setting_names_its_unit() {
         }
     }
 }
+
+/// The proxy's lease-expiry choice and default wait are refused, named as
+/// set, when they cannot be used: a choice that is neither `hold` nor
+/// `takeover`, a default wait longer than the longest wait.
+#[test]
+fn the_proxys_hold_settings_are_refused_by_name() {
+    let err = refused(bare(&[("IDEMGATE_ON_LEASE_EXPIRY", "retry")]).args(start_args("proxy")));
+    assert!(err.contains("IDEMGATE_ON_LEASE_EXPIRY"), "{err}");
+    assert!(err.contains("hold") && err.contains("takeover"), "{err}");
+    let err = refused(
+        bare(&[])
+            .args(start_args("proxy"))
+            .args(["--default-wait", "20"]),
+    );
+    assert!(err.contains("--default-wait"), "{err}");
+    assert!(
+        err.contains("--max-wait") || err.contains("max_wait"),
+        "{err}"
+    );
+    let err = refused(
+        bare(&[("IDEMGATE_ADMIN_TOKENS", "a:s3cret-admin,b:s3cret-admin")]).args(["serve"]),
+    );
+    assert!(err.contains("IDEMGATE_ADMIN_TOKENS"), "{err}");
+    assert!(!err.contains("s3cret-admin"), "{err}");
+}

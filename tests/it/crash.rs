@@ -496,6 +496,36 @@ async fn paused_holder_over_the_api_cannot_overwrite_the_new_holder() {
     }
 }
 
+/// `key`'s request at a 1 s origin through `old`, which is stopped
+/// (`SIGSTOP`) once the origin has it; returns when the origin has answered
+/// and the proxy's lease has ended, with the request's client.
+async fn stopped_past_its_lease(
+    old: &ProxyProcess,
+    upstream: &Upstream,
+    key: &str,
+) -> tokio::task::JoinHandle<reqwest::Result<(u16, bool, Value)>> {
+    let reserved_at = Instant::now();
+    let first = {
+        let (base, key) = (old.base(), key.to_owned());
+        tokio::spawn(async move { post(&base, "/numbered/1000", &key).await })
+    };
+    assert!(
+        until(Duration::from_secs(5), || upstream.started(key) == 1).await,
+        "the first execution did not start"
+    );
+    signal(old.child.id(), "STOP");
+    // The origin finishes the first execution while the proxy is stopped.
+    assert!(
+        until(Duration::from_secs(5), || upstream.finished(key) == 1).await,
+        "the first execution did not finish"
+    );
+    tokio::time::sleep(
+        (PROXY_LEASE + Duration::from_millis(300)).saturating_sub(reserved_at.elapsed()),
+    )
+    .await;
+    first
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigstopped_proxy_past_its_lease_cannot_overwrite_the_takeover() {
     let db = TestDb::new().await;
@@ -515,25 +545,7 @@ async fn sigstopped_proxy_past_its_lease_cannot_overwrite_the_takeover() {
     let new = proxy_with(&db, &upstream, "takeover").await;
     let key = fresh_key();
 
-    let reserved_at = Instant::now();
-    let first = {
-        let (base, key) = (old.base(), key.clone());
-        tokio::spawn(async move { post(&base, "/numbered/1000", &key).await })
-    };
-    assert!(
-        until(Duration::from_secs(5), || upstream.started(&key) == 1).await,
-        "the first execution did not start"
-    );
-    signal(old.child.id(), "STOP");
-    // The origin finishes the first execution while the proxy is stopped.
-    assert!(
-        until(Duration::from_secs(5), || upstream.finished(&key) == 1).await,
-        "the first execution did not finish"
-    );
-    tokio::time::sleep(
-        (PROXY_LEASE + Duration::from_millis(300)).saturating_sub(reserved_at.elapsed()),
-    )
-    .await;
+    let first = stopped_past_its_lease(&old, &upstream, &key).await;
 
     // Another proxy takes the key over and completes it.
     let (status, replayed, second) = post(&new.base(), "/numbered/1000", &key).await.unwrap();
@@ -587,24 +599,7 @@ async fn sigstopped_proxy_past_its_lease_settles_its_held_key_when_it_resumes() 
     let new = proxy(&db, &upstream).await;
     let key = fresh_key();
 
-    let reserved_at = Instant::now();
-    let first = {
-        let (base, key) = (old.base(), key.clone());
-        tokio::spawn(async move { post(&base, "/numbered/1000", &key).await })
-    };
-    assert!(
-        until(Duration::from_secs(5), || upstream.started(&key) == 1).await,
-        "the first execution did not start"
-    );
-    signal(old.child.id(), "STOP");
-    assert!(
-        until(Duration::from_secs(5), || upstream.finished(&key) == 1).await,
-        "the first execution did not finish"
-    );
-    tokio::time::sleep(
-        (PROXY_LEASE + Duration::from_millis(300)).saturating_sub(reserved_at.elapsed()),
-    )
-    .await;
+    let first = stopped_past_its_lease(&old, &upstream, &key).await;
     let (status, _, body) = post(&new.base(), "/numbered/1000", &key).await.unwrap();
     assert_eq!((status, slug(&body)), (409, "outcome-unknown"), "{body}");
     let listed = common::bin::keys_json(&db.url, &["list", "--state", "unknown"]);

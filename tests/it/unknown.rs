@@ -555,6 +555,16 @@ async fn a_key_whose_upstream_hung_up_waits_for_an_operator(b: Backend) {
     let http = common::http();
     let base = proxy.base();
     let admin_base = format!("http://127.0.0.1:{}", proxy.admin);
+    let policy: Value = http
+        .get(format!("{admin_base}/v1/policy"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(policy["on_lease_expiry"]["default"], "hold", "{policy:#}");
+    assert_eq!(policy["default_wait_seconds"], 10, "{policy:#}");
     let key = fresh_key();
     let post = || {
         http.post(format!("{base}/charge"))
