@@ -319,28 +319,47 @@ async fn distinct_keys_storm_executes_each_once() {
     let http = client();
 
     let started = Instant::now();
+    // A connection that closes without an answer is retried once with the
+    // same key, as the retry table says: under a loaded machine a pooled
+    // connection can meet its end as a request goes out. The origin's count
+    // below still holds every key to one execution.
+    let reconnected = std::sync::atomic::AtomicUsize::new(0);
     let answers: Vec<(usize, Answer)> = futures::stream::iter(keys.iter().enumerate())
         .map(|(i, key)| {
             let url = format!("{}/ok/k", bases[i % bases.len()]);
-            let req = http
-                .post(url)
-                .header("idempotency-key", key.as_str())
-                .header("content-type", "application/json")
-                .body(format!("{{\"n\":{i}}}"));
+            let http = &http;
+            let req = move || {
+                http.post(&url)
+                    .header("idempotency-key", key.as_str())
+                    .header("content-type", "application/json")
+                    .body(format!("{{\"n\":{i}}}"))
+            };
+            let reconnected = &reconnected;
             async move {
-                (
-                    i,
-                    answer(req.send().await.expect("the proxy answers")).await,
-                )
+                let res = match req().send().await {
+                    Ok(res) => res,
+                    Err(e) if e.is_request() && !e.is_timeout() => {
+                        reconnected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        req().send().await.expect("the proxy answers the retry")
+                    }
+                    Err(e) => panic!("the proxy answers: {e:?}"),
+                };
+                (i, answer(res).await)
             }
         })
         .buffer_unordered(in_flight)
         .collect()
         .await;
+    let reconnected = reconnected.into_inner();
+    assert!(
+        reconnected <= n / 100,
+        "{reconnected} connections closed without an answer"
+    );
     let took = started.elapsed();
     let t = tally(&answers.iter().map(|(_, a)| a.clone()).collect::<Vec<_>>());
     eprintln!(
-        "[storms] {n} distinct keys over 3 proxies, {in_flight} in flight: {t:?} in {took:?}"
+        "[storms] {n} distinct keys over 3 proxies, {in_flight} in flight: {t:?} in {took:?}, \
+         {reconnected} retried after a closed connection"
     );
 
     assert_eq!(t.get("201").copied(), Some(n), "{t:?}");
