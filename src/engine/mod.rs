@@ -8,6 +8,7 @@ use std::time::Duration;
 
 mod decide;
 mod holding;
+mod lost;
 mod quotas;
 mod reserve;
 mod stuck;
@@ -17,6 +18,7 @@ mod waiters;
 pub use stuck::{Resolved, Settlement, shown_state};
 pub use types::*;
 
+use lost::LostClaims;
 use quotas::StoredFigure;
 use waiters::Waiters;
 
@@ -46,6 +48,8 @@ pub struct Engine {
     stored_usage: moka::sync::Cache<String, Arc<tokio::sync::Mutex<Option<StoredFigure>>>>,
     /// Recent reserve→commit durations, for `Retry-After`.
     durations: Durations,
+    /// Claims whose answer was lost, released once the store is back.
+    lost: Arc<LostClaims>,
 }
 
 // === impl Engine ===
@@ -55,8 +59,10 @@ impl Engine {
     /// [`DEFAULT_REPLAY_CACHE_BYTES`]. Its claims, commits and releases are
     /// written in batches ([`Batched`]).
     pub fn new(store: Arc<dyn Store>, limits: Limits) -> Engine {
+        let store = Batched::wrap(store);
         Engine {
-            store: Batched::wrap(store),
+            lost: LostClaims::new(store.clone()),
+            store,
             waiters: Waiters::default(),
             replay_cache: ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES),
             sealer: None,

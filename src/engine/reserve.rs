@@ -72,19 +72,29 @@ impl Engine {
         };
         // Before the store call: the database reads its clock after this.
         let started = std::time::Instant::now();
+        let reservation_id = Uuid::new_v4();
         let claim = self
             .store
             .reserve(&ClaimRequest {
                 tenant: req.tenant.clone(),
                 key_hash: req.key_hash,
                 fingerprint: req.fingerprint.clone(),
-                reservation_id: Uuid::new_v4(),
+                reservation_id,
                 lease_seconds: req.lease_seconds,
                 ttl_seconds: req.ttl_seconds,
                 on_lease_expiry: req.on_lease_expiry,
                 max_in_flight,
             })
-            .await?;
+            .await;
+        let claim = match claim {
+            // The claim may have committed with its answer lost: nobody
+            // would forward its request or settle its key.
+            Err(e) if e.is_unavailable() => {
+                self.lost.remember(&req.tenant, reservation_id);
+                return Err(e);
+            }
+            claim => claim?,
+        };
         let Some(mut claim) = claim else {
             return self.over_limit(&req.tenant, stored_full).await;
         };

@@ -16,8 +16,9 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::call::{Call, Decided, Decision};
 use super::encoding;
-use super::holder::{Holder, Settled, timed_out};
+use super::holder::{Settled, timed_out};
 use super::policy::{LayerPolicy, Tenant};
 use super::shared::{Inner, Shared};
 use crate::engine::{ReserveOutcome, ReserveRequest};
@@ -115,21 +116,41 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     );
 
     // === the engine's decision ===
-    let reserved_at = Instant::now();
-    let decision = shared
-        .engine
-        .reserve(&ReserveRequest {
-            tenant: tenant.clone(),
-            key_hash: key.hash(),
-            fingerprint: Some(fingerprint),
-            lease_seconds: whole_seconds(policy.lease),
-            ttl_seconds: whole_seconds(guard.ttl),
-            wait: prefer_wait(&parts.headers).or(policy.default_wait),
-            on_lease_expiry: guard.on_lease_expiry,
-        })
-        .await;
-    let decided = started.elapsed();
+    // In a task of its own with the call it may lead to: a client that
+    // hangs up (or gets its 504 at the answer timeout) drops this future,
+    // never a claim half made, nor the call or the commit after it. A claim
+    // whose caller had gone would otherwise be left held for a request
+    // that never ran.
     let key_hash = key.hash_prefix();
+    let request = ReserveRequest {
+        tenant: tenant.clone(),
+        key_hash: key.hash(),
+        fingerprint: Some(fingerprint),
+        lease_seconds: whole_seconds(policy.lease),
+        ttl_seconds: whole_seconds(guard.ttl),
+        wait: prefer_wait(&parts.headers).or(policy.default_wait),
+        on_lease_expiry: guard.on_lease_expiry,
+    };
+    // A replay is decoded for a retry that cannot take its encoding.
+    let accepted = parts.headers.clone();
+    let call = Call {
+        shared: shared.clone(),
+        tenant: tenant.clone(),
+        key_hash: key_hash.clone(),
+        on_lease_expiry: guard.on_lease_expiry,
+        inner,
+        req: Request::from_parts(parts, Body::from(body)),
+    };
+    let (decided_tx, decided) = oneshot::channel();
+    tokio::spawn(
+        call.decide(request, started, decided_tx)
+            .instrument(tracing::Span::current()),
+    );
+    let Ok(Decided { elapsed, decision }) = decided.await else {
+        let e = ApiError::Internal("the request task ended without a decision".into());
+        return policy.problem(e);
+    };
+    let decided = elapsed;
     let decision = match decision {
         // Logged by the conversion (503) or the response (500).
         Err(e) => return policy.problem(ApiError::from(e)),
@@ -137,41 +158,19 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     };
     let outcome = decision.outcome();
     let (outcome, settled, res) = match decision {
-        ReserveOutcome::Reserved(reservation) => {
-            let holder = Holder {
-                shared: shared.clone(),
-                tenant: tenant.clone(),
-                key_hash: key_hash.clone(),
-                reservation_id: reservation.reservation_id,
-                attempt: reservation.attempt,
-                on_lease_expiry: guard.on_lease_expiry,
-                lease_ends: reserved_at + policy.lease,
-                expires_at: reservation.expires_at,
-                lease_refused: false,
-            };
-            let req = Request::from_parts(parts, Body::from(body));
-            // A task of its own: a client that hangs up (or gets its 504 at
-            // the answer timeout) drops this future, not the call or the
-            // commit.
-            let (reply, answer) = oneshot::channel();
-            let task = holder
-                .run(inner, req, reply)
-                .instrument(tracing::Span::current());
-            tokio::spawn(task);
-            match answer.await {
-                Ok((Settled::Released, res)) => (Outcome::Released, Some(Settled::Released), res),
-                Ok((settled, res)) => (outcome, Some(settled), res),
-                Err(_) => {
-                    let e = ApiError::Internal("the request task ended without an answer".into());
-                    (outcome, None, policy.problem(e))
-                }
+        Decision::Holding { answer, .. } => match answer.await {
+            Ok((Settled::Released, res)) => (Outcome::Released, Some(Settled::Released), res),
+            Ok((settled, res)) => (outcome, Some(settled), res),
+            Err(_) => {
+                let e = ApiError::Internal("the request task ended without an answer".into());
+                (outcome, None, policy.problem(e))
             }
-        }
-        ReserveOutcome::Completed(record) => {
-            let res = encoding::for_retry(&parts.headers, replay(policy, &record)).await;
+        },
+        Decision::Other(ReserveOutcome::Completed(record)) => {
+            let res = encoding::for_retry(&accepted, replay(policy, &record)).await;
             (outcome, None, res)
         }
-        refused => {
+        Decision::Other(refused) => {
             let e = ApiError::refusing(&refused)
                 .unwrap_or_else(|| ApiError::Internal("a decision without an answer".into()));
             (outcome, None, policy.problem(e))

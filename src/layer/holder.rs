@@ -138,63 +138,6 @@ impl Holder {
         }
     }
 
-    /// The call ran past its bound and was dropped.
-    pub(super) async fn abandoned(&self, reply: Option<Reply>) {
-        tracing::warn!(
-            key.hash = %self.key_hash,
-            "the call ran past its bound and was abandoned; whether it acted is unknown"
-        );
-        let settled = self.outcome_unknown().await;
-        if let Some(reply) = reply {
-            let after = self.shared.policy.abandon_after.unwrap_or_default();
-            let res = timed_out(&self.shared.policy, after, false);
-            let _ = reply.send((settled, res));
-        }
-    }
-
-    /// Whether the call acted cannot be known (it failed after it was sent,
-    /// its response broke off, it ran past its bound). Under `hold` the key
-    /// is marked unknown, so no request runs it again; under `takeover` it
-    /// stays in flight until its lease ends.
-    pub(super) async fn outcome_unknown(&self) -> Settled {
-        if self.on_lease_expiry == LeaseExpiry::Takeover {
-            tracing::warn!(
-                key.hash = %self.key_hash,
-                "the outcome is unknown; the key stays in flight until its lease ends, then a \
-                 retry takes it over (on_lease_expiry = takeover)"
-            );
-            return Settled::InFlight;
-        }
-        match self
-            .shared
-            .engine
-            .mark_unknown(&self.tenant, self.reservation_id)
-            .await
-        {
-            Ok(Ok(())) => {
-                tracing::warn!(
-                    key.hash = %self.key_hash,
-                    "the outcome is unknown: the key is held, and every request with it gets \
-                     409 outcome-unknown until it is settled"
-                );
-                Settled::Unknown
-            }
-            Ok(Err(refusal)) => {
-                tracing::warn!(key.hash = %self.key_hash, reason = ?refusal, "the key could not be marked unknown");
-                Settled::NotStored
-            }
-            Err(e) => {
-                tracing::warn!(
-                    key.hash = %self.key_hash,
-                    error = %e,
-                    "the key could not be marked unknown; it is held all the same, and becomes \
-                     unknown when its lease ends"
-                );
-                Settled::Unknown
-            }
-        }
-    }
-
     /// Drives `call` while extending the lease every third of its length,
     /// so that a handler or origin slower than the lease keeps its key: a
     /// retry meanwhile is a 409, not a takeover and a second execution. A
@@ -277,6 +220,9 @@ impl Holder {
             Produced::Failed(e) => {
                 let e = ApiError::Internal(format!("the inner service failed: {e}"));
                 (self.outcome_unknown().await, policy.problem(e))
+            }
+            Produced::NotExecuted(res) if self.attempt > 1 => {
+                (self.not_executed_again().await, res)
             }
             Produced::NotExecuted(res) => {
                 self.release().await;

@@ -128,6 +128,7 @@
 //! # }
 //! ```
 
+mod call;
 mod deferred;
 mod encoding;
 mod flow;
@@ -146,6 +147,7 @@ mod produce;
 mod service;
 mod shared;
 mod tee;
+mod unknown;
 
 pub use future::ResponseFuture;
 pub use headers::{

@@ -861,6 +861,133 @@ async fn an_upgrade_keeps_what_existing_records_meant(b: Backend) {
     }
 }
 
+/// A client that hangs up while its key is being claimed drops only its
+/// wait: the claim, and the call it won, run on, so the key is not left
+/// held for a request that never ran; the retry gets the one execution.
+async fn a_client_gone_during_the_claim_leaves_no_orphan(b: Backend) {
+    common::logs::init();
+    let mut faulty = common::faulty::Faulty::new(b.open().await);
+    faulty.claim_delay = Duration::from_millis(500);
+    let engine = Arc::new(Engine::new(Arc::new(faulty), Limits::default()));
+    let counts = Arc::new(common::upstream::Counts::default());
+    let app = common::upstream::router(counts.clone())
+        .layer(IdempotencyLayer::new(engine, LayerPolicy::default()));
+    let key = fresh_key();
+    let post = || {
+        Request::post("/ok")
+            .header("idempotency-key", &key)
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let gone = tokio::time::timeout(Duration::from_millis(100), app.clone().oneshot(post())).await;
+    assert!(gone.is_err(), "the client hung up during the claim");
+    let started = Instant::now();
+    while counts.finished(&key) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the call never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let retry = app.oneshot(post()).await.unwrap();
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(counts.started(&key), 1);
+}
+
+/// A claim that commits but whose answer is lost (the caller is told the
+/// store is away, and never learns its reservation id) is released by the
+/// engine once the store answers: its key is new again, not held for a
+/// request that never ran.
+async fn a_claim_whose_answer_was_lost_is_released(b: Backend) {
+    let faulty = common::faulty::Faulty::new(b.open().await);
+    faulty.lose.store(1, Ordering::SeqCst);
+    let engine = Engine::new(Arc::new(faulty), Limits::default()).with_replay_cache(0);
+    let request = ReserveRequest {
+        tenant: "t".into(),
+        key_hash: Sha256::digest(fresh_key().as_bytes()).into(),
+        fingerprint: None,
+        lease_seconds: 30,
+        ttl_seconds: 600,
+        wait: None,
+        on_lease_expiry: LeaseExpiry::Hold,
+    };
+    let lost = engine.reserve(&request).await;
+    assert!(matches!(&lost, Err(e) if e.is_unavailable()), "{lost:?}");
+    let started = Instant::now();
+    loop {
+        match engine.reserve(&request).await.unwrap() {
+            ReserveOutcome::Reserved(r) => {
+                assert_eq!(r.attempt, 1, "new again, not a takeover");
+                break;
+            }
+            ReserveOutcome::InFlight { .. } => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "the lost claim was never released"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// Under `takeover`, a takeover whose call did not act (the origin answered
+/// a release status) does not forget that an earlier attempt may have: the
+/// next request is sent as attempt 3, not as a first attempt.
+async fn a_takeover_that_did_not_act_leaves_the_key_to_the_next_attempt(b: Backend) {
+    common::logs::init();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let engine = Arc::new(Engine::new(b.open().await, Limits::default()));
+    let seen = calls.clone();
+    let app = axum::Router::new()
+        .route(
+            "/charge",
+            axum::routing::post(move |headers: http::HeaderMap| {
+                let n = seen.fetch_add(1, Ordering::SeqCst);
+                let attempt = headers
+                    .get("idempotency-attempt")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                async move {
+                    let status = if n == 0 {
+                        http::StatusCode::SERVICE_UNAVAILABLE
+                    } else {
+                        http::StatusCode::OK
+                    };
+                    (status, axum::Json(json!({ "attempt": attempt })))
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(
+            engine,
+            LayerPolicy::default().on_lease_expiry(LeaseExpiry::Takeover),
+        ));
+    let key = fresh_key();
+    a_dead_holder(&b, &key, LeaseExpiry::Takeover).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let post = || {
+        Request::post("/charge")
+            .header("idempotency-key", &key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let read = |res: http::Response<Body>| async move {
+        let status = res.status().as_u16();
+        let bytes = res.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice::<Value>(&bytes).unwrap())
+    };
+    let (status, body) = read(app.clone().oneshot(post()).await.unwrap()).await;
+    assert_eq!((status, body["attempt"].clone()), (503, json!("2")));
+    let (status, body) = read(app.clone().oneshot(post()).await.unwrap()).await;
+    assert_eq!(
+        (status, body["attempt"].clone()),
+        (200, json!("3")),
+        "attempt 1 may have acted: the next is attempt 3"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
 both_stores! {
     serial: [
         an_upgrade_keeps_what_existing_records_meant,
@@ -872,6 +999,9 @@ both_stores! {
         a_held_key_past_its_lease_waits_for_its_holder,
         a_waiter_is_told_at_once_when_the_key_becomes_unknown,
         the_layer_holds_by_default_and_a_takeover_says_its_attempt,
+        a_client_gone_during_the_claim_leaves_no_orphan,
+        a_claim_whose_answer_was_lost_is_released,
+        a_takeover_that_did_not_act_leaves_the_key_to_the_next_attempt,
         a_key_whose_upstream_hung_up_waits_for_an_operator,
     ],
 }

@@ -7,6 +7,7 @@ pub mod app;
 pub mod backend;
 pub mod bin;
 pub mod citus;
+pub mod faulty;
 pub mod logs;
 pub mod pg;
 pub mod proxy;

@@ -1,0 +1,131 @@
+//! A store with faults of its choosing in front of a real one: claims that
+//! take their time, and claims that commit but whose answer is lost (the
+//! caller is told the store is away), as a connection that breaks after its
+//! statement went out would leave them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use idemgate::store::{
+    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats, PruneBatch, Record,
+    Recovery, Resolve, Store, StoreError, StoredResponse, StoredUsage,
+};
+use uuid::Uuid;
+
+/// `inner` with claims delayed by `claim_delay`, and the answers of the next
+/// `lose` claims lost after they applied.
+pub struct Faulty {
+    pub inner: Arc<dyn Store>,
+    pub claim_delay: Duration,
+    pub lose: AtomicUsize,
+}
+
+impl Faulty {
+    pub fn new(inner: Arc<dyn Store>) -> Faulty {
+        Faulty {
+            inner,
+            claim_delay: Duration::ZERO,
+            lose: AtomicUsize::new(0),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for Faulty {
+    async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
+        tokio::time::sleep(self.claim_delay).await;
+        let claim = self.inner.reserve(req).await?;
+        let lose = self
+            .lose
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if lose {
+            return Err(StoreError::unavailable(
+                "the connection broke before the answer",
+            ));
+        }
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<Option<Record>, StoreError> {
+        self.inner.complete(tenant, id, response).await
+    }
+
+    async fn release(&self, tenant: &str, id: Uuid) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.release(tenant, id).await
+    }
+
+    async fn extend(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        self.inner.extend(tenant, id, lease_seconds).await
+    }
+
+    async fn checkpoint(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        recovery: &Recovery,
+    ) -> Result<Option<Record>, StoreError> {
+        self.inner.checkpoint(tenant, id, recovery).await
+    }
+
+    async fn mark_unknown(&self, tenant: &str, id: Uuid) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.mark_unknown(tenant, id).await
+    }
+
+    async fn find_by_reservation(
+        &self,
+        tenant: &str,
+        id: Uuid,
+    ) -> Result<Option<Found>, StoreError> {
+        self.inner.find_by_reservation(tenant, id).await
+    }
+
+    async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>, StoreError> {
+        self.inner.find_key(tenant, key_hash).await
+    }
+
+    async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage, StoreError> {
+        self.inner.list_keys(query).await
+    }
+
+    async fn resolve(&self, resolve: &Resolve) -> Result<Option<Found>, StoreError> {
+        self.inner.resolve(resolve).await
+    }
+
+    async fn count_unknown(&self) -> Result<u64, StoreError> {
+        self.inner.count_unknown().await
+    }
+
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch, StoreError> {
+        self.inner.prune_expired_batch(limit).await
+    }
+
+    async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage, StoreError> {
+        self.inner.in_flight_usage(tenant, up_to).await
+    }
+
+    async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage, StoreError> {
+        self.inner.stored_usage(tenant).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        self.inner.pool_stats()
+    }
+}
