@@ -44,7 +44,7 @@ pub async fn prune_once(store: &dyn Store) -> Result<u64, StoreError> {
 
 /// Runs [`prune_once`] every `interval` until the task is dropped, and
 /// after each pass counts the keys nobody will settle by themselves (unknown,
-/// or held past their lease) into the gauge `idemgate_keys_unknown`.
+/// or in flight past their lease) into the gauge `idemgate_keys_unknown`.
 pub async fn run(store: Arc<dyn Store>, interval: Duration) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -55,14 +55,15 @@ pub async fn run(store: Arc<dyn Store>, interval: Duration) {
             Ok(n) => tracing::info!(pruned = n, "prune: deleted expired keys"),
             Err(e) => tracing::warn!(error = %e, "prune pass failed; retrying next interval"),
         }
-        match store.count_unknown().await {
+        match store.count_stuck().await {
             Ok(n) => {
                 telemetry::record_unknown(n);
                 if n > 0 {
                     tracing::warn!(
-                        unknown = n,
-                        "keys with an unknown outcome wait for an operator: idemgate keys list \
-                         --state unknown"
+                        stuck = n,
+                        "keys nobody will settle by themselves (unknown, or in flight past their \
+                         lease) wait for an operator: idemgate keys list --state unknown, and \
+                         --state in_flight for leases that ended"
                     );
                 }
             }

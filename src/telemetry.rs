@@ -22,8 +22,8 @@ pub(crate) fn describe() {
     metrics::describe_counter!("idemgate_pruned_total", "Expired records deleted.");
     metrics::describe_gauge!(
         "idemgate_keys_unknown",
-        "Keys whose outcome is unknown (marked so, or in flight past their lease under hold), \
-         as of the last pruning pass: they wait for an operator (idemgate keys list --state \
+        "Keys nobody will settle by themselves — unknown, or in flight past their lease — as \
+         of the last pruning pass: they wait for an operator (idemgate keys list --state \
          unknown)."
     );
     metrics::describe_counter!(

@@ -90,9 +90,9 @@ pub trait Store: Send + Sync + 'static {
     /// has the reservation id `resolve` names, and is unknown or in flight
     /// past its lease. Returns the record as it left it.
     async fn resolve(&self, resolve: &Resolve) -> Result<Option<Found>>;
-    /// Alive keys that are unknown or held past their lease: those nobody
-    /// will settle by themselves.
-    async fn count_unknown(&self) -> Result<u64>;
+    /// Alive keys that are unknown or in flight past their lease: those
+    /// nobody will settle by themselves (the gauge `idemgate_keys_unknown`).
+    async fn count_stuck(&self) -> Result<u64>;
     /// Deletes up to about `limit` expired records without waiting on locked
     /// rows; says how many it deleted and whether more may be left.
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch>;

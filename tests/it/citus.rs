@@ -626,7 +626,7 @@ async fn operators_list_and_resolve_unknown_keys_across_shards() {
         ));
     }
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    assert_eq!(engine.store().count_unknown().await.unwrap(), 40);
+    assert_eq!(engine.store().count_stuck().await.unwrap(), 40);
 
     let mut seen = Vec::new();
     let mut query = ListQuery {
@@ -672,7 +672,7 @@ async fn operators_list_and_resolve_unknown_keys_across_shards() {
         .await
         .unwrap();
     assert!(matches!(released, Resolved::Settled(_)), "{released:?}");
-    assert_eq!(engine.store().count_unknown().await.unwrap(), 38);
+    assert_eq!(engine.store().count_stuck().await.unwrap(), 38);
     match engine.reserve(&request(3)).await.unwrap() {
         ReserveOutcome::Completed(record) => {
             assert_eq!(record.response.unwrap().body, b"settled");

@@ -461,8 +461,8 @@ impl Store for AnHourAhead {
         }))
     }
 
-    async fn count_unknown(&self) -> Result<u64, StoreError> {
-        self.0.count_unknown().await
+    async fn count_stuck(&self) -> Result<u64, StoreError> {
+        self.0.count_stuck().await
     }
 
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage, StoreError> {

@@ -184,6 +184,9 @@ async fn operators_list_show_and_resolve_stuck_keys(b: Backend) {
         201
     );
     TestApp::outlive(1).await;
+    // What the gauge counts: the held key and the lapsed one, not the
+    // completed one nor the one under a live lease.
+    assert_eq!(app.store.count_stuck().await.unwrap(), 2);
 
     let list = |query: &'static str| {
         let app = &app;

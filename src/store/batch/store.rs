@@ -107,8 +107,8 @@ impl Store for Batched {
         self.store.resolve(resolve).await
     }
 
-    async fn count_unknown(&self) -> Result<u64> {
-        self.store.count_unknown().await
+    async fn count_stuck(&self) -> Result<u64> {
+        self.store.count_stuck().await
     }
 
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {

@@ -144,10 +144,11 @@ pub(super) const LIST_KEYS: &str = concat!(
       LIMIT $4"
 );
 
-pub(super) const COUNT_UNKNOWN: &str = concat!(
-    "SELECT count(*) FROM idempotency_keys k WHERE k.expires_at > now() AND ",
-    unknown!()
-);
+/// The keys nobody will settle by themselves: alive, and unknown or in
+/// flight past their lease (under either choice).
+pub(super) const COUNT_STUCK: &str = "SELECT count(*) FROM idempotency_keys k
+      WHERE k.expires_at > now()
+        AND (k.state = 'unknown' OR (k.state = 'in_flight' AND k.lease_expires_at <= now()))";
 
 /// The settlement applies to the record of `($1, $2)` while it still has
 /// reservation id `$3` and is stuck: alive, and unknown or in flight past

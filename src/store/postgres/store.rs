@@ -205,8 +205,8 @@ impl Store for PgStore {
         Ok(Some(Found { record, now }))
     }
 
-    async fn count_unknown(&self) -> Result<u64> {
-        let n: Option<i64> = self.fetch_scalar(sqlx::query_scalar(COUNT_UNKNOWN)).await?;
+    async fn count_stuck(&self) -> Result<u64> {
+        let n: Option<i64> = self.fetch_scalar(sqlx::query_scalar(COUNT_STUCK)).await?;
         Ok(n.and_then(|n| u64::try_from(n).ok()).unwrap_or(0))
     }
 

@@ -156,10 +156,11 @@ pub(super) const LIST_KEYS: &str = concat!(
       LIMIT ?5"
 );
 
-pub(super) const COUNT_UNKNOWN: &str = concat!(
-    "SELECT count(*) FROM idempotency_keys WHERE expires_at > ?1 AND ",
-    unknown!()
-);
+// The keys nobody will settle by themselves at ?1: alive, and unknown or in
+// flight past their lease (under either choice).
+pub(super) const COUNT_STUCK: &str = "SELECT count(*) FROM idempotency_keys
+      WHERE expires_at > ?1
+        AND (state = 'unknown' OR (state = 'in_flight' AND lease_expires_at <= ?1))";
 
 /// The settlement applies to the record of `(?1, ?2)` while it still has
 /// reservation id `?3` and is stuck at `?4`: alive, and unknown or in flight

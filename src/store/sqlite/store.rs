@@ -208,8 +208,8 @@ impl Store for SqliteStore {
             .transpose()
     }
 
-    async fn count_unknown(&self) -> Result<u64> {
-        let n: i64 = sqlx::query_scalar(COUNT_UNKNOWN)
+    async fn count_stuck(&self) -> Result<u64> {
+        let n: i64 = sqlx::query_scalar(COUNT_STUCK)
             .bind(now_ms())
             .fetch_one(&self.reader)
             .await

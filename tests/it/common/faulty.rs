@@ -105,8 +105,8 @@ impl Store for Faulty {
         self.inner.resolve(resolve).await
     }
 
-    async fn count_unknown(&self) -> Result<u64, StoreError> {
-        self.inner.count_unknown().await
+    async fn count_stuck(&self) -> Result<u64, StoreError> {
+        self.inner.count_stuck().await
     }
 
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch, StoreError> {
