@@ -99,7 +99,7 @@ enum Refused {
         Refused,
         StoreUnavailable,
     ),
-    security(("admin" = []))
+    security((), ("admin" = []))
 )]
 pub async fn list_keys(
     State(state): State<AppState>,
@@ -126,7 +126,7 @@ pub async fn list_keys(
         NotFound,
         StoreUnavailable,
     ),
-    security(("admin" = []))
+    security((), ("admin" = []))
 )]
 pub async fn show_key(
     State(state): State<AppState>,
@@ -159,7 +159,7 @@ pub async fn show_key(
         (status = 409, description = "key-not-stuck: the key is completed, or in flight under a live lease; only an unknown key or one in flight past its lease can be resolved", body = Problem, content_type = "application/problem+json"),
         StoreUnavailable,
     ),
-    security(("admin" = []))
+    security((), ("admin" = []))
 )]
 pub async fn resolve_key(
     State(state): State<AppState>,

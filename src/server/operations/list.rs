@@ -15,6 +15,8 @@ use crate::store::{KeyCursor, KeyQuery, KeyState};
 pub const DEFAULT_LIMIT: u32 = 100;
 /// The most keys one page holds.
 pub const MAX_LIMIT: u32 = 1000;
+/// The longest `older_than`: ten years, longer than any key lives.
+pub const MAX_OLDER_THAN: u64 = 315_360_000;
 
 /// Which keys to list.
 #[derive(Debug, Clone, Default, Deserialize, IntoParams)]
@@ -26,7 +28,9 @@ pub struct ListQuery {
     pub state: Option<StateFilter>,
     /// Only this tenant's keys (as stored).
     pub tenant: Option<String>,
-    /// Only keys first reserved at least this many seconds ago.
+    /// Only keys first reserved at least this many seconds ago (at most ten
+    /// years: no key lives longer).
+    #[param(minimum = 0, maximum = 315_360_000)]
     pub older_than: Option<u64>,
     /// The most keys on this page (1 to 1000, default 100).
     #[param(minimum = 1, maximum = 1000)]
@@ -62,6 +66,11 @@ pub async fn list(engine: &Engine, query: &ListQuery) -> Result<KeyList, ApiErro
     if !(1..=MAX_LIMIT).contains(&limit) {
         return Err(ApiError::InvalidRequest(format!(
             "limit is {limit}; it must be between 1 and {MAX_LIMIT}"
+        )));
+    }
+    if let Some(secs) = query.older_than.filter(|&s| s > MAX_OLDER_THAN) {
+        return Err(ApiError::InvalidRequest(format!(
+            "older_than is {secs}; it must be at most {MAX_OLDER_THAN} seconds (ten years)"
         )));
     }
     let after = query.cursor.as_deref().map(decode_cursor).transpose()?;
