@@ -5,11 +5,10 @@
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{FromRequestParts, Path, Query, State};
-use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
 
 use super::AppState;
-use super::extract::ApiJson;
+use super::extract::{ApiJson, bearer_token};
 use super::problems::{InvalidRequest, NotFound, StoreUnavailable};
 use crate::problem::{ApiError, Problem, Result};
 use crate::server::operations::{self, KeyList, KeyView, ListQuery, ResolveBody};
@@ -36,23 +35,10 @@ impl FromRequestParts<AppState> for Operator {
                 ))
             };
         }
-        let mut values = parts.headers.get_all(AUTHORIZATION).iter();
-        let (Some(value), None) = (values.next(), values.next()) else {
-            return Err(ApiError::Unauthorized(
-                "send one Authorization: Bearer <token> header, with a token of \
-                 IDEMGATE_ADMIN_TOKENS",
-            ));
-        };
-        let token = value
-            .to_str()
-            .ok()
-            .and_then(|v| {
-                let (scheme, token) = v.trim().split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-            })
-            .ok_or(ApiError::Unauthorized(
-                "the Authorization header must be Bearer <token>",
-            ))?;
+        let token = bearer_token(
+            parts,
+            "send one Authorization: Bearer <token> header, with a token of IDEMGATE_ADMIN_TOKENS",
+        )?;
         if let Some(name) = access.tokens.tenant_for(token) {
             return Ok(Operator(name.to_owned()));
         }

@@ -67,25 +67,32 @@ impl FromRequestParts<AppState> for Tenant {
         if tokens.is_empty() {
             return Ok(Tenant(DEFAULT_TENANT.into()));
         }
-        let mut values = parts.headers.get_all(AUTHORIZATION).iter();
-        let (Some(value), None) = (values.next(), values.next()) else {
-            return Err(ApiError::Unauthorized(
-                "send one Authorization: Bearer <token> header",
-            ));
-        };
-        let token = value
-            .to_str()
-            .ok()
-            .and_then(|v| {
-                let (scheme, token) = v.trim().split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-            })
-            .ok_or(ApiError::Unauthorized(
-                "the Authorization header must be Bearer <token>",
-            ))?;
+        let token = bearer_token(parts, "send one Authorization: Bearer <token> header")?;
         tokens
             .tenant_for(token)
             .map(|t| Tenant(t.to_owned()))
             .ok_or(ApiError::Unauthorized("the bearer token is not valid"))
     }
+}
+
+/// The token of the request's one `Authorization: Bearer <token>` header;
+/// `401 unauthorized` with `missing` when there is none (or several).
+pub(super) fn bearer_token<'a>(
+    parts: &'a Parts,
+    missing: &'static str,
+) -> Result<&'a str, ApiError> {
+    let mut values = parts.headers.get_all(AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return Err(ApiError::Unauthorized(missing));
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| {
+            let (scheme, token) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        })
+        .ok_or(ApiError::Unauthorized(
+            "the Authorization header must be Bearer <token>",
+        ))
 }
