@@ -228,6 +228,8 @@ async fn raw_reserve(
         .bind(30.0_f64)
         .bind(86_400.0_f64)
         .bind(None::<i64>)
+        // The proxy's default: its keys are held past their lease.
+        .bind("hold")
         .fetch_optional(pool)
         .await?
         .context("the reserve statement returned no row")?;

@@ -207,7 +207,8 @@ pub(super) const STORED_USAGE: &str = "SELECT coalesce(sum(coalesce(octet_length
 /// round trip that claims a key or reads it as it stands. Binds: tenant
 /// (text), key hash (bytea), fingerprint (text, null allowed), new
 /// reservation id (uuid), lease and TTL seconds (float8), the tenant's limit
-/// of in-flight keys (int8, null for none).
+/// of in-flight keys (int8, null for none), what the lease's end means
+/// (text: `hold` or `takeover`).
 pub fn reserve() -> &'static str {
     RESERVE
 }
