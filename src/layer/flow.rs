@@ -131,8 +131,13 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
         wait: prefer_wait(&parts.headers).or(policy.default_wait),
         on_lease_expiry: guard.on_lease_expiry,
     };
-    // A replay is decoded for a retry that cannot take its encoding.
-    let accepted = parts.headers.clone();
+    // A replay is decoded for a retry that cannot take its encoding: its
+    // Accept-Encoding is all that is kept of the head for that (the rest
+    // goes with the request to the inner service).
+    let mut accepted = HeaderMap::new();
+    for value in parts.headers.get_all(header::ACCEPT_ENCODING) {
+        accepted.append(header::ACCEPT_ENCODING, value.clone());
+    }
     let call = Call {
         shared: shared.clone(),
         tenant: tenant.clone(),
