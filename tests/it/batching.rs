@@ -512,3 +512,218 @@ fn bound_claim(i: u32) -> ClaimRequest {
         max_in_flight: None,
     }
 }
+
+// =============================================================================================
+// Retry storms: duplicates never deadlock
+// =============================================================================================
+
+/// Keys of the deadlock storm, each sent by every task of both engines.
+const STORM_KEYS: usize = 240;
+
+/// A fleet retrying after a blip, or a balancer that duplicates: two engines
+/// (two processes' worth) on one PostgreSQL, the tasks of each walking one
+/// sequence of keys (each engine's own counter, as two load generators
+/// would), so each key is claimed by both engines at about the same moment
+/// and committed by its winner. Before that, batches holding the same claims
+/// in opposite orders are written side by side through both. Checked: every
+/// key executed exactly once, every commit replayed, and PostgreSQL counted
+/// no deadlock (before batches took their locks in one order, two batches
+/// holding the same keys in opposite orders waited on each other until
+/// `deadlock_timeout` broke one of them).
+async fn a_storm_of_duplicates_never_deadlocks(db: common::pg::TestDb) {
+    let backend = Backend::Postgres(db);
+    let stores = [backend.open().await, backend.open().await];
+    let before = deadlocks(&backend).await;
+
+    // Opposite orders, side by side, through two queues.
+    let batched: Vec<Batched> = stores.iter().map(|s| Batched::new(s.clone())).collect();
+    for round in 0..4 {
+        let claims = |reversed: bool| {
+            let mut keys: Vec<usize> = (0..32).collect();
+            if reversed {
+                keys.reverse();
+            }
+            keys.into_iter()
+                .map(|k| {
+                    let mut req = storm_claim(1000 * (round + 1) + k);
+                    req.reservation_id = Uuid::new_v4();
+                    Write::Claim(req)
+                })
+                .collect::<Vec<_>>()
+        };
+        let (a, b) = tokio::join!(
+            batched[0].write_together(claims(false)),
+            batched[1].write_together(claims(true)),
+        );
+        let claimed = a
+            .iter()
+            .chain(&b)
+            .filter(|w| matches!(w, Ok(Written::Claim(Some(c))) if c.claimed))
+            .count();
+        assert_eq!(claimed, 32, "round {round}: one claim per key");
+    }
+    drop(batched);
+
+    // The storm: every key sent by 24 tasks of each engine.
+    let engines = stores
+        .iter()
+        .map(|s| Arc::new(Engine::new(s.clone(), Limits::default()).with_replay_cache(0)))
+        .collect::<Vec<_>>();
+    let next: Arc<[AtomicUsize; 2]> = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let executions: Arc<Vec<AtomicUsize>> =
+        Arc::new((0..STORM_KEYS).map(|_| AtomicUsize::new(0)).collect());
+    let barrier = Arc::new(Barrier::new(48));
+    let tasks: Vec<_> = (0..48)
+        .map(|t| {
+            let (engine, next, executions, barrier) = (
+                engines[t % 2].clone(),
+                next.clone(),
+                executions.clone(),
+                barrier.clone(),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                loop {
+                    let key = next[t % 2].fetch_add(1, Ordering::Relaxed);
+                    if key >= STORM_KEYS {
+                        return;
+                    }
+                    match engine
+                        .reserve(&storm_request(key, "same"))
+                        .await
+                        .expect("reserve")
+                    {
+                        ReserveOutcome::Reserved(reserved) => {
+                            executions[key].fetch_add(1, Ordering::SeqCst);
+                            let response = StoredResponse {
+                                status: 201,
+                                headers: Vec::new(),
+                                body: format!("key {key}").into_bytes(),
+                            };
+                            let committed = engine
+                                .commit("storm", reserved.reservation_id, &response)
+                                .await
+                                .expect("commit");
+                            assert!(
+                                matches!(committed, CommitOutcome::Committed(_)),
+                                "the holder's commit: {committed:?}"
+                            );
+                        }
+                        ReserveOutcome::InFlight { .. } | ReserveOutcome::Completed(_) => {}
+                        other => panic!("key {key}: {other:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("storm task");
+    }
+    let executions: Vec<usize> = executions
+        .iter()
+        .map(|n| n.load(Ordering::SeqCst))
+        .collect();
+    assert!(
+        executions.iter().all(|&n| n == 1),
+        "executions per key: {executions:?}"
+    );
+    for key in 0..STORM_KEYS {
+        let record = match engines[key % 2].reserve(&storm_request(key, "same")).await {
+            Ok(ReserveOutcome::Completed(record)) => record,
+            other => panic!("key {key} after the storm: {other:?}"),
+        };
+        assert_eq!(
+            record.response.map(|r| r.body),
+            Some(format!("key {key}").into_bytes())
+        );
+    }
+    let stats: Vec<_> = engines.iter().map(|e| e.store().batch_stats()).collect();
+    drop(engines);
+    drop(stores);
+    let after = deadlocks(&backend).await;
+    eprintln!("deadlocks before {before}, after {after}; batches per engine {stats:?}");
+    assert_eq!(
+        after, before,
+        "PostgreSQL counted deadlocks during the storm"
+    );
+}
+
+/// A claim of the storm's key `key`, as the engine would send it.
+fn storm_claim(key: usize) -> ClaimRequest {
+    ClaimRequest {
+        tenant: "storm".into(),
+        key_hash: Sha256::digest(format!("storm-key-{key}")).into(),
+        fingerprint: Some("same".into()),
+        reservation_id: Uuid::nil(),
+        lease_seconds: 30,
+        ttl_seconds: 3600,
+        max_in_flight: None,
+        on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
+    }
+}
+
+/// The deadlocks PostgreSQL counted in the test's database: on a Citus
+/// cluster, on the coordinator and every worker (where the batch function
+/// runs). Backends report their counts when they end and, when idle, within
+/// 10 s: on a database of its own the test ends every other backend of it
+/// first; on a shared Citus database it waits for the idle report.
+async fn deadlocks(backend: &Backend) -> i64 {
+    use sqlx::Connection as _;
+    let Backend::Postgres(db) = backend else {
+        unreachable!("PostgreSQL only")
+    };
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.expect("connect");
+    let citus = common::pg::citus_url().is_some();
+    if citus {
+        tokio::time::sleep(std::time::Duration::from_secs(11)).await;
+    } else {
+        let sql = "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                    WHERE datname = current_database() AND pid <> pg_backend_pid()";
+        sqlx::query(sql)
+            .execute(&mut conn)
+            .await
+            .expect("end the other backends");
+        for _ in 0..100 {
+            let others: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            .fetch_one(&mut conn)
+            .await
+            .expect("count backends");
+            if others == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut conn)
+        .await
+        .expect("fresh statistics");
+    let here: i64 = sqlx::query_scalar(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("read deadlocks");
+    if !citus {
+        return here;
+    }
+    let workers: Vec<String> = sqlx::query_scalar(
+        "SELECT result FROM run_command_on_workers($$SELECT deadlocks FROM pg_stat_database
+                                                    WHERE datname = current_database()$$)",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .expect("read the workers' deadlocks");
+    here + workers
+        .iter()
+        .map(|n| n.parse::<i64>().expect("a count"))
+        .sum::<i64>()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_storm_of_duplicates_never_deadlocks_postgres() {
+    a_storm_of_duplicates_never_deadlocks(common::pg::TestDb::new().await).await;
+}

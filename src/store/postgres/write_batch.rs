@@ -1,6 +1,14 @@
 //! Batched writes on PostgreSQL: the claims, commits and releases queued
 //! together, in one call of `idemgate_write_batch` (one transaction, one
 //! round trip).
+//!
+//! Two batches never wait on each other in a cycle, in one process or
+//! across many: the function first takes an advisory lock for every key the
+//! batch will write, all in one order (a hash of the tenant, then the key
+//! hash), and writes in queue order only then (migration
+//! `20261205000001_batch_lock_order`). A retry storm, where every key comes
+//! twice at about the same moment, is then the cheap case it should be: a
+//! batch waits for another's key, never for `deadlock_timeout`.
 
 use sqlx::FromRow;
 
