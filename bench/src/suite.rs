@@ -29,7 +29,7 @@ pub const PROXY_CONCURRENCY: [usize; 4] = [1, 8, 16, 32];
 #[derive(Debug, Clone, clap::Args)]
 pub struct SuiteArgs {
     /// A PostgreSQL URL the suite may create a database through; it creates
-    /// (and drops first) the database `idemgate_bench` on that server.
+    /// (and drops first) the database `--bench-database` on that server.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -37,6 +37,11 @@ pub struct SuiteArgs {
         hide_env_values = true
     )]
     pub database_url: String,
+
+    /// The database the suite creates (dropping it first) on that server:
+    /// give each suite running at once on one server its own.
+    #[arg(long, env = "IDEMGATE_BENCH_DATABASE", default_value = "idemgate_bench")]
+    pub bench_database: String,
 
     /// Redis for idempotent-proxy.
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
@@ -849,18 +854,29 @@ async fn create_citus_schema(url: &str) -> anyhow::Result<String> {
     Ok(format!("{url}{sep}options[search_path]=idemgate_bench"))
 }
 
-/// Creates the benchmark database beside `admin_url` and returns its URL.
-async fn create_database(admin_url: &str) -> anyhow::Result<String> {
+/// Creates the benchmark database `name` beside `admin_url` (dropping it
+/// first) and returns its URL.
+async fn create_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
+    anyhow::ensure!(
+        !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+        "--bench-database: lower-case letters, digits and underscores only, got {name:?}"
+    );
     let options = PgConnectOptions::from_str(admin_url).context("DATABASE_URL")?;
     let mut admin = options.connect().await.context("connect to PostgreSQL")?;
-    sqlx::query("DROP DATABASE IF EXISTS idemgate_bench WITH (FORCE)")
+    // `name` is checked above: a plain identifier.
+    let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+    sqlx::query(sqlx::AssertSqlSafe(drop))
         .execute(&mut admin)
         .await?;
-    sqlx::query("CREATE DATABASE idemgate_bench")
+    let create = format!("CREATE DATABASE {name}");
+    sqlx::query(sqlx::AssertSqlSafe(create))
         .execute(&mut admin)
         .await?;
     let mut url = url::Url::parse(admin_url).context("DATABASE_URL")?;
-    url.set_path("/idemgate_bench");
+    url.set_path(&format!("/{name}"));
     Ok(url.to_string())
 }
 
@@ -893,7 +909,7 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
     };
     std::fs::create_dir_all(&work)?;
 
-    let bench_url = create_database(&args.database_url).await?;
+    let bench_url = create_database(&args.database_url, &args.bench_database).await?;
     let status = tokio::process::Command::new(&idemgate)
         .arg("migrate")
         .env("DATABASE_URL", &bench_url)
