@@ -357,12 +357,13 @@ fn storm_section(w: &mut String, v: &View, res: &Results, copies: usize) {
          Storm iterations/s beside distinct-key pairs/s (scenario 2) measured right before it, each on a fresh \
          process and an emptied table. Deadlocks: `pg_stat_database.deadlocks` of the database after the storm less \
          before (statistics settled; on Citus the workers' added), and the lines saying \"deadlock detected\" that \
-         the storm added to PostgreSQL's log (where readable) and to idemgate's (which logs a failed batch at debug \
-         level); one figure per run. Iteration counts are medians over runs, warm-up included.\n"
+         the storm added to PostgreSQL's log (where readable) and to idemgate's (at debug level its batch writer \
+         logs a line for each write of a batch that failed, so one deadlock may be several lines there); one \
+         figure per run. Iteration counts are medians over runs, warm-up included.\n"
     );
     let _ = writeln!(
         w,
-        "| c | database | distinct pairs/s | storm iterations/s | p50 | p99 | storm ÷ distinct | winners | 409 in flight | 409 unknown | replays | errors | deadlocks | in PostgreSQL's log | in idemgate's log |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| c | database | distinct pairs/s | storm iterations/s | p50 | p99 | storm ÷ distinct | winners | 409 in flight | 409 unknown | replays | errors | deadlocks | \"deadlock detected\" in PostgreSQL's log | … lines in idemgate's log |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for (name, db) in [("", "PostgreSQL"), ("citus-", "Citus")] {
         for c in [8, 32] {

@@ -42,7 +42,11 @@ pub struct SuiteArgs {
 
     /// The database the suite creates (dropping it first) on that server:
     /// give each suite running at once on one server its own.
-    #[arg(long, env = "IDEMGATE_BENCH_DATABASE", default_value = "idemgate_bench")]
+    #[arg(
+        long,
+        env = "IDEMGATE_BENCH_DATABASE",
+        default_value = "idemgate_bench"
+    )]
     pub bench_database: String,
 
     /// Redis for idempotent-proxy.
@@ -945,6 +949,14 @@ async fn storms(env: &Env, res: &mut Results) -> anyhow::Result<()> {
     // Statistics reach pg_stat_database asynchronously (a backend flushes
     // its own at most every second, and at exit): wait them out.
     let settle = Duration::from_secs_f64(if env.args.smoke { 0.5 } else { 1.5 });
+    // A deadlock holds every write of the batches in it for PostgreSQL's
+    // deadlock_timeout (1 s by default) before one is cancelled: a smoke
+    // run's half-second storm could then see no iteration end at all.
+    let window = if env.args.smoke {
+        env.measure().max(Duration::from_secs(2))
+    } else {
+        env.measure()
+    };
     for (name, url, pool, on_citus) in targets {
         let database: String = sqlx::query_scalar("SELECT current_database()")
             .fetch_one(&pool)
@@ -983,7 +995,7 @@ async fn storms(env: &Env, res: &mut Results) -> anyhow::Result<()> {
             let prefix = env.fresh_prefix();
             let workers = storm::workers(addr, &prefix, c, env.args.storm_copies, &tally);
             let before = proc.cpu_ticks();
-            let sample = measure(env, workers).await?;
+            let sample = load::run_for(workers, env.warmup(), window).await?;
             res.record_with_cpu(&label, sample, &proc, before);
             res.record_batches(&label, &proc).await?;
             proc.stop().await;
