@@ -3,12 +3,14 @@
 //! scenario and writes BENCHMARKS.md. `bench/run` builds and runs it.
 
 mod ab;
+mod floor;
 mod http;
 mod load;
 mod metrics;
 mod origin;
 mod procs;
 mod report;
+mod storm;
 mod suite;
 mod workers;
 

@@ -139,21 +139,55 @@ fn goals(w: &mut String, v: &View, res: &Results, prune_rows: u64) {
             verdict(r, |r| r >= 1.0)
         );
     }
-    for (store, door) in [("PostgreSQL", "idemgate"), ("SQLite", "idemgate-sqlite")] {
-        let r = v.ratio(&format!("{door}-new c=8"), "ipx-new c=8", Metric::Rate);
+    storm_goal(w, v, res);
+    for c in [8, 32] {
+        for (store, door) in [("PostgreSQL", "idemgate"), ("SQLite", "idemgate-sqlite")] {
+            let r = v.ratio(
+                &format!("{door}-new c={c}"),
+                &format!("ipx-new c={c}"),
+                Metric::Rate,
+            );
+            let _ = writeln!(
+                w,
+                "| proxy new keys ≥ 1.0 × idempotent-proxy on Redis, c = {c}, {store} | {} | {} |",
+                times(r),
+                verdict(r, |r| r >= 1.0)
+            );
+        }
+    }
+    for (store, door, floor) in FLOORED_PROXY {
+        let r = v.ratio(&format!("{door}-new c=8"), floor, Metric::Rate);
         let _ = writeln!(
             w,
-            "| proxy new keys ≥ 1.0 × idempotent-proxy on Redis, c = 8, {store} | {} | {} |",
+            "| proxy new keys ≥ 0.9 × the measured floor of its store, c = 8, {store} | {} | {} |",
             times(r),
-            verdict(r, |r| r >= 1.0)
+            verdict(r, |r| r >= 0.9)
         );
     }
     // No target: the figure to watch as group commit spreads a
     // transaction's cost over the keys in it.
-    for (store, door) in [("PostgreSQL", "idemgate"), ("SQLite", "idemgate-sqlite")] {
-        let us = cpu_us(res, &format!("{door}-new c=8"))
-            .map_or("—".into(), |us| format!("{us:.0} µs"));
-        let _ = writeln!(w, "| CPU per proxied new key at c = 8, {store} | {us} | |");
+    let us = cpu_us(res, "idemgate-new c=8").map_or("—".into(), |us| format!("{us:.0} µs"));
+    let _ = writeln!(
+        w,
+        "| CPU per proxied new key at c = 8, PostgreSQL (idemgate's process) | {us} | |"
+    );
+    let r = cpu_ratio(res, "idemgate-sqlite-new c=8", "ipx-new c=8");
+    let _ = writeln!(
+        w,
+        "| CPU per proxied new key on SQLite ≤ idempotent-proxy's own, c = 8 | {} µs against {} µs ({}) | {} |",
+        cpu(res, "idemgate-sqlite-new c=8"),
+        cpu(res, "ipx-new c=8"),
+        times(r),
+        verdict(r, |r| r <= 1.0)
+    );
+    for (label, what) in DB_CPU {
+        let us = cpu_us_of(&res.db_cpu_us, label);
+        let _ = writeln!(
+            w,
+            "| PostgreSQL: database CPU per new key ≤ 122 µs (half of 245), {what} | {} | {} |",
+            us.map_or("—".into(), |us| format!("{us:.0} µs")),
+            verdict(us, |us| us <= 122.0)
+        );
     }
     let own = own_work_ms(v);
     let _ = writeln!(
@@ -186,9 +220,22 @@ fn goals(w: &mut String, v: &View, res: &Results, prune_rows: u64) {
         );
         let _ = writeln!(
             w,
-            "| SQLite pairs ≥ PostgreSQL pairs, c = {c} | {} | {} |",
+            "| SQLite reservation pairs ≥ 1.5 × PostgreSQL's, c = {c} | {} | {} |",
             times(r),
-            verdict(r, |r| r >= 1.0)
+            verdict(r, |r| r >= 1.5)
+        );
+    }
+    for c in [8, 32] {
+        let r = v.ratio(
+            &format!("sqlite-pair c={c}"),
+            &format!("sqlite-floor-sqlite c={c}"),
+            Metric::Rate,
+        );
+        let _ = writeln!(
+            w,
+            "| SQLite pairs ≥ 0.9 × the measured two-flush floor for SQLite, c = {c} | {} | {} |",
+            times(r),
+            verdict(r, |r| r >= 0.9)
         );
     }
     let p50 = v.med("sqlite-pair c=32", Metric::P50).map(|us| us / 1000.0);
@@ -205,6 +252,217 @@ fn goals(w: &mut String, v: &View, res: &Results, prune_rows: u64) {
         times(r),
         verdict(r, |r| r <= 2.0)
     );
+}
+
+/// The proxy doors measured beside their store's floor at c = 8: the store,
+/// the door, and the floor's label.
+const FLOORED_PROXY: [(&str, &str, &str); 2] = [
+    ("PostgreSQL", "idemgate", "pg-floor-proxy c=8"),
+    ("SQLite", "idemgate-sqlite", "sqlite-floor-proxy c=8"),
+];
+
+/// The measurements whose PostgreSQL processes' CPU is read, and their names.
+const DB_CPU: [(&str, &str); 3] = [
+    ("api-pair c=8", "reservation API pairs, c = 8"),
+    ("api-pair c=32", "reservation API pairs, c = 32"),
+    ("idemgate-new c=8", "proxy new keys, c = 8"),
+];
+
+/// Every measured figure beside its floor, same run: what is measured, c,
+/// its label and the floor's.
+const BESIDE_FLOORS: [(&str, usize, &str, &str); 6] = [
+    (
+        "reservation API pairs, PostgreSQL",
+        8,
+        "api-pair c=8",
+        "pg-floor-api c=8",
+    ),
+    (
+        "reservation API pairs, PostgreSQL",
+        32,
+        "api-pair c=32",
+        "pg-floor-api c=32",
+    ),
+    (
+        "reservation API pairs, SQLite",
+        8,
+        "sqlite-pair c=8",
+        "sqlite-floor-sqlite c=8",
+    ),
+    (
+        "reservation API pairs, SQLite",
+        32,
+        "sqlite-pair c=32",
+        "sqlite-floor-sqlite c=32",
+    ),
+    (
+        "proxy new keys, PostgreSQL",
+        8,
+        "idemgate-new c=8",
+        "pg-floor-proxy c=8",
+    ),
+    (
+        "proxy new keys, SQLite",
+        8,
+        "idemgate-sqlite-new c=8",
+        "sqlite-floor-proxy c=8",
+    ),
+];
+
+/// Deadlocks of the runs of a storm, by the database's statistics: their
+/// sum, or none if a run could not read them.
+fn storm_deadlocks(res: &Results, label: &str) -> Option<i64> {
+    let runs = res.storm.get(label)?;
+    runs.iter().map(|o| o.deadlocks).sum()
+}
+
+/// The storm's goal row: ≥ 1.0 × distinct keys and no deadlock, c = 32.
+fn storm_goal(w: &mut String, v: &View, res: &Results) {
+    let r = v.ratio("storm c=32", "storm-distinct c=32", Metric::Rate);
+    let deadlocks = storm_deadlocks(res, "storm c=32");
+    let logged: u64 = res
+        .storm
+        .get("storm c=32")
+        .map_or(0, |runs| runs.iter().map(|o| o.log_deadlocks).sum());
+    let measured = match (r, deadlocks) {
+        (Some(_), Some(d)) => format!("{}, {d} deadlocks", times(r)),
+        (Some(_), None) => format!("{}, deadlocks not read", times(r)),
+        _ => "—".into(),
+    };
+    let ok = match (r, deadlocks) {
+        (Some(r), Some(d)) => Some(r >= 1.0 && d == 0 && logged == 0),
+        _ => None,
+    };
+    let _ = writeln!(
+        w,
+        "| storm of duplicates ≥ 1.0 × distinct keys and 0 deadlocks, reservation API on PostgreSQL, c = 32 | {measured} | {} |",
+        match ok {
+            Some(true) => "met",
+            Some(false) => "**not met**",
+            None => "not measured",
+        }
+    );
+}
+
+/// Section 11: the storms beside distinct keys, how their iterations
+/// ended and the deadlocks they caused.
+fn storm_section(w: &mut String, v: &View, res: &Results, copies: usize) {
+    let _ = writeln!(w, "\n### 11. A storm of duplicates\n");
+    let _ = writeln!(
+        w,
+        "Many clients sending one key sequence, as a fleet retrying after a blip: {copies} copies of one sequence of \
+         keys, each walked by c ÷ {copies} workers taking the next index from that copy's own counter, so that every \
+         key is sent {copies} times at about the same moment. One iteration: `POST /v1/reservations`; a 201 commits \
+         (`POST …/commit`), a 409 (in flight, or outcome unknown) or a 200 (a replay) is a duplicate answered. \
+         Storm iterations/s beside distinct-key pairs/s (scenario 2) measured right before it, each on a fresh \
+         process and an emptied table. Deadlocks: `pg_stat_database.deadlocks` of the database after the storm less \
+         before (statistics settled; on Citus the workers' added), and the lines saying \"deadlock detected\" that \
+         the storm added to PostgreSQL's log (where readable) and to idemgate's (at debug level its batch writer \
+         logs a line for each write of a batch that failed, so one deadlock may be several lines there); one \
+         figure per run. Iteration counts are medians over runs, warm-up included.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| c | database | distinct pairs/s | storm iterations/s | p50 | p99 | storm ÷ distinct | winners | 409 in flight | 409 unknown | replays | errors | deadlocks | \"deadlock detected\" in PostgreSQL's log | … lines in idemgate's log |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for (name, db) in [("", "PostgreSQL"), ("citus-", "Citus")] {
+        for c in [8, 32] {
+            let storm = format!("{name}storm c={c}");
+            let distinct = format!("{name}storm-distinct c={c}");
+            let Some(runs) = res.storm.get(&storm) else {
+                continue;
+            };
+            let med = |f: fn(&crate::storm::Outcome) -> u64| {
+                let mut x: Vec<f64> = runs.iter().map(|o| f(o) as f64).collect();
+                format!("{:.0}", median(&mut x))
+            };
+            let per_run = |f: fn(&crate::storm::Outcome) -> Option<String>| {
+                runs.iter()
+                    .map(|o| f(o).unwrap_or_else(|| "?".into()))
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            };
+            let _ = writeln!(
+                w,
+                "| {c} | {db} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                v.rate(&distinct),
+                v.cells(&storm),
+                times(v.ratio(&storm, &distinct, Metric::Rate)),
+                med(|o| o.winners),
+                med(|o| o.in_flight),
+                med(|o| o.unknown),
+                med(|o| o.replays),
+                med(|o| o.errors),
+                per_run(|o| o.deadlocks.map(|d| d.to_string())),
+                per_run(|o| o.pg_log_deadlocks.map(|d| d.to_string())),
+                per_run(|o| Some(o.log_deadlocks.to_string())),
+            );
+        }
+    }
+}
+
+/// Section 12: the measured floors, every figure beside its own, and the
+/// database's CPU per new key.
+fn floor_section(w: &mut String, v: &View, res: &Results) {
+    let _ = writeln!(w, "\n### 12. Measured floors\n");
+    let _ = writeln!(
+        w,
+        "The least two durable writes per new key cost on each store, here and now: a claim made durable before the \
+         effect, the response made durable after it. PostgreSQL: pgbench (`bench/pgbench/floor.sql`, `-M prepared \
+         -j 2`), each key one autocommitted `INSERT` of the claim row into a table of `idempotency_keys`'s columns \
+         with its primary key only, then one autocommitted `UPDATE` storing the response; keys/s = tps (pgbench \
+         gives no percentiles). SQLite: c client tasks in the harness, each key an `INSERT` then an `UPDATE` \
+         through one writer thread that writes whatever is queued at each wake-up as one transaction \
+         (`BEGIN IMMEDIATE` … `COMMIT`, cached statements), on a new file in the directory of the SQLite scenarios, \
+         kept as idemgate keeps its own (WAL, `synchronous = FULL`, a 5 s busy timeout).\n"
+    );
+    let _ = writeln!(
+        w,
+        "| c | PostgreSQL floor keys/s | SQLite floor keys/s | p50 | p99 |\n|---|---|---|---|---|"
+    );
+    for c in [1, 8, 32] {
+        let _ = writeln!(
+            w,
+            "| {c} | {} | {} |",
+            v.rate(&format!("pg-floor c={c}")),
+            v.cells(&format!("sqlite-floor c={c}")),
+        );
+    }
+    let _ = writeln!(
+        w,
+        "\nEach figure beside its store's floor measured right before it in the same run:\n"
+    );
+    let _ = writeln!(
+        w,
+        "| measured | c | keys/s | floor keys/s | ÷ floor |\n|---|---|---|---|---|"
+    );
+    for (what, c, label, floor) in BESIDE_FLOORS {
+        let _ = writeln!(
+            w,
+            "| {what} | {c} | {} | {} | {} |",
+            v.rate(label),
+            v.rate(floor),
+            times(v.ratio(label, floor, Metric::Rate))
+        );
+    }
+    let _ = writeln!(
+        w,
+        "\nCPU time (user + system) of the PostgreSQL server's processes per new key, warm-up included, µs: the \
+         postmaster, its background processes and the backends connected to the benchmark's database, read from \
+         `/proc` before and after the measurement.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| measurement | database CPU per new key, µs |\n|---|---|"
+    );
+    for (label, what) in DB_CPU {
+        let us = cpu_us_of(&res.db_cpu_us, label);
+        let _ = writeln!(
+            w,
+            "| {what} | {} |",
+            us.map_or("—".into(), |us| format!("{us:.0}"))
+        );
+    }
 }
 
 /// The proxied streams of section 10: the store, the proxy's label, and
@@ -446,12 +704,12 @@ pub async fn render(env: &Env, res: &Results) -> String {
     let _ = writeln!(w, "{}\n", machine(env).await);
     let _ = writeln!(
         w,
-        "Command: `bench/run` (that is, `idemgate-bench suite --runs {} --seconds {} --warmup {} --prune-rows {} --replay-keys {}`). \
+        "Command: `bench/run` (that is, `idemgate-bench suite --runs {} --seconds {} --warmup {} --prune-rows {} --replay-keys {} --storm-copies {}`). \
          Every figure is the median of {} runs; every ratio is the median of the per-run ratios, \
          each subject measured right after its baseline. Closed-loop load at fixed concurrency `c`, \
          one kept-alive HTTP/1.1 connection per worker, a new key per request; latencies in ms; \
          the load generator, idemgate, the origin and PostgreSQL share the machine's cores.\n",
-        a.runs, a.seconds, a.warmup, a.prune_rows, a.replay_keys, a.runs
+        a.runs, a.seconds, a.warmup, a.prune_rows, a.replay_keys, a.storm_copies, a.runs
     );
 
     goals(w, &v, res, a.prune_rows);
@@ -606,6 +864,8 @@ pub async fn render(env: &Env, res: &Results) -> String {
 
     batch_sizes(w, res);
     stream_section(w, &v);
+    storm_section(w, &v, res, a.storm_copies);
+    floor_section(w, &v, res);
 
     let other: Vec<&String> = res.notes.iter().filter(|n| !n.contains("pruned")).collect();
     if !other.is_empty() {
@@ -633,7 +893,26 @@ fn in_order<'a>(labels: impl IntoIterator<Item = &'a String>) -> Vec<&'a String>
 
 /// The median CPU time per operation of `label`, µs.
 fn cpu_us(res: &Results, label: &str) -> Option<f64> {
-    let mut v = res.cpu_us.get(label).cloned().unwrap_or_default();
+    cpu_us_of(&res.cpu_us, label)
+}
+
+/// The median of `label`'s runs in `map`.
+fn cpu_us_of(map: &std::collections::BTreeMap<String, Vec<f64>>, label: &str) -> Option<f64> {
+    let mut v = map.get(label).cloned().unwrap_or_default();
+    (!v.is_empty()).then(|| median(&mut v))
+}
+
+/// Median over runs of `subject`'s CPU per operation ÷ `baseline`'s.
+fn cpu_ratio(res: &Results, subject: &str, baseline: &str) -> Option<f64> {
+    let (Some(s), Some(b)) = (res.cpu_us.get(subject), res.cpu_us.get(baseline)) else {
+        return None;
+    };
+    let mut v: Vec<f64> = s
+        .iter()
+        .zip(b)
+        .map(|(s, b)| s / b)
+        .filter(|r| r.is_finite())
+        .collect();
     (!v.is_empty()).then(|| median(&mut v))
 }
 

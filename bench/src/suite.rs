@@ -14,11 +14,13 @@ use bytes::Bytes;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
+use crate::floor::{self, SqliteFloor};
 use crate::http::Conn;
 use crate::load::{self, Sample, Worker};
 use crate::metrics::{self, Batches};
 use crate::origin;
 use crate::procs::{self, Door, Proc};
+use crate::storm;
 use crate::workers::{self, ApiPair, ApiReplay, FloorPair, Keys, ProxyPost, RawPair, RawSelect};
 
 /// The concurrency levels of the proxy scenario: one client alone, then up to
@@ -29,7 +31,7 @@ pub const PROXY_CONCURRENCY: [usize; 4] = [1, 8, 16, 32];
 #[derive(Debug, Clone, clap::Args)]
 pub struct SuiteArgs {
     /// A PostgreSQL URL the suite may create a database through; it creates
-    /// (and drops first) the database `idemgate_bench` on that server.
+    /// (and drops first) the database `--bench-database` on that server.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -37,6 +39,15 @@ pub struct SuiteArgs {
         hide_env_values = true
     )]
     pub database_url: String,
+
+    /// The database the suite creates (dropping it first) on that server:
+    /// give each suite running at once on one server its own.
+    #[arg(
+        long,
+        env = "IDEMGATE_BENCH_DATABASE",
+        default_value = "idemgate_bench"
+    )]
+    pub bench_database: String,
 
     /// Redis for idempotent-proxy.
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
@@ -78,9 +89,14 @@ pub struct SuiteArgs {
     pub citus_url: Option<String>,
 
     /// Scenarios to run (default: all): sql, replay, proxy, stream, prune,
-    /// sqlite, citus.
+    /// sqlite, citus, storm, floor.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
+
+    /// The storm scenario's copies of its one key sequence, each walked by
+    /// c ÷ copies workers.
+    #[arg(long, default_value_t = 2)]
+    pub storm_copies: usize,
 
     /// Where logs and SQLite files go (default: a new temporary directory).
     #[arg(long)]
@@ -107,6 +123,11 @@ pub struct Results {
     /// How an idemgate process batched its writes over a measurement of new
     /// keys (warm-up included), read from its `/metrics` at the end.
     pub batches: BTreeMap<String, Vec<Batches>>,
+    /// How each storm's iterations ended, and the deadlocks it caused.
+    pub storm: BTreeMap<String, Vec<storm::Outcome>>,
+    /// CPU time of the PostgreSQL server's processes per operation,
+    /// microseconds.
+    pub db_cpu_us: BTreeMap<String, Vec<f64>>,
     pub notes: Vec<String>,
 }
 
@@ -168,6 +189,25 @@ impl Results {
         Ok(())
     }
 
+    /// Records the database CPU used between two readings of
+    /// [`procs::db_cpu`] per operation of `sample` (warm-up included).
+    fn record_db_cpu(
+        &mut self,
+        label: &str,
+        sample: &Sample,
+        before: Option<std::collections::HashMap<u32, u64>>,
+        after: Option<std::collections::HashMap<u32, u64>>,
+    ) {
+        if let (Some(before), Some(after)) = (before, after)
+            && sample.all_ops > 0
+        {
+            let ticks = procs::db_cpu_delta(&before, &after);
+            let us = ticks as f64 * 10_000.0 / sample.all_ops as f64;
+            println!("    {label}: {us:.0} µs of database CPU per operation");
+            self.db_cpu_us.entry(label.to_owned()).or_default().push(us);
+        }
+    }
+
     fn rss(&mut self, label: &str, proc: &Proc) {
         if let Some(kib) = proc.peak_rss_kib() {
             self.rss_kib.entry(label.to_owned()).or_default().push(kib);
@@ -187,6 +227,11 @@ pub struct Env {
     pub citus: Option<(String, PgPool)>,
     pub prefix: String,
     counter: std::sync::atomic::AtomicU64,
+    /// pgbench, for the PostgreSQL floor; none: that floor is skipped.
+    pgbench: Option<PathBuf>,
+    /// PostgreSQL's own log, where readable, and whether its lines name the
+    /// database: the storm counts the deadlocks it reports.
+    pg_log: Option<(PathBuf, bool)>,
 }
 
 impl Env {
@@ -245,6 +290,36 @@ impl Env {
             &log,
         )
         .await
+    }
+
+    /// The PostgreSQL floor (pgbench, [`floor::PGBENCH_SCRIPT`]) at `c`
+    /// clients on an emptied table, recorded as `label`; nothing without
+    /// pgbench.
+    async fn pg_floor(&self, label: &str, c: usize, res: &mut Results) -> anyhow::Result<()> {
+        let Some(bin) = &self.pgbench else {
+            return Ok(());
+        };
+        sqlx::query("TRUNCATE bench_floor_keys")
+            .execute(&self.pool)
+            .await?;
+        let script = self.work.join("floor.sql");
+        std::fs::write(&script, floor::PGBENCH_SCRIPT)?;
+        let sample = floor::pgbench(bin, &self.bench_url, &script, c, self.args.seconds).await?;
+        res.record(label, sample);
+        Ok(())
+    }
+
+    /// The SQLite floor at `c` clients on a new file in the work directory
+    /// (the disk the SQLite scenarios use), recorded as `label`.
+    async fn sqlite_floor(&self, label: &str, c: usize, res: &mut Results) -> anyhow::Result<()> {
+        let path = self
+            .work
+            .join(format!("sqlite-floor-{}.db", self.fresh_prefix()));
+        let writer = SqliteFloor::create(&path)?;
+        let sample = measure(self, writer.workers(&self.fresh_prefix(), c)).await?;
+        writer.finish().await;
+        res.record(label, sample);
+        Ok(())
     }
 
     /// `idemgate proxy` on `database_url` in front of `upstream`, ready.
@@ -382,20 +457,22 @@ enum PairKind {
     Floor,
     /// The reservation API.
     Api,
+    /// The measured two-flush floor (pgbench).
+    Pgbench,
 }
 
 /// Scenarios 1 and 2: the raw-SQL bound and the minimal-SQL floor, then the
 /// reservation API.
 async fn sql_and_api(env: &Env, run: usize, res: &mut Results) -> anyhow::Result<()> {
-    use PairKind::{Api, Floor, Raw};
+    use PairKind::{Api, Floor, Pgbench, Raw};
     for c in [8, 32] {
         // Alternate the order, so that a slow drift of the machine (a
         // checkpoint, another tenant) does not always fall on one side; the
-        // floor stays next to the API either way.
+        // floors stay next to the API either way.
         let order = if run % 2 == 1 {
-            [Raw, Floor, Api]
+            [Raw, Floor, Pgbench, Api]
         } else {
-            [Api, Floor, Raw]
+            [Api, Pgbench, Floor, Raw]
         };
         for kind in order {
             env.truncate().await?;
@@ -408,11 +485,15 @@ async fn sql_and_api(env: &Env, run: usize, res: &mut Results) -> anyhow::Result
                     &format!("floor-pair c={c}"),
                     measure(env, floor_pairs(env, c)).await?,
                 ),
+                Pgbench => env.pg_floor(&format!("pg-floor-api c={c}"), c, res).await?,
                 Api => {
                     let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
                     let label = format!("api-pair c={c}");
                     let before = proc.cpu_ticks();
+                    let db_before = procs::db_cpu(&env.pool).await;
                     let sample = measure(env, api_pairs(env, addr, c)).await?;
+                    let db_after = procs::db_cpu(&env.pool).await;
+                    res.record_db_cpu(&label, &sample, db_before, db_after);
                     res.record_with_cpu(&label, sample, &proc, before);
                     res.record_batches(&label, &proc).await?;
                     proc.stop().await;
@@ -456,17 +537,27 @@ async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Resu
             measure(env, posts(origin, "/v1/charges", &fresh, c)).await?,
         );
 
+        // At c = 8, the measured floors of both stores beside the doors.
+        let db_cpu = c == 8;
+        if c == 8 {
+            env.pg_floor("pg-floor-proxy c=8", c, res).await?;
+        }
         env.truncate().await?;
         // idempotent-proxy between the two idemgate doors, so that each
         // ratio to it is taken from neighbouring measurements.
         let (proc, addr) = env.proxy(origin, &env.bench_url).await?;
-        proxy_door(env, "idemgate", proc, addr, "/v1/charges", c, res).await?;
+        let db = db_cpu.then_some(&env.pool);
+        proxy_door(env, "idemgate", proc, addr, "/v1/charges", c, db, res).await?;
         if let Some(bin) = &env.ipx {
             let (proc, addr) = env.ipx(bin, origin).await?;
-            proxy_door(env, "ipx", proc, addr, "/URL_ORIGIN", c, res).await?;
+            proxy_door(env, "ipx", proc, addr, "/URL_ORIGIN", c, None, res).await?;
+        }
+        if c == 8 {
+            env.sqlite_floor("sqlite-floor-proxy c=8", c, res).await?;
         }
         let (proc, addr) = env.proxy(origin, &env.sqlite_url("proxy")).await?;
-        proxy_door(env, "idemgate-sqlite", proc, addr, "/v1/charges", c, res).await?;
+        let door = "idemgate-sqlite";
+        proxy_door(env, door, proc, addr, "/v1/charges", c, None, res).await?;
     }
     Ok(())
 }
@@ -637,7 +728,9 @@ async fn first_bytes(env: &Env, probes: Vec<Probe>) -> anyhow::Result<Vec<Sample
 
 /// New keys, then replays, through one proxy process (`{name}-new`,
 /// `{name}-replay`); stops it after. An idemgate door's batch sizes are read
-/// between the two, while only new keys have written through it.
+/// between the two, while only new keys have written through it. With `db`,
+/// the CPU of that PostgreSQL database's processes per new key too.
+#[allow(clippy::too_many_arguments)]
 async fn proxy_door(
     env: &Env,
     name: &str,
@@ -645,12 +738,21 @@ async fn proxy_door(
     addr: SocketAddr,
     path: &str,
     c: usize,
+    db: Option<&PgPool>,
     res: &mut Results,
 ) -> anyhow::Result<()> {
     let fresh = Keys::Fresh(env.fresh_prefix());
     let label = format!("{name}-new c={c}");
     let before = proc.cpu_ticks();
+    let db_before = match db {
+        Some(pool) => procs::db_cpu(pool).await,
+        None => None,
+    };
     let sample = measure(env, posts(addr, path, &fresh, c)).await?;
+    if let Some(pool) = db {
+        let db_after = procs::db_cpu(pool).await;
+        res.record_db_cpu(&label, &sample, db_before, db_after);
+    }
     res.record_with_cpu(&label, sample, &proc, before);
     if proc.metrics_addr().is_some() {
         res.record_batches(&label, &proc).await?;
@@ -774,6 +876,9 @@ async fn prune(env: &Env, res: &mut Results) -> anyhow::Result<()> {
 /// Scenario 6: scenarios 2 and 3 on the embedded SQLite store.
 async fn sqlite(env: &Env, res: &mut Results) -> anyhow::Result<()> {
     for c in [8, 32] {
+        // The measured floor on the same disk, right before.
+        env.sqlite_floor(&format!("sqlite-floor-sqlite c={c}"), c, res)
+            .await?;
         let (proc, addr) = env.serve(&env.sqlite_url("pairs"), &[]).await?;
         let label = format!("sqlite-pair c={c}");
         let before = proc.cpu_ticks();
@@ -831,6 +936,114 @@ async fn citus_beside_single(env: &Env, run: usize, res: &mut Results) -> anyhow
     Ok(())
 }
 
+/// Scenario 11: a storm of duplicates (one key sequence sent by every
+/// client, in `--storm-copies` copies) beside distinct keys measured right
+/// before it, at c = 8 and 32, on PostgreSQL and, when given, on Citus; with
+/// the deadlocks the storm caused, from the database's statistics and from
+/// the logs.
+async fn storms(env: &Env, res: &mut Results) -> anyhow::Result<()> {
+    let mut targets = vec![("", env.bench_url.clone(), env.pool.clone(), false)];
+    if let Some((url, pool)) = &env.citus {
+        targets.push(("citus-", url.clone(), pool.clone(), true));
+    }
+    // Statistics reach pg_stat_database asynchronously (a backend flushes
+    // its own at most every second, and at exit): wait them out.
+    let settle = Duration::from_secs_f64(if env.args.smoke { 0.5 } else { 1.5 });
+    // A deadlock holds every write of the batches in it for PostgreSQL's
+    // deadlock_timeout (1 s by default) before one is cancelled: a smoke
+    // run's half-second storm could then see no iteration end at all.
+    let window = if env.args.smoke {
+        env.measure().max(Duration::from_secs(2))
+    } else {
+        env.measure()
+    };
+    for (name, url, pool, on_citus) in targets {
+        let database: String = sqlx::query_scalar("SELECT current_database()")
+            .fetch_one(&pool)
+            .await?;
+        for c in [8, 32] {
+            let truncate = "TRUNCATE idempotency_keys, idempotency_reservations";
+            sqlx::query(truncate).execute(&pool).await?;
+            let (proc, addr) = env.serve(&url, &[]).await?;
+            let label = format!("{name}storm-distinct c={c}");
+            let before = proc.cpu_ticks();
+            let sample = measure(env, api_pairs(env, addr, c)).await?;
+            res.record_with_cpu(&label, sample, &proc, before);
+            proc.stop().await;
+
+            sqlx::query(truncate).execute(&pool).await?;
+            let deadlocks_before = storm::settled_deadlocks(&pool, on_citus, settle).await;
+            let log = env.log(&format!("idemgate-{name}storm"));
+            let log_from = storm::log_len(&log);
+            // PostgreSQL's own log is the single server's, not Citus's.
+            let pg_log = env.pg_log.as_ref().filter(|_| !on_citus);
+            let pg_log_from = pg_log.map(|(path, _)| storm::log_len(path));
+            // The batch writer says at debug level why a batch failed (and
+            // was written again one write at a time): a deadlock among them.
+            let logging = [("RUST_LOG", "warn,idemgate::store=debug".to_owned())];
+            let (proc, addr) = procs::idemgate(
+                "idemgate serve",
+                &env.idemgate,
+                &Door::Serve,
+                &url,
+                &logging,
+                &log,
+            )
+            .await?;
+            let tally = Arc::new(storm::Tally::default());
+            let label = format!("{name}storm c={c}");
+            let prefix = env.fresh_prefix();
+            let workers = storm::workers(addr, &prefix, c, env.args.storm_copies, &tally);
+            let before = proc.cpu_ticks();
+            let sample = load::run_for(workers, env.warmup(), window).await?;
+            res.record_with_cpu(&label, sample, &proc, before);
+            res.record_batches(&label, &proc).await?;
+            proc.stop().await;
+            let deadlocks_after = storm::settled_deadlocks(&pool, on_citus, settle).await;
+
+            let mut outcome = tally.read();
+            outcome.deadlocks = deadlocks_before
+                .zip(deadlocks_after)
+                .map(|(before, after)| after - before);
+            outcome.log_deadlocks = storm::deadlock_lines(&log, log_from, None).unwrap_or(0);
+            outcome.pg_log_deadlocks =
+                pg_log
+                    .zip(pg_log_from)
+                    .and_then(|((path, names_db), from)| {
+                        storm::deadlock_lines(path, from, names_db.then_some(database.as_str()))
+                    });
+            println!(
+                "    {label}: {} winners, {} in flight, {} outcome unknown, {} replays, {} errors; \
+                 deadlocks {} (statistics), {} (idemgate's log), {} (PostgreSQL's log)",
+                outcome.winners,
+                outcome.in_flight,
+                outcome.unknown,
+                outcome.replays,
+                outcome.errors,
+                outcome.deadlocks.map_or("?".into(), |d| d.to_string()),
+                outcome.log_deadlocks,
+                outcome
+                    .pg_log_deadlocks
+                    .map_or("?".into(), |d| d.to_string()),
+            );
+            res.storm.entry(label).or_default().push(outcome);
+        }
+    }
+    Ok(())
+}
+
+/// Scenario 12: the measured floors alone, c = 1, 8, 32: pgbench's two
+/// autocommitted writes per key on PostgreSQL, and two group-committed
+/// writes per key through one writer thread on SQLite.
+async fn floors(env: &Env, res: &mut Results) -> anyhow::Result<()> {
+    for c in [1, 8, 32] {
+        env.pg_floor(&format!("pg-floor c={c}"), c, res).await?;
+        env.sqlite_floor(&format!("sqlite-floor c={c}"), c, res)
+            .await?;
+    }
+    Ok(())
+}
+
 /// Creates (dropping it first) the schema `idemgate_bench` on the Citus
 /// coordinator at `url`; returns the URL that uses it.
 async fn create_citus_schema(url: &str) -> anyhow::Result<String> {
@@ -849,18 +1062,29 @@ async fn create_citus_schema(url: &str) -> anyhow::Result<String> {
     Ok(format!("{url}{sep}options[search_path]=idemgate_bench"))
 }
 
-/// Creates the benchmark database beside `admin_url` and returns its URL.
-async fn create_database(admin_url: &str) -> anyhow::Result<String> {
+/// Creates the benchmark database `name` beside `admin_url` (dropping it
+/// first) and returns its URL.
+async fn create_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
+    anyhow::ensure!(
+        !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+        "--bench-database: lower-case letters, digits and underscores only, got {name:?}"
+    );
     let options = PgConnectOptions::from_str(admin_url).context("DATABASE_URL")?;
     let mut admin = options.connect().await.context("connect to PostgreSQL")?;
-    sqlx::query("DROP DATABASE IF EXISTS idemgate_bench WITH (FORCE)")
+    // `name` is checked above: a plain identifier.
+    let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+    sqlx::query(sqlx::AssertSqlSafe(drop))
         .execute(&mut admin)
         .await?;
-    sqlx::query("CREATE DATABASE idemgate_bench")
+    let create = format!("CREATE DATABASE {name}");
+    sqlx::query(sqlx::AssertSqlSafe(create))
         .execute(&mut admin)
         .await?;
     let mut url = url::Url::parse(admin_url).context("DATABASE_URL")?;
-    url.set_path("/idemgate_bench");
+    url.set_path(&format!("/{name}"));
     Ok(url.to_string())
 }
 
@@ -893,7 +1117,7 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
     };
     std::fs::create_dir_all(&work)?;
 
-    let bench_url = create_database(&args.database_url).await?;
+    let bench_url = create_database(&args.database_url, &args.bench_database).await?;
     let status = tokio::process::Command::new(&idemgate)
         .arg("migrate")
         .env("DATABASE_URL", &bench_url)
@@ -906,7 +1130,9 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         .connect(&bench_url)
         .await?;
     let citus = match args.citus_url.as_deref() {
-        Some(url) if args.only.is_empty() || args.only.iter().any(|s| s == "citus") => {
+        Some(url)
+            if args.only.is_empty() || args.only.iter().any(|s| s == "citus" || s == "storm") =>
+        {
             let url = create_citus_schema(url).await?;
             let status = tokio::process::Command::new(&idemgate)
                 .arg("migrate")
@@ -923,7 +1149,25 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         _ => None,
     };
 
+    // The PostgreSQL floor's table, beside idemgate's.
+    for &statement in floor::PG_FLOOR_TABLE {
+        sqlx::query(statement).execute(&pool).await?;
+    }
+    let wants = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
+    let pgbench = if ["sql", "proxy", "floor"].iter().any(|s| wants(s)) {
+        floor::find_pgbench().await
+    } else {
+        None
+    };
+    let pg_log = if wants("storm") {
+        storm::pg_log(&pool).await
+    } else {
+        None
+    };
+
     let env = Env {
+        pgbench,
+        pg_log,
         prefix: uuid::Uuid::new_v4().simple().to_string()[..12].to_owned(),
         args,
         idemgate,
@@ -935,9 +1179,17 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         counter: Default::default(),
     };
     let mut res = Results::default();
-    if env.citus.is_none() && env.wants("citus") {
+    if env.citus.is_none() && (env.wants("citus") || env.wants("storm")) {
         res.notes.push(
-            "no Citus cluster was given (--citus-url): the scale-out comparison was skipped"
+            "no Citus cluster was given (--citus-url): the scale-out comparison and the storm on \
+             Citus were skipped"
+                .to_owned(),
+        );
+    }
+    if env.pgbench.is_none() && ["sql", "proxy", "floor"].iter().any(|s| env.wants(s)) {
+        res.notes.push(
+            "pgbench was not found (on the PATH or in PostgreSQL's bin directory): the measured \
+             PostgreSQL floor was skipped"
                 .to_owned(),
         );
     }
@@ -978,6 +1230,12 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         }
         if env.wants("citus") {
             citus_beside_single(&env, run, &mut res).await?;
+        }
+        if env.wants("storm") {
+            storms(&env, &mut res).await?;
+        }
+        if env.wants("floor") {
+            floors(&env, &mut res).await?;
         }
     }
     // Pruning writes and deletes a million rows: it runs after every other
