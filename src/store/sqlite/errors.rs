@@ -1,5 +1,6 @@
 //! Sorting SQLite's errors into "try again later" and "broken", with the
-//! sqlx error kept as the cause.
+//! error (rusqlite's from the writer thread, sqlx's from the readers) kept as
+//! the cause.
 
 use crate::store::StoreError;
 
@@ -44,18 +45,42 @@ pub(super) fn sorted(e: &sqlx::Error) -> StoreError {
         | sqlx::Error::WorkerCrashed => StoreError::unavailable(e.to_string()),
         sqlx::Error::Database(db) => {
             // sqlx reports SQLite's extended result code, in decimal.
-            let primary = db
-                .code()
-                .and_then(|c| c.parse::<i32>().ok())
-                .map(|c| c & 0xff);
-            match primary {
-                Some(
-                    SQLITE_BUSY | SQLITE_LOCKED | SQLITE_NOMEM | SQLITE_READONLY | SQLITE_IOERR
-                    | SQLITE_FULL | SQLITE_CANTOPEN | SQLITE_PROTOCOL,
-                ) => StoreError::unavailable(e.to_string()),
-                _ => StoreError::other(e.to_string()),
-            }
+            let code = db.code().and_then(|c| c.parse::<i32>().ok());
+            by_code(code, e.to_string())
         }
         _ => StoreError::other(e.to_string()),
+    }
+}
+
+/// [`classify`] for the writer thread's errors: the same sorting, on the
+/// extended result code rusqlite reports.
+pub(super) fn classify_rs(e: rusqlite::Error) -> StoreError {
+    sorted_rs(&e).because(e)
+}
+
+/// What [`classify_rs`] says of `e`, before `e` is attached as the cause.
+pub(super) fn sorted_rs(e: &rusqlite::Error) -> StoreError {
+    match e {
+        rusqlite::Error::SqliteFailure(failure, message) => {
+            if let Some(message) = message
+                && message.starts_with("no such table")
+            {
+                return StoreError::unavailable(format!("{message}: {NO_TABLES}"));
+            }
+            by_code(Some(failure.extended_code), e.to_string())
+        }
+        _ => StoreError::other(e.to_string()),
+    }
+}
+
+/// Unavailable when the extended result `code`'s primary code means "try
+/// again later".
+fn by_code(code: Option<i32>, why: String) -> StoreError {
+    match code.map(|c| c & 0xff) {
+        Some(
+            SQLITE_BUSY | SQLITE_LOCKED | SQLITE_NOMEM | SQLITE_READONLY | SQLITE_IOERR
+            | SQLITE_FULL | SQLITE_CANTOPEN | SQLITE_PROTOCOL,
+        ) => StoreError::unavailable(why),
+        _ => StoreError::other(why),
     }
 }

@@ -4,21 +4,35 @@
 //!
 //! Design, and where it differs from PostgreSQL:
 //!
-//! * **Writes** go through a pool of exactly one connection. Within a process
-//!   that queues writers fairly (the pool's acquire is first come, first
-//!   served) instead of letting them spin on SQLite's busy handler against one
-//!   another; across processes (or two stores on one file) `BEGIN IMMEDIATE`
-//!   takes the write lock before the first read, and the busy timeout makes a
-//!   contender wait for it rather than fail. Every write transaction is a
-//!   [`WriteTx`], which rolls back unless committed (an error, or a cancelled
-//!   request), so no connection goes back to the pool with a transaction open;
-//!   and after a write that failed on a file, the connection is replaced by a
-//!   fresh one (see [`WriteTx`]), so that the store recovers by itself from a
-//!   full disk or a file made read-only once the fault is gone.
+//! * **Writes** run on one dedicated OS thread that owns the write
+//!   connection (a `rusqlite::Connection`), fed through a channel: each
+//!   operation, and each batch of the group commit
+//!   ([`Store::write_batch`](crate::store::Store::write_batch)), is one
+//!   command, one whole transaction (`BEGIN IMMEDIATE` … `COMMIT`) with
+//!   prepared, cached statements, answered through a oneshot channel (see
+//!   [`writer`]). Not sqlx's pool of one connection: sqlx made every
+//!   statement an async round trip to its connection's thread, which cost a
+//!   new key three times PostgreSQL's CPU; here a transaction is one hop
+//!   there and one back. Within a process the commands queue fairly, first
+//!   come first served, instead of spinning on SQLite's busy handler against
+//!   one another; across processes (or two stores on one file) `BEGIN
+//!   IMMEDIATE` takes the write lock before the first read, and the busy
+//!   timeout makes a contender wait for it rather than fail. A transaction
+//!   that fails (or a command that panics) is rolled back before the next
+//!   command runs, and after a write that failed on a file the connection is
+//!   replaced by a fresh one, so that the store recovers by itself from a
+//!   full disk or a file made read-only once the fault is gone. A request
+//!   that goes away only drops its answer. Dropping the last handle of the
+//!   store ends the thread, which closes the connection and then lets go of
+//!   the file lock.
 //! * **Reads** (`find_by_reservation`, `ping`, and a reserve's look at the
-//!   key when the write lock cannot be had) use a separate pool: in WAL mode
-//!   readers never wait on the writer, so a file that cannot be written still
-//!   replays.
+//!   key when the write lock cannot be had) use a separate sqlx pool: in WAL
+//!   mode readers never wait on the writer, so a file that cannot be written
+//!   still replays. (Replays were already fast there; they stay as they
+//!   were.)
+//! * **Migrations** are sqlx's ([`MIGRATOR`], the `_sqlx_migrations` table),
+//!   applied through the direct-SQL pool ([`SqliteStore::pool`]), which
+//!   opens its one connection only when used.
 //! * **The clock** is this process's `Utc::now()`, read after the write lock is
 //!   taken, so within a transaction nobody else can act between the clock
 //!   reading and the decision. The contract is one process per file; processes
@@ -33,6 +47,9 @@
 //!   milliseconds since the Unix epoch, uuids lowercase hyphenated TEXT, JSON
 //!   TEXT. Timestamps therefore have millisecond precision, where PostgreSQL
 //!   keeps microseconds.
+//! * **In memory** (`sqlite::memory:`, `mode=memory`): the writer and one
+//!   sqlx connection (reads and direct SQL) share one in-memory database
+//!   through SQLite's shared cache; it lives while the store does.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -40,9 +57,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::ConnectOptions;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 
 mod errors;
 mod lock;
@@ -50,11 +65,15 @@ mod rows;
 mod sql;
 mod store;
 mod tx;
+mod writer;
 
 use errors::classify;
 use rows::{KeyRow, now_ms, ts};
 use sql::SELECT_KEY;
-use tx::{WriteTx, after_write, claim_in, complete_in, release_in};
+#[cfg(test)]
+use tx::WriteTx;
+use tx::{after_write, claim_in, complete_in, release_in};
+use writer::{Target, Writer};
 
 use super::{Claim, ClaimRequest, Record, Result, StoreError, Write, Written};
 use lock::FileLock;
@@ -65,23 +84,30 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqli
 /// How long a writer waits for another connection's write lock (another
 /// process on the same file) before the store reports itself unavailable.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a request waits for this process's write connection.
+/// How long a request waits for a pooled connection.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Read connections: reads are short, and each connection is a thread.
 const READERS: u32 = 4;
 
-/// A [`Store`](crate::store::Store) over one SQLite file: one write connection, a few readers.
+/// A [`Store`](crate::store::Store) over one SQLite file: one writer thread,
+/// a few readers. Clones share all of it.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
-    writer: SqlitePool,
+    /// The writer thread (see [`writer`]).
+    writer: Writer,
     reader: SqlitePool,
-    /// True when `reader` is `writer` (in-memory databases).
+    /// Direct SQL for tests and tools, and the migrations: one connection,
+    /// opened when used (in memory: the readers' connection).
+    direct: SqlitePool,
+    /// True when `reader` is `direct` (in-memory databases).
     shared: bool,
-    /// Raised by a write transaction that ended without a commit, for the
-    /// pool to clean up after it (see [`WriteTx`]).
+    /// Raised by a direct write transaction that ended without a commit, for
+    /// the pool to clean up after it (`tx::WriteTx`, in the tests).
+    #[cfg_attr(not(test), allow(dead_code))]
     abandoned: Arc<AtomicBool>,
     /// This process's hold on the file (none for an in-memory database):
-    /// one idemgate process per file.
+    /// one idemgate process per file. The writer thread holds it too, until
+    /// its connection is closed.
     _lock: Option<Arc<FileLock>>,
 }
 
@@ -98,13 +124,17 @@ impl SqliteStore {
     /// process. Stores of one process share the lock, which lasts until the
     /// last of them is dropped (or the process ends, however it ends).
     pub async fn open(url: &str) -> Result<SqliteStore> {
-        let base = SqliteConnectOptions::from_str(url)
+        let mut base = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::other(format!("invalid SQLite URL: {e}")).because(e))?
             .create_if_missing(true)
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(SqliteSynchronous::Full)
             .log_statements(tracing::log::LevelFilter::Trace);
         let in_memory = is_in_memory(url, &base);
+        if in_memory {
+            // The writer's connection and the readers' share the database.
+            base = base.shared_cache(true);
+        }
         // Before the first connection: a second process must not so much as
         // switch the journal mode or apply a migration under the first.
         let lock = if in_memory {
@@ -112,111 +142,123 @@ impl SqliteStore {
         } else {
             Some(Arc::new(FileLock::acquire(base.get_filename())?))
         };
-        // Switching to WAL needs an exclusive lock that the busy timeout does
-        // not wait for, so only the writer asks; the mode is stored in the
+        // The writer switches the file to WAL; the mode is stored in the
         // file, and readers opened afterwards find it there.
-        let writer_options = base.clone().journal_mode(SqliteJournalMode::Wal);
-        let mut writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            // `connect_with` opens the connection at once all the same; none
-            // at all keeps a replaced one (see `WriteTx`) from being reopened
-            // in the background while a fault lasts: the next write opens
-            // it, and sees the file as it is then.
-            .min_connections(0)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            // Keep the one connection for the life of the store: reopening
-            // costs, and an in-memory database would vanish with it. Only a
-            // write that failed on a file replaces it.
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .test_before_acquire(false);
+        let writer = Writer::start(
+            Target {
+                path: base.get_filename().to_path_buf(),
+                in_memory,
+                busy_timeout: BUSY_TIMEOUT,
+            },
+            lock.clone(),
+        )
+        .await?;
         let abandoned = Arc::new(AtomicBool::new(false));
         let flag = abandoned.clone();
-        writer = writer.after_release(move |conn, _| {
-            let abandoned = flag.swap(false, Ordering::AcqRel);
-            Box::pin(after_write(conn, abandoned, in_memory))
-        });
-        let writer = writer
-            .connect_with(writer_options)
-            .await
-            .map_err(classify)?;
-        let reader = if in_memory {
-            // An in-memory database has no WAL (readers would take table
-            // locks against the writer) and lives only while a connection to
-            // it is open: the writer's one connection, never closed while the
-            // store lives, serves reads too.
-            writer.clone()
+        let direct = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .test_before_acquire(false)
+            .after_release(move |conn, _| {
+                let abandoned = flag.swap(false, Ordering::AcqRel);
+                Box::pin(after_write(conn, abandoned, in_memory))
+            });
+        let (direct, reader) = if in_memory {
+            // No WAL in memory (readers would take table locks against the
+            // writer for longer): one connection for reads and direct SQL,
+            // kept for the life of the store.
+            let direct = direct
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_with(base)
+                .await
+                .map_err(classify)?;
+            (direct.clone(), direct)
         } else {
-            SqlitePoolOptions::new()
+            let reader = SqlitePoolOptions::new()
                 .max_connections(READERS)
                 .acquire_timeout(ACQUIRE_TIMEOUT)
                 .test_before_acquire(false)
-                .connect_lazy_with(base)
+                .connect_lazy_with(base.clone());
+            (direct.connect_lazy_with(base), reader)
         };
         Ok(SqliteStore {
             writer,
             reader,
+            direct,
             shared: in_memory,
             abandoned,
             _lock: lock,
         })
     }
 
-    /// The write pool (one connection), for tests and tools. Direct SQL
-    /// through it queues behind the store's own writes: do not hold a
-    /// connection from it across a call into the store.
+    /// A pool of one connection on the database, for direct SQL from tests
+    /// and tools (and the migrations). Its writes take the file's write
+    /// lock as the store's do, waiting up to the busy timeout for the
+    /// store's writer (and it for them): do not hold a transaction open on
+    /// it across a call into the store.
     pub fn pool(&self) -> &SqlitePool {
-        &self.writer
+        &self.direct
     }
 
     /// Applies the pending migrations.
     pub async fn migrate(&self) -> Result<()> {
-        MIGRATOR.run(&self.writer).await.map_err(|e| match e {
+        MIGRATOR.run(&self.direct).await.map_err(|e| match e {
             sqlx::migrate::MigrateError::Execute(e) => classify(e),
             other => StoreError::other(other.to_string()).because(other),
         })
     }
 
-    /// Closes both pools, waiting for their connections to finish; the last
-    /// connection to close checkpoints the WAL into the main file. Committed
-    /// data is durable without this; it only tidies up on shutdown.
+    /// Closes the pools and the writer, waiting for their connections to
+    /// finish; the last connection to close checkpoints the WAL into the
+    /// main file. Committed data is durable without this; it only tidies up
+    /// on shutdown.
     pub async fn close(&self) {
         self.reader.close().await;
+        self.direct.close().await;
         self.writer.close().await;
     }
 
     /// The claim, under the write lock (see [`Store::reserve`]).
     async fn claim(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
-        let mut tx = self.begin_write().await?;
-        let claim = claim_in(&mut tx, req, now_ms()).await?;
-        tx.commit().await.map_err(classify)?;
-        Ok(claim)
+        let req = req.clone();
+        self.writer
+            .write(move |conn| claim_in(conn, &req, now_ms()))
+            .await
     }
 
     /// `writes` in one write transaction, one clock reading for all: one
     /// fsync where one by one each took its own.
     async fn write_all(&self, writes: &[&Write]) -> Result<Vec<Written>> {
-        let mut tx = self.begin_write().await?;
-        let now = now_ms();
-        let mut written = Vec::with_capacity(writes.len());
-        for write in writes {
-            written.push(match write {
-                Write::Claim(req) => Written::Claim(claim_in(&mut tx, req, now).await?),
-                Write::Complete {
-                    tenant,
-                    reservation_id,
-                    response,
-                } => Written::Complete(
-                    complete_in(&mut tx, tenant, *reservation_id, response, now).await?,
-                ),
-                Write::Release {
-                    tenant,
-                    reservation_id,
-                } => Written::Release(release_in(&mut tx, tenant, *reservation_id, now).await?),
-            });
-        }
-        tx.commit().await.map_err(classify)?;
-        Ok(written)
+        let writes: Vec<Write> = writes.iter().map(|&w| w.clone()).collect();
+        self.writer
+            .write(move |conn| {
+                let now = now_ms();
+                let mut written = Vec::with_capacity(writes.len());
+                for write in &writes {
+                    written.push(match write {
+                        Write::Claim(req) => Written::Claim(claim_in(conn, req, now)?),
+                        Write::Complete {
+                            tenant,
+                            reservation_id,
+                            response,
+                        } => Written::Complete(complete_in(
+                            conn,
+                            tenant,
+                            *reservation_id,
+                            response,
+                            now,
+                        )?),
+                        Write::Release {
+                            tenant,
+                            reservation_id,
+                        } => Written::Release(release_in(conn, tenant, *reservation_id, now)?),
+                    });
+                }
+                Ok(written)
+            })
+            .await
     }
 
     /// The key's record when no claim can apply to it now — completed, or in
@@ -246,20 +288,17 @@ impl SqliteStore {
         }))
     }
 
-    /// Starts a write transaction holding the database's write lock.
+    /// Starts a transaction holding the database's write lock on the
+    /// direct-SQL pool (the tests of its clean-up).
+    #[cfg(test)]
     async fn begin_write(&self) -> Result<WriteTx> {
-        let conn = self.writer.acquire().await.map_err(classify)?;
+        let conn = self.direct.acquire().await.map_err(classify)?;
         // Armed before BEGIN: a BEGIN that fails is a failed write too.
         let mut tx = WriteTx {
             conn,
             abandoned: self.abandoned.clone(),
             committed: false,
         };
-        // IMMEDIATE takes the write lock now, waiting up to the busy timeout.
-        // A deferred BEGIN takes it at the first write; a transaction that
-        // read before that, while another connection committed, cannot
-        // upgrade (SQLITE_BUSY_SNAPSHOT, which the busy timeout does not
-        // retry). Taking it first also lets us read the clock under the lock.
         sqlx::raw_sql("BEGIN IMMEDIATE")
             .execute(&mut *tx)
             .await
@@ -269,7 +308,7 @@ impl SqliteStore {
 }
 
 /// Whether `url` names an in-memory database (`sqlite::memory:`,
-/// `mode=memory`), which the store serves through its one write connection.
+/// `mode=memory`), which the writer and the readers share (shared cache).
 fn is_in_memory(url: &str, options: &SqliteConnectOptions) -> bool {
     let name = options.get_filename().to_string_lossy();
     name == ":memory:" || name.starts_with("file:sqlx-in-memory-") || url.contains("mode=memory")
@@ -277,3 +316,5 @@ fn is_in_memory(url: &str, options: &SqliteConnectOptions) -> bool {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod writer_tests;

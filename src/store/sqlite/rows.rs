@@ -4,6 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use sqlx::FromRow;
+use uuid::Uuid;
 use uuid::fmt::Hyphenated;
 
 use crate::store::{
@@ -53,6 +54,89 @@ pub(super) struct KeyRow {
     pub(super) resolved_reason: Option<String>,
     pub(super) resolved_by: Option<String>,
     pub(super) resolved_at: Option<i64>,
+}
+
+impl KeyRow {
+    /// The row the writer thread read, its columns in
+    /// [`key_columns!`](crate::store::key_columns) order.
+    pub(super) fn read(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
+        let id = text(r, 4)?;
+        let reservation_id = Uuid::parse_str(&id)
+            .map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(4, rusqlite::types::Type::Text, e.into())
+            })?
+            .hyphenated();
+        Ok(KeyRow {
+            tenant: text(r, 0)?,
+            key_hash: bytes(r, 1)?,
+            fingerprint: text_opt(r, 2)?,
+            state: text(r, 3)?,
+            reservation_id,
+            lease_expires_at: r.get(5)?,
+            attempt: r.get(6)?,
+            recovery_point: text_opt(r, 7)?,
+            recovery_data: text_opt(r, 8)?,
+            response_status: r.get(9)?,
+            response_headers: text_opt(r, 10)?,
+            response_body: bytes_opt(r, 11)?,
+            created_at: r.get(12)?,
+            completed_at: r.get(13)?,
+            expires_at: r.get(14)?,
+            on_lease_expiry: text(r, 15)?,
+            resolved_action: text_opt(r, 16)?,
+            resolved_reason: text_opt(r, 17)?,
+            resolved_by: text_opt(r, 18)?,
+            resolved_at: r.get(19)?,
+        })
+    }
+}
+
+/// A TEXT column (a BLOB of UTF-8 reads the same, as sqlx read it).
+fn text_opt(r: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Option<String>> {
+    use rusqlite::types::ValueRef;
+    match r.get_ref(i)? {
+        ValueRef::Null => Ok(None),
+        ValueRef::Text(t) | ValueRef::Blob(t) => {
+            String::from_utf8(t.to_vec()).map(Some).map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, e.into())
+            })
+        }
+        other => Err(rusqlite::Error::InvalidColumnType(
+            i,
+            format!("column {i}"),
+            other.data_type(),
+        )),
+    }
+}
+
+fn text(r: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<String> {
+    text_opt(r, i)?.ok_or(rusqlite::Error::InvalidColumnType(
+        i,
+        format!("column {i}"),
+        rusqlite::types::Type::Null,
+    ))
+}
+
+/// A BLOB column (TEXT reads as its bytes, as sqlx read it).
+fn bytes_opt(r: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Option<Vec<u8>>> {
+    use rusqlite::types::ValueRef;
+    match r.get_ref(i)? {
+        ValueRef::Null => Ok(None),
+        ValueRef::Text(b) | ValueRef::Blob(b) => Ok(Some(b.to_vec())),
+        other => Err(rusqlite::Error::InvalidColumnType(
+            i,
+            format!("column {i}"),
+            other.data_type(),
+        )),
+    }
+}
+
+fn bytes(r: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Vec<u8>> {
+    bytes_opt(r, i)?.ok_or(rusqlite::Error::InvalidColumnType(
+        i,
+        format!("column {i}"),
+        rusqlite::types::Type::Null,
+    ))
 }
 
 impl TryFrom<KeyRow> for Record {

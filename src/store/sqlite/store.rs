@@ -1,15 +1,17 @@
-//! [`Store`] over the SQLite file: writes on the one write connection, in
-//! `BEGIN IMMEDIATE` transactions; reads on the reader pool.
+//! [`Store`] over the SQLite file: writes on the writer thread, each one
+//! command, one `BEGIN IMMEDIATE` transaction; reads on the reader pool.
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::SqliteStore;
-use super::errors::{NO_TABLES, classify};
+use super::errors::{NO_TABLES, classify, classify_rs};
 use super::rows::*;
 use super::sql::*;
 use super::tx::*;
+use rusqlite::params;
+
 use crate::store::{
     Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, KeyState, PoolStats, PruneBatch,
     Record, Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse,
@@ -36,30 +38,29 @@ impl Store for SqliteStore {
         reservation_id: Uuid,
         response: &StoredResponse,
     ) -> Result<Option<Record>> {
-        let mut tx = self.begin_write().await?;
-        let record = complete_in(&mut tx, tenant, reservation_id, response, now_ms()).await?;
-        tx.commit().await.map_err(classify)?;
-        Ok(record)
+        let tenant = tenant.to_owned();
+        let response = response.clone();
+        self.writer
+            .write(move |conn| complete_in(conn, &tenant, reservation_id, &response, now_ms()))
+            .await
     }
 
     async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
-        let mut tx = self.begin_write().await?;
-        let key_hash = release_in(&mut tx, tenant, reservation_id, now_ms()).await?;
-        tx.commit().await.map_err(classify)?;
-        Ok(key_hash)
+        let tenant = tenant.to_owned();
+        self.writer
+            .write(move |conn| release_in(conn, &tenant, reservation_id, now_ms()))
+            .await
     }
 
     async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
-        let mut tx = self.begin_write().await?;
-        let key_hash: Option<Vec<u8>> = sqlx::query_scalar(MARK_UNKNOWN)
-            .bind(tenant)
-            .bind(reservation_id.hyphenated())
-            .bind(now_ms())
-            .fetch_optional(&mut *tx)
+        let tenant = tenant.to_owned();
+        self.writer
+            .write(move |conn| {
+                let mut buf = Uuid::encode_buffer();
+                let id = uuid_text(reservation_id, &mut buf);
+                value_row(conn, MARK_UNKNOWN, params![tenant, id, now_ms()])
+            })
             .await
-            .map_err(classify)?;
-        tx.commit().await.map_err(classify)?;
-        Ok(key_hash)
     }
 
     async fn extend(
@@ -68,16 +69,19 @@ impl Store for SqliteStore {
         reservation_id: Uuid,
         lease_seconds: u32,
     ) -> Result<Option<DateTime<Utc>>> {
-        let mut tx = self.begin_write().await?;
-        let until: Option<Option<i64>> = sqlx::query_scalar(EXTEND)
-            .bind(tenant)
-            .bind(reservation_id.hyphenated())
-            .bind(now_ms())
-            .bind(secs_ms(lease_seconds))
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(classify)?;
-        tx.commit().await.map_err(classify)?;
+        let tenant = tenant.to_owned();
+        let until: Option<Option<i64>> = self
+            .writer
+            .write(move |conn| {
+                let mut buf = Uuid::encode_buffer();
+                let id = uuid_text(reservation_id, &mut buf);
+                value_row(
+                    conn,
+                    EXTEND,
+                    params![tenant, id, now_ms(), secs_ms(lease_seconds)],
+                )
+            })
+            .await?;
         // The column is nullable in the schema, never NULL after this update.
         until.flatten().map(ts).transpose()
     }
@@ -89,19 +93,17 @@ impl Store for SqliteStore {
         recovery: &Recovery,
     ) -> Result<Option<Record>> {
         let data = data_json(&recovery.data)?;
-        let mut tx = self.begin_write().await?;
-        let row: Option<KeyRow> = sqlx::query_as(CHECKPOINT)
-            .bind(tenant)
-            .bind(reservation_id.hyphenated())
-            .bind(now_ms())
-            .bind(&recovery.recovery_point)
-            .bind(data)
-            .fetch_optional(&mut *tx)
+        let tenant = tenant.to_owned();
+        let point = recovery.recovery_point.clone();
+        self.writer
+            .write(move |conn| {
+                let mut buf = Uuid::encode_buffer();
+                let id = uuid_text(reservation_id, &mut buf);
+                key_row(conn, CHECKPOINT, params![tenant, id, now_ms(), point, data])?
+                    .map(Record::try_from)
+                    .transpose()
+            })
             .await
-            .map_err(classify)?;
-        let record = row.map(Record::try_from).transpose()?;
-        tx.commit().await.map_err(classify)?;
-        Ok(record)
     }
 
     async fn find_by_reservation(
@@ -172,32 +174,47 @@ impl Store for SqliteStore {
     }
 
     async fn resolve(&self, resolve: &Resolve) -> Result<Option<Found>> {
-        let id = resolve.reservation_id.hyphenated();
-        let mut tx = self.begin_write().await?;
-        let now = now_ms();
-        let query = match resolve.action {
-            ResolveAction::Release => sqlx::query_as(RESOLVE_RELEASE),
-            ResolveAction::Complete => sqlx::query_as(RESOLVE_COMPLETE),
-        }
-        .bind(&resolve.tenant)
-        .bind(&resolve.key_hash)
-        .bind(id)
-        .bind(now)
-        .bind(&resolve.reason)
-        .bind(&resolve.by);
-        let query = match (resolve.action, &resolve.response) {
-            (ResolveAction::Complete, Some(response)) => query
-                .bind(i64::from(response.status))
-                .bind(headers_json(&response.headers)?)
-                .bind(&response.body),
+        let headers = match (resolve.action, &resolve.response) {
+            (ResolveAction::Complete, Some(response)) => Some(headers_json(&response.headers)?),
             (ResolveAction::Complete, None) => {
                 return Err(StoreError::other("a completion without a response"));
             }
-            (ResolveAction::Release, _) => query,
+            (ResolveAction::Release, _) => None,
         };
-        let row: Option<KeyRow> = query.fetch_optional(&mut *tx).await.map_err(classify)?;
-        let record = row.map(Record::try_from).transpose()?;
-        tx.commit().await.map_err(classify)?;
+        let resolve = resolve.clone();
+        let (record, now) = self
+            .writer
+            .write(move |conn| {
+                let now = now_ms();
+                let mut buf = Uuid::encode_buffer();
+                let id = uuid_text(resolve.reservation_id, &mut buf);
+                let (tenant, hash) = (&resolve.tenant, &resolve.key_hash);
+                let (reason, by) = (&resolve.reason, &resolve.by);
+                let row = match (&resolve.response, headers) {
+                    (Some(response), Some(headers)) => key_row(
+                        conn,
+                        RESOLVE_COMPLETE,
+                        params![
+                            tenant,
+                            hash,
+                            id,
+                            now,
+                            reason,
+                            by,
+                            i64::from(response.status),
+                            headers,
+                            response.body,
+                        ],
+                    )?,
+                    _ => key_row(
+                        conn,
+                        RESOLVE_RELEASE,
+                        params![tenant, hash, id, now, reason, by],
+                    )?,
+                };
+                Ok((row.map(Record::try_from).transpose()?, now))
+            })
+            .await?;
         record
             .map(|record| {
                 Ok(Found {
@@ -226,23 +243,17 @@ impl Store for SqliteStore {
         // rows and no reservation can touch them in between; a second pruner
         // (another process) waits for the lock and then finds them gone, so
         // each row is deleted exactly once. Small batches keep the lock short.
-        let mut tx = self.begin_write().await?;
-        let now = now_ms();
-        sqlx::query(PRUNE_FENCES)
-            .bind(now)
-            .bind(limit)
-            .execute(&mut *tx)
-            .await
-            .map_err(classify)?;
-        let deleted = sqlx::query(PRUNE_KEYS)
-            .bind(now)
-            .bind(limit)
-            .execute(&mut *tx)
-            .await
-            .map_err(classify)?
-            .rows_affected();
-        tx.commit().await.map_err(classify)?;
-        Ok(PruneBatch::of(deleted, limit))
+        let deleted = self
+            .writer
+            .write(move |conn| {
+                let now = now_ms();
+                let mut fences = conn.prepare_cached(PRUNE_FENCES).map_err(classify_rs)?;
+                fences.execute(params![now, limit]).map_err(classify_rs)?;
+                let mut keys = conn.prepare_cached(PRUNE_KEYS).map_err(classify_rs)?;
+                keys.execute(params![now, limit]).map_err(classify_rs)
+            })
+            .await?;
+        Ok(PruneBatch::of(deleted as u64, limit))
     }
 
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
@@ -317,13 +328,16 @@ impl Store for SqliteStore {
         }
     }
 
+    /// The pools' connections: the readers and the direct-SQL connection
+    /// (one and the same in memory). The writer thread's one connection is
+    /// no pool's and is not counted.
     fn pool_stats(&self) -> Option<PoolStats> {
         let (size, idle) = if self.shared {
-            (self.writer.size(), self.writer.num_idle())
+            (self.direct.size(), self.direct.num_idle())
         } else {
             (
-                self.writer.size() + self.reader.size(),
-                self.writer.num_idle() + self.reader.num_idle(),
+                self.direct.size() + self.reader.size(),
+                self.direct.num_idle() + self.reader.num_idle(),
             )
         };
         let idle = u32::try_from(idle).unwrap_or(u32::MAX);
