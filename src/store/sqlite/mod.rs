@@ -53,7 +53,6 @@
 
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::ConnectOptions;
@@ -70,9 +69,7 @@ mod writer;
 use errors::classify;
 use rows::{KeyRow, now_ms, ts};
 use sql::SELECT_KEY;
-#[cfg(test)]
-use tx::WriteTx;
-use tx::{after_write, claim_in, complete_in, release_in};
+use tx::{claim_in, complete_in, release_in};
 use writer::{Target, Writer};
 
 use super::{Claim, ClaimRequest, Record, Result, StoreError, Write, Written};
@@ -101,10 +98,6 @@ pub struct SqliteStore {
     direct: SqlitePool,
     /// True when `reader` is `direct` (in-memory databases).
     shared: bool,
-    /// Raised by a direct write transaction that ended without a commit, for
-    /// the pool to clean up after it (`tx::WriteTx`, in the tests).
-    #[cfg_attr(not(test), allow(dead_code))]
-    abandoned: Arc<AtomicBool>,
     /// This process's hold on the file (none for an in-memory database):
     /// one idemgate process per file. The writer thread holds it too, until
     /// its connection is closed.
@@ -153,17 +146,11 @@ impl SqliteStore {
             lock.clone(),
         )
         .await?;
-        let abandoned = Arc::new(AtomicBool::new(false));
-        let flag = abandoned.clone();
         let direct = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(0)
             .acquire_timeout(ACQUIRE_TIMEOUT)
-            .test_before_acquire(false)
-            .after_release(move |conn, _| {
-                let abandoned = flag.swap(false, Ordering::AcqRel);
-                Box::pin(after_write(conn, abandoned, in_memory))
-            });
+            .test_before_acquire(false);
         let (direct, reader) = if in_memory {
             // No WAL in memory (readers would take table locks against the
             // writer for longer): one connection for reads and direct SQL,
@@ -188,7 +175,6 @@ impl SqliteStore {
             reader,
             direct,
             shared: in_memory,
-            abandoned,
             _lock: lock,
         })
     }
@@ -286,24 +272,6 @@ impl SqliteStore {
             record,
             now,
         }))
-    }
-
-    /// Starts a transaction holding the database's write lock on the
-    /// direct-SQL pool (the tests of its clean-up).
-    #[cfg(test)]
-    async fn begin_write(&self) -> Result<WriteTx> {
-        let conn = self.direct.acquire().await.map_err(classify)?;
-        // Armed before BEGIN: a BEGIN that fails is a failed write too.
-        let mut tx = WriteTx {
-            conn,
-            abandoned: self.abandoned.clone(),
-            committed: false,
-        };
-        sqlx::raw_sql("BEGIN IMMEDIATE")
-            .execute(&mut *tx)
-            .await
-            .map_err(classify)?;
-        Ok(tx)
     }
 }
 

@@ -1,110 +1,14 @@
 //! The write transactions' work, run on the writer thread (see
 //! [`writer`](super::writer)): the claim, completion and release (alone or in
-//! a batch) with rusqlite's cached statements; and the direct-SQL pool's own
-//! transaction guard.
-
-#[cfg(test)]
-use std::ops::{Deref, DerefMut};
-#[cfg(test)]
-use std::sync::Arc;
-#[cfg(test)]
-use std::sync::atomic::{AtomicBool, Ordering};
+//! a batch) with rusqlite's cached statements.
 
 use rusqlite::{Connection, OptionalExtension, params};
-#[cfg(test)]
-use sqlx::Sqlite;
-#[cfg(test)]
-use sqlx::pool::PoolConnection;
-use sqlx::sqlite::SqliteConnection;
 use uuid::Uuid;
 
 use super::errors::classify_rs;
 use super::rows::*;
 use super::sql::*;
 use crate::store::{Claim, ClaimRequest, Record, Result, StoreError, StoredResponse};
-
-/// A write transaction on the direct-SQL pool ([`SqliteStore::pool`](super::SqliteStore::pool)):
-/// `BEGIN IMMEDIATE` … `COMMIT`, and when it ends any other way (an error, a
-/// cancelled request), the pool's `after_release` hook ([`after_write`])
-/// cleans up before anyone else gets the connection. The store's own writes
-/// do not use it (they run on the writer thread, which cleans up the same
-/// way); the tests drive the pool's clean-up through it.
-///
-/// Not sqlx's `Transaction`: after a write to the WAL failed at `COMMIT`
-/// (read-only file, full disk), its rollback fails, its transaction depth
-/// stays at 1, and every later write is a 500 until a restart; and a
-/// connection opened during the fault stays read-only for good. So a write
-/// that does not commit raises `abandoned` in `drop`, and the hook closes the
-/// connection (rolling back whatever is open) instead of reusing it; an
-/// in-memory database, which lives in its connections, rolls back
-/// instead. The story and the tests that found it: RELIABILITY.md, SQLite
-/// faults.
-#[cfg(test)]
-pub(super) struct WriteTx {
-    pub(super) conn: PoolConnection<Sqlite>,
-    pub(super) abandoned: Arc<AtomicBool>,
-    pub(super) committed: bool,
-}
-
-// === impl WriteTx ===
-
-#[cfg(test)]
-impl WriteTx {
-    pub(super) async fn commit(mut self) -> sqlx::Result<()> {
-        sqlx::raw_sql("COMMIT").execute(&mut *self.conn).await?;
-        self.committed = true;
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-impl Deref for WriteTx {
-    type Target = SqliteConnection;
-
-    fn deref(&self) -> &SqliteConnection {
-        &self.conn
-    }
-}
-
-#[cfg(test)]
-impl DerefMut for WriteTx {
-    fn deref_mut(&mut self) -> &mut SqliteConnection {
-        &mut self.conn
-    }
-}
-
-#[cfg(test)]
-impl Drop for WriteTx {
-    fn drop(&mut self) {
-        // Runs before the fields drop, so before `conn` goes back to the pool.
-        if !self.committed {
-            self.abandoned.store(true, Ordering::Release);
-        }
-    }
-}
-
-/// The direct-SQL pool's `after_release` hook: whether the connection may
-/// serve the next user. After an abandoned [`WriteTx`], a file's connection
-/// is closed (the pool opens a fresh one when next asked) and an in-memory
-/// database's is rolled back.
-pub(super) async fn after_write(
-    conn: &mut SqliteConnection,
-    abandoned: bool,
-    in_memory: bool,
-) -> sqlx::Result<bool> {
-    if !abandoned {
-        return Ok(true);
-    }
-    if !in_memory {
-        tracing::debug!("a direct write did not commit: its connection is replaced");
-        return Ok(false);
-    }
-    // "No transaction is active" when BEGIN failed or COMMIT got through.
-    if let Err(e) = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await {
-        tracing::debug!(error = %e, "rollback of an abandoned write");
-    }
-    Ok(true)
-}
 
 /// A uuid as the stored TEXT (lowercase, hyphenated), without allocating.
 pub(super) fn uuid_text(id: Uuid, buf: &mut [u8; uuid::fmt::Urn::LENGTH]) -> &str {
