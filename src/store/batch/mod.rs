@@ -20,6 +20,9 @@
 //!   replay or, with another fingerprint, a 422); otherwise it goes to the
 //!   store in a transaction after the first's. Either way, no transaction
 //!   holds two claims of one key.
+//! * A claim sent while this process's claim of the same key is being
+//!   written waits for that one's answer, and takes it where nothing can
+//!   have changed the record since (see `same_key.rs`).
 //! * A write whose batch failed is written again alone, so one bad write
 //!   never fails the others, and each gets its own answer (an outage makes
 //!   that an `Unavailable` for each, so a 503).
@@ -35,6 +38,7 @@ use std::sync::{Arc, OnceLock};
 
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc, oneshot};
 
+mod same_key;
 mod store;
 mod writer;
 
@@ -61,6 +65,8 @@ pub struct Batched {
     /// runtime; the store may be built outside one).
     queue: OnceLock<mpsc::Sender<Job>>,
     stats: Arc<Counters>,
+    /// The claims being written, for their duplicates to wait on.
+    claims: same_key::InFlight,
 }
 
 /// A write and where its answer goes.
@@ -108,6 +114,7 @@ impl Batched {
             writers: Arc::new(Semaphore::new(store.batch_writers().max(1))),
             queue: OnceLock::new(),
             stats: Arc::default(),
+            claims: same_key::InFlight::default(),
             store,
         }
     }

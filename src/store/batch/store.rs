@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::Batched;
+use super::same_key::{Turn, answer_of_first};
 use crate::store::{
     BatchStats, Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats,
     PruneBatch, Record, Recovery, Resolve, Result, Store, StoreError, StoredResponse, StoredUsage,
@@ -18,13 +19,20 @@ use crate::store::{
 #[async_trait]
 impl Store for Batched {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
-        if let Some(_alone) = self.alone() {
-            return self.store.reserve(req).await;
+        let first = match self.claims.turn(req) {
+            Turn::First(first) => first,
+            Turn::Second(first) => {
+                if let Some(answer) = answer_of_first(first).await {
+                    return Ok(Some(answer));
+                }
+                return self.claim(req).await;
+            }
+        };
+        let answer = self.claim(req).await;
+        if let Ok(Some(claim)) = &answer {
+            first.publish(claim);
         }
-        match self.queued(Write::Claim(req.clone())).await? {
-            Written::Claim(claim) => Ok(claim),
-            _ => Err(mismatched()),
-        }
+        answer
     }
 
     async fn complete(
@@ -146,6 +154,19 @@ impl Store for Batched {
             largest: self.stats.largest.load(Ordering::Relaxed),
             refused: self.stats.refused.load(Ordering::Relaxed),
         })
+    }
+}
+
+impl Batched {
+    /// A claim written: alone when nothing else is, else through the queue.
+    async fn claim(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
+        if let Some(_alone) = self.alone() {
+            return self.store.reserve(req).await;
+        }
+        match self.queued(Write::Claim(req.clone())).await? {
+            Written::Claim(claim) => Ok(claim),
+            _ => Err(mismatched()),
+        }
     }
 }
 
