@@ -71,21 +71,33 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_now timestamptz := now();
-    w     record;
-    l     record;
+    w        record;
+    l        record;
+    v_hash   bytea;
+    v_spaces int4[] := '{}';
+    v_keys   int4[] := '{}';
 BEGIN
-    -- Every key the batch will write, locked first, in one order.
+    -- Every key the batch will write, locked first, in one order. Statements
+    -- that name their tenant by a variable, so that on Citus each runs on the
+    -- tenant's shard alone (a join with the arrays would be sent to every
+    -- shard).
+    FOR w IN
+        SELECT * FROM unnest(p_tenants, p_key_hashes, p_reservation_ids)
+                      AS u(tenant, key_hash, reservation_id)
+    LOOP
+        v_hash := w.key_hash;
+        IF v_hash IS NULL THEN
+            SELECT r.key_hash INTO v_hash FROM idempotency_reservations r
+             WHERE r.tenant = w.tenant AND r.reservation_id = w.reservation_id;
+        END IF;
+        IF v_hash IS NOT NULL THEN
+            v_spaces := v_spaces || hashtext(w.tenant);
+            v_keys := v_keys
+                || ('x' || encode(substring(v_hash FROM 1 FOR 4), 'hex'))::bit(32)::int4;
+        END IF;
+    END LOOP;
     FOR l IN
-        SELECT DISTINCT hashtext(u.tenant) AS space,
-               ('x' || encode(substring(k.key_hash FROM 1 FOR 4), 'hex'))::bit(32)::int4 AS key
-          FROM unnest(p_tenants, p_key_hashes, p_reservation_ids)
-               AS u(tenant, key_hash, reservation_id)
-         CROSS JOIN LATERAL (
-               SELECT coalesce(u.key_hash,
-                               (SELECT r.key_hash FROM idempotency_reservations r
-                                 WHERE r.tenant = u.tenant
-                                   AND r.reservation_id = u.reservation_id)) AS key_hash) k
-         WHERE k.key_hash IS NOT NULL
+        SELECT DISTINCT x.space, x.key FROM unnest(v_spaces, v_keys) AS x(space, key)
          ORDER BY 1, 2
     LOOP
         PERFORM pg_advisory_xact_lock(l.space, l.key);

@@ -677,25 +677,7 @@ async fn deadlocks(backend: &Backend) -> i64 {
     if citus {
         tokio::time::sleep(std::time::Duration::from_secs(11)).await;
     } else {
-        let sql = "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-                    WHERE datname = current_database() AND pid <> pg_backend_pid()";
-        sqlx::query(sql)
-            .execute(&mut conn)
-            .await
-            .expect("end the other backends");
-        for _ in 0..100 {
-            let others: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-                  WHERE datname = current_database() AND pid <> pg_backend_pid()",
-            )
-            .fetch_one(&mut conn)
-            .await
-            .expect("count backends");
-            if others == 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        common::pg::end_other_sessions(&mut conn).await;
     }
     sqlx::query("SELECT pg_stat_clear_snapshot()")
         .execute(&mut conn)

@@ -113,28 +113,8 @@ async fn a_connection_the_database_killed_is_not_handed_out_again() {
     let store = one_connection_store(&db).await;
     store.ping().await.expect("ping");
     let mut admin = sqlx::PgConnection::connect_with_url(&db.url).await;
-    let killed: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-          WHERE datname = current_database() AND pid <> pg_backend_pid()) t",
-    )
-    .fetch_one(&mut admin)
-    .await
-    .expect("terminate");
+    let killed = common::pg::end_other_sessions(&mut admin).await;
     assert!(killed >= 1, "the store's connection was terminated");
-    // pg_terminate_backend only signals: wait until the backend is gone.
-    for _ in 0..100 {
-        let left: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND pid <> pg_backend_pid()",
-        )
-        .fetch_one(&mut admin)
-        .await
-        .expect("count sessions");
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 
     // The first statement may find the dead connection (503, never 500);
     // from then on the store works again.

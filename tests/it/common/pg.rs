@@ -248,6 +248,34 @@ pub struct TestDb {
     schema: bool,
 }
 
+/// Ends every other session of `conn`'s database and waits until they are
+/// gone (`pg_terminate_backend` only signals); returns how many it ended.
+/// For a test's own database: its stores' connections, and whatever they
+/// had not yet reported to the statistics (a backend reports when it ends).
+pub async fn end_other_sessions(conn: &mut PgConnection) -> i64 {
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+          WHERE datname = current_database() AND pid <> pg_backend_pid()) t",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .expect("end the other sessions");
+    for _ in 0..250 {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .expect("count sessions");
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ended
+}
+
 /// The Citus coordinator the PostgreSQL tests run on, if one is set.
 pub fn citus_url() -> Option<String> {
     std::env::var("IDEMGATE_TEST_CITUS_URL")
