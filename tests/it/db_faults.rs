@@ -33,6 +33,18 @@ async fn lock_every_key(url: &str) -> sqlx::PgConnection {
     conn
 }
 
+/// A key whose record takes the next claim (reserved, then released), so
+/// that the claim must lock its row: a claim of a key whose record refuses
+/// it reads the record without a lock and never waits on one.
+async fn released_key(app: &TestApp) -> String {
+    let key = fresh_key();
+    let res = app.reserve(&key, "{}").await;
+    assert_eq!(res.status, 201);
+    let id = res.reservation_id();
+    assert_eq!(app.act(&id, "release", "").await.status, 204);
+    key
+}
+
 /// A request that hangs fails the test instead of hanging it.
 async fn bounded<T>(request: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(15), request)
@@ -55,8 +67,7 @@ async fn a_held_row_lock_gives_a_prompt_503_not_a_hung_client() {
         ..PgSettings::default()
     };
     let app = TestApp::with_settings(&db.url, &[], settings).await;
-    let key = fresh_key();
-    assert_eq!(app.reserve(&key, "{}").await.status, 201);
+    let key = released_key(&app).await;
 
     let locker = lock_every_key(&db.url).await;
     let started = Instant::now();
@@ -73,6 +84,7 @@ async fn a_held_row_lock_gives_a_prompt_503_not_a_hung_client() {
 
     release(locker).await;
     // The database answers again: so does the server, with the true state.
+    assert_eq!(app.reserve(&key, "{}").await.status, 201);
     app.reserve(&key, "{}")
         .await
         .assert_problem(409, "request-in-flight");
@@ -87,8 +99,7 @@ async fn every_connection_busy_gives_a_503_after_the_acquire_timeout() {
         statement_timeout: Duration::from_secs(4),
     };
     let app = Arc::new(TestApp::with_settings(&db.url, &[], settings).await);
-    let key = fresh_key();
-    assert_eq!(app.reserve(&key, "{}").await.status, 201);
+    let key = released_key(&app).await;
 
     let locker = lock_every_key(&db.url).await;
     // The one connection waits on the lock…

@@ -49,6 +49,13 @@ async fn a_statement_cancelled_half_way_leaves_no_desynchronised_connection() {
         .expect("reserve")
         .expect("no limit");
     assert!(first.claimed);
+    // Released, its record takes the next claim, which must lock the row (a
+    // claim that the record refuses reads it without a lock).
+    store
+        .release("acme", first.record.reservation_id)
+        .await
+        .expect("release")
+        .expect("the holder releases");
 
     // Another session locks the key's row, so the next reserve of it waits
     // inside PostgreSQL; cancel it there by dropping its future.
