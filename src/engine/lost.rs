@@ -4,9 +4,21 @@
 //! reservation id, so nobody will forward the request or settle the key;
 //! left alone it would stay in flight, and under `hold` turn unknown, for a
 //! request that never ran. This process remembers each such id, and one
-//! task releases it once the store answers again: a release applies only
-//! while that id still holds the key, so one that never committed, or a key
-//! taken over meanwhile, is left as it is.
+//! task settles it once the store answers again, as a holder whose call did
+//! not act would:
+//!
+//! * a first attempt is released: the key is new again;
+//! * a takeover (attempt 2 or more) is not, for an earlier attempt may have
+//!   acted: under `takeover` its lease ends at once, so the next request
+//!   takes the key over as the attempt after it; under `hold` the key is
+//!   unknown. Releasing it would send the next request upstream as a first
+//!   attempt, without `Idempotency-Attempt`, to an origin that may already
+//!   have acted on the key.
+//!
+//! Each write applies only while that id still holds the key, so one that
+//! never committed, or a key taken over meanwhile, is left as it is. The
+//! attempt read first cannot change under it: only a claim changes a
+//! record's attempt, and a claim changes its holder too.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -15,7 +27,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::store::Store;
+use crate::store::{KeyState, LeaseExpiry, Store, StoreError};
 
 /// The most ids remembered; past it the oldest are given up (logged).
 const MOST: usize = 10_000;
@@ -102,11 +114,21 @@ async fn sweep(lost: Weak<LostClaims>) {
                 );
                 continue;
             }
-            match lost.store.release(&entry.tenant, entry.id).await {
-                Ok(Some(key_hash)) => tracing::info!(
+            match settle(&*lost.store, &entry.tenant, entry.id).await {
+                Ok(Some((key_hash, Settled::Released))) => tracing::info!(
                     key.hash = %crate::key::hash_prefix(&key_hash),
                     "a claim whose answer was lost had committed: released, for its request was \
                      never sent"
+                ),
+                Ok(Some((key_hash, Settled::LeaseEnded))) => tracing::info!(
+                    key.hash = %crate::key::hash_prefix(&key_hash),
+                    "a takeover whose answer was lost had committed: its lease ended, so the next \
+                     request takes the key over as a later attempt (an earlier one may have acted)"
+                ),
+                Ok(Some((key_hash, Settled::Unknown))) => tracing::warn!(
+                    key.hash = %crate::key::hash_prefix(&key_hash),
+                    "a takeover whose answer was lost had committed under hold: the key is \
+                     unknown, for an earlier attempt may have acted"
                 ),
                 Ok(None) => {}
                 Err(e) if e.is_unavailable() => {
@@ -124,4 +146,46 @@ async fn sweep(lost: Weak<LostClaims>) {
             }
         }
     }
+}
+
+/// What became of a lost claim's key.
+enum Settled {
+    Released,
+    LeaseEnded,
+    Unknown,
+}
+
+/// Settles the key reservation `id` holds, if it holds one still in flight,
+/// as a holder whose call never went out would (see the module's docs); the
+/// key's hash, and what was done.
+async fn settle(
+    store: &dyn Store,
+    tenant: &str,
+    id: Uuid,
+) -> Result<Option<(Vec<u8>, Settled)>, StoreError> {
+    let Some(found) = store.find_by_reservation(tenant, id).await? else {
+        return Ok(None);
+    };
+    let record = found.record;
+    if record.reservation_id != id || record.state != KeyState::InFlight {
+        return Ok(None);
+    }
+    if record.attempt <= 1 {
+        return Ok(store
+            .release(tenant, id)
+            .await?
+            .map(|key_hash| (key_hash, Settled::Released)));
+    }
+    let key_hash = record.key_hash.clone();
+    let settled = match record.on_lease_expiry {
+        LeaseExpiry::Takeover => store
+            .extend(tenant, id, 0)
+            .await?
+            .map(|_| Settled::LeaseEnded),
+        LeaseExpiry::Hold => store
+            .mark_unknown(tenant, id)
+            .await?
+            .map(|_| Settled::Unknown),
+    };
+    Ok(settled.map(|settled| (key_hash, settled)))
 }

@@ -936,6 +936,69 @@ async fn a_claim_whose_answer_was_lost_is_released(b: Backend) {
     }
 }
 
+/// A takeover whose answer was lost is not released when the store is
+/// back: an earlier attempt may have acted, so a release (which makes the
+/// key new) would send the next request upstream as a first attempt. Under
+/// `takeover` its lease ends, and the next request is the attempt after it;
+/// under `hold` the key is unknown. (The fault campaign found the release:
+/// a key executed as attempt 1 twice.)
+async fn a_lost_takeover_is_not_released(b: Backend) {
+    for on_lease_expiry in [LeaseExpiry::Takeover, LeaseExpiry::Hold] {
+        let faulty = Arc::new(common::faulty::Faulty::new(b.open().await));
+        let engine = Engine::new(faulty.clone(), Limits::default()).with_replay_cache(0);
+        let key = fresh_key();
+        let request = |lease_seconds, on_lease_expiry| ReserveRequest {
+            tenant: "t".into(),
+            key_hash: Sha256::digest(key.as_bytes()).into(),
+            fingerprint: None,
+            lease_seconds,
+            ttl_seconds: 600,
+            wait: None,
+            on_lease_expiry,
+        };
+        // Attempt 1 goes out (and may act), then its holder goes quiet.
+        match engine
+            .reserve(&request(1, LeaseExpiry::Takeover))
+            .await
+            .unwrap()
+        {
+            ReserveOutcome::Reserved(r) => assert_eq!(r.attempt, 1),
+            other => panic!("{other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Attempt 2 takes it over, but its answer is lost.
+        faulty.lose.store(1, Ordering::SeqCst);
+        let lost = engine.reserve(&request(30, on_lease_expiry)).await;
+        assert!(matches!(&lost, Err(e) if e.is_unavailable()), "{lost:?}");
+        let started = Instant::now();
+        loop {
+            match engine.reserve(&request(30, on_lease_expiry)).await.unwrap() {
+                ReserveOutcome::Reserved(r) => {
+                    assert_eq!(on_lease_expiry, LeaseExpiry::Takeover);
+                    assert_eq!(
+                        r.attempt, 3,
+                        "the attempt after the lost takeover, not a first attempt"
+                    );
+                    break;
+                }
+                ReserveOutcome::Unknown { record } => {
+                    assert_eq!(on_lease_expiry, LeaseExpiry::Hold);
+                    assert_eq!(record.attempt, 2);
+                    break;
+                }
+                ReserveOutcome::InFlight { .. } => {
+                    assert!(
+                        started.elapsed() < Duration::from_secs(5),
+                        "the lost takeover was never settled ({on_lease_expiry:?})"
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => panic!("{on_lease_expiry:?}: {other:?}"),
+            }
+        }
+    }
+}
+
 /// Under `takeover`, a takeover whose call did not act (the origin answered
 /// a release status) does not forget that an earlier attempt may have: the
 /// next request is sent as attempt 3, not as a first attempt.
@@ -1004,6 +1067,7 @@ both_stores! {
         the_layer_holds_by_default_and_a_takeover_says_its_attempt,
         a_client_gone_during_the_claim_leaves_no_orphan,
         a_claim_whose_answer_was_lost_is_released,
+        a_lost_takeover_is_not_released,
         a_takeover_that_did_not_act_leaves_the_key_to_the_next_attempt,
         a_key_whose_upstream_hung_up_waits_for_an_operator,
     ],
