@@ -71,6 +71,15 @@ impl Engine {
         self.refusal(tenant, id).await.map(Err)
     }
 
+    /// Settles reservation `id`, whose request was never sent and whose
+    /// holder cannot write to the store now, once the store is back: as a
+    /// claim whose answer was lost (a first attempt released, a later one
+    /// left to the attempt after it), so its key is not left held, or
+    /// unknown, for a request that never ran.
+    pub(crate) fn settle_unsent(&self, tenant: &str, id: Uuid) {
+        self.lost.remember(tenant, id);
+    }
+
     /// Marks the key reservation `id` holds as unknown: its holder cannot
     /// tell whether the effect happened (a connection that broke after the
     /// request went out, a call abandoned at its bound). Every request with

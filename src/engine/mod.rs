@@ -48,7 +48,8 @@ pub struct Engine {
     stored_usage: moka::sync::Cache<String, Arc<tokio::sync::Mutex<Option<StoredFigure>>>>,
     /// Recent reserve→commit durations, for `Retry-After`.
     durations: Durations,
-    /// Claims whose answer was lost, released once the store is back.
+    /// Claims whose answer was lost, or whose request was never sent,
+    /// settled once the store is back.
     lost: Arc<LostClaims>,
 }
 

@@ -26,6 +26,10 @@ use crate::headers::IDEMPOTENCY_ATTEMPT;
 use crate::problem::ApiError;
 use crate::store::{LeaseExpiry, StoreError, StoredResponse};
 
+/// How far from its lease's end a holder asks the store before it sends its
+/// request ([`Holder::fence`]); a quarter of the lease where that is less.
+const FENCE: Duration = Duration::from_secs(1);
+
 /// What became of the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Settled {
@@ -52,6 +56,9 @@ pub(crate) enum Settled {
     /// The commit was refused (the lease ended and another caller took over)
     /// or failed: nothing is stored.
     NotStored,
+    /// The lease ended before the request was sent (this process was held
+    /// up past it), and the key could not be kept: the request was not sent.
+    NotSent,
 }
 
 impl Settled {
@@ -67,6 +74,7 @@ impl Settled {
             Settled::RunningOn => "running_on",
             Settled::Streaming => "streaming",
             Settled::NotStored => "not_stored",
+            Settled::NotSent => "not_sent",
         }
     }
 }
@@ -112,6 +120,12 @@ impl Holder {
             req.headers_mut()
                 .insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(self.attempt));
         }
+        if let Err(not_sent) = self.fence().await {
+            if let Some(reply) = reply {
+                let _ = reply.send(not_sent);
+            }
+            return;
+        }
         let call = produce(self.shared.clone(), inner, req);
         let Some(produced) = self.keeping_the_lease(call, &mut reply, started).await else {
             self.abandoned(reply).await;
@@ -135,6 +149,68 @@ impl Holder {
                 status = res.status().as_u16(),
                 "the call answered after its client's timeout"
             ),
+        }
+    }
+
+    /// Whether this holder may still send its request. A pause between the
+    /// claim and the call (the process stopped, starved or swapped out while
+    /// the claim's answer waited) can outlast the lease, and another process
+    /// may meanwhile have taken the key over and sent its own attempt: sent
+    /// now, this one would reach the origin after it, as an earlier attempt,
+    /// without `Idempotency-Attempt`. So a holder whose lease ends within
+    /// [`FENCE`] (on this process's monotonic clock, which runs on through a
+    /// pause) sends only once the store has extended its lease, which it
+    /// does only while this id still holds the key.
+    ///
+    /// A refusal (taken over) is the client's `409 request-in-flight`, the
+    /// key left to its new holder; a store that cannot answer leaves the id
+    /// with the engine, which settles it as a request never sent once the
+    /// store is back, and the client gets the `503`. A pause after this
+    /// check, before the request's bytes leave, is not caught: that window
+    /// is the origin's to fence, with the key and the attempt it is sent.
+    async fn fence(&mut self) -> Result<(), (Settled, Response)> {
+        let policy = &self.shared.policy;
+        let lease = policy.lease;
+        if Instant::now() + FENCE.min(lease / 4) < self.lease_ends {
+            return Ok(());
+        }
+        let seconds = u32::try_from(lease.as_secs()).unwrap_or(u32::MAX).max(1);
+        let asked = Instant::now();
+        let engine = &self.shared.engine;
+        match engine
+            .extend(&self.tenant, self.reservation_id, seconds)
+            .await
+        {
+            Ok(Ok(_)) => {
+                self.lease_ends = asked + lease;
+                Ok(())
+            }
+            Ok(Err(refusal)) => {
+                tracing::warn!(
+                    key.hash = %self.key_hash,
+                    reason = ?refusal,
+                    "the lease ended before the request was sent (this process was held up) and \
+                     the key has moved on: the request is not sent"
+                );
+                self.lease_refused = true;
+                let e = ApiError::InFlight {
+                    retry_after: 1,
+                    lease_expires_at: Utc::now()
+                        + chrono::TimeDelta::from_std(lease).unwrap_or_default(),
+                };
+                Err((Settled::NotSent, policy.problem(e)))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    key.hash = %self.key_hash,
+                    error = %e,
+                    "the lease ended before the request was sent (this process was held up) and \
+                     the store cannot say whether the key is still held: the request is not sent, \
+                     and the key is settled once the store is back"
+                );
+                engine.settle_unsent(&self.tenant, self.reservation_id);
+                Err((Settled::NotSent, policy.problem(ApiError::from(e))))
+            }
         }
     }
 

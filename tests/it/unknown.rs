@@ -999,6 +999,106 @@ async fn a_lost_takeover_is_not_released(b: Backend) {
     }
 }
 
+/// A holder held up between its claim and its call past its lease (a
+/// process paused while its claim's answer waited) does not send its
+/// request once another has taken the key over and sent its own: that one
+/// would reach the origin after attempt 2, as a first attempt. Its client
+/// gets a 409, and the origin the one call. (The fault campaign found it: a
+/// proxy stopped with SIGSTOP during a claim sent attempt 1 after attempt 2.)
+async fn a_holder_held_up_past_its_lease_does_not_send(b: Backend) {
+    common::logs::init();
+    let faulty = Arc::new(common::faulty::Faulty {
+        late_by: Duration::from_millis(2_500),
+        ..common::faulty::Faulty::new(b.open().await)
+    });
+    faulty.late.store(1, Ordering::SeqCst);
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // Two processes on one store: the held-up one over `faulty`, the other
+    // over the store itself.
+    let app = |store: &Arc<dyn idemgate::store::Store>| {
+        let seen = calls.clone();
+        axum::Router::new()
+            .route(
+                "/charge",
+                axum::routing::post(move |headers: http::HeaderMap| {
+                    let attempt = headers
+                        .get("idempotency-attempt")
+                        .map(|v| v.to_str().unwrap().to_owned());
+                    seen.lock().unwrap().push(attempt.clone());
+                    async move {
+                        (
+                            http::StatusCode::CREATED,
+                            axum::Json(json!({ "attempt": attempt })),
+                        )
+                    }
+                }),
+            )
+            .layer(IdempotencyLayer::new(
+                Arc::new(Engine::new(store.clone(), Limits::default())),
+                LayerPolicy::default()
+                    .on_lease_expiry(LeaseExpiry::Takeover)
+                    .lease(Duration::from_secs(1)),
+            ))
+    };
+    let key = fresh_key();
+    let post = || {
+        Request::post("/charge")
+            .header("idempotency-key", &key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    // Attempt 1's claim applies at once, its answer comes 2.5 s later.
+    let held: Arc<dyn idemgate::store::Store> = faulty.clone();
+    let held_up = tokio::spawn(app(&held).oneshot(post()));
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // Past its lease: the next request takes the key over, and is sent.
+    let takeover = app(&faulty.inner).oneshot(post()).await.unwrap();
+    let status = takeover.status();
+    let body = takeover.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(status, 201, "{body:?}");
+    let held_up = held_up.await.unwrap().unwrap();
+    assert_eq!(held_up.status(), 409, "the key moved on: not sent");
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![Some("2".to_owned())],
+        "the origin got attempt 2 only"
+    );
+    let replay = app(&faulty.inner).oneshot(post()).await.unwrap();
+    assert_eq!(replay.status(), 201);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+}
+
+/// A holder held up past its lease that nobody took the key from sends its
+/// request after all, once the store has renewed its lease.
+async fn a_holder_held_up_past_its_lease_sends_once_renewed(b: Backend) {
+    common::logs::init();
+    let faulty = Arc::new(common::faulty::Faulty {
+        late_by: Duration::from_millis(1_500),
+        ..common::faulty::Faulty::new(b.open().await)
+    });
+    faulty.late.store(1, Ordering::SeqCst);
+    let engine = Arc::new(Engine::new(faulty.clone(), Limits::default()));
+    let counts = Arc::new(common::upstream::Counts::default());
+    let app = common::upstream::router(counts.clone()).layer(IdempotencyLayer::new(
+        engine,
+        LayerPolicy::default()
+            .on_lease_expiry(LeaseExpiry::Takeover)
+            .lease(Duration::from_secs(1)),
+    ));
+    let key = fresh_key();
+    let res = app
+        .oneshot(
+            Request::post("/ok")
+                .header("idempotency-key", &key)
+                .body(Body::from("{}"))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    assert_eq!(counts.started(&key), 1);
+}
+
 /// Under `takeover`, a takeover whose call did not act (the origin answered
 /// a release status) does not forget that an earlier attempt may have: the
 /// next request is sent as attempt 3, not as a first attempt.
@@ -1068,6 +1168,8 @@ both_stores! {
         a_client_gone_during_the_claim_leaves_no_orphan,
         a_claim_whose_answer_was_lost_is_released,
         a_lost_takeover_is_not_released,
+        a_holder_held_up_past_its_lease_does_not_send,
+        a_holder_held_up_past_its_lease_sends_once_renewed,
         a_takeover_that_did_not_act_leaves_the_key_to_the_next_attempt,
         a_key_whose_upstream_hung_up_waits_for_an_operator,
     ],

@@ -1,7 +1,8 @@
 //! A store with faults of its choosing in front of a real one: claims that
 //! take their time, and claims that commit but whose answer is lost (the
 //! caller is told the store is away), as a connection that breaks after its
-//! statement went out would leave them.
+//! statement went out would leave them; and claims whose answer comes late,
+//! as to a process paused between its claim and its call.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,12 +16,15 @@ use idemgate::store::{
 };
 use uuid::Uuid;
 
-/// `inner` with claims delayed by `claim_delay`, and the answers of the next
-/// `lose` claims lost after they applied.
+/// `inner` with claims delayed by `claim_delay`, the answers of the next
+/// `lose` claims lost after they applied, and those of the next `late`
+/// claims given `late_by` after they applied.
 pub struct Faulty {
     pub inner: Arc<dyn Store>,
     pub claim_delay: Duration,
     pub lose: AtomicUsize,
+    pub late: AtomicUsize,
+    pub late_by: Duration,
 }
 
 impl Faulty {
@@ -29,6 +33,8 @@ impl Faulty {
             inner,
             claim_delay: Duration::ZERO,
             lose: AtomicUsize::new(0),
+            late: AtomicUsize::new(0),
+            late_by: Duration::ZERO,
         }
     }
 }
@@ -46,6 +52,13 @@ impl Store for Faulty {
             return Err(StoreError::unavailable(
                 "the connection broke before the answer",
             ));
+        }
+        let late = self
+            .late
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if late {
+            tokio::time::sleep(self.late_by).await;
         }
         Ok(claim)
     }
