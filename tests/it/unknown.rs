@@ -1099,6 +1099,55 @@ async fn a_holder_held_up_past_its_lease_sends_once_renewed(b: Backend) {
     assert_eq!(counts.started(&key), 1);
 }
 
+/// A holder held up past its lease that cannot reach the store to renew it
+/// does not send its request, and does not leave its key held for it
+/// either: once the store is back the engine releases the claim (a first
+/// attempt), and the retry runs the request once.
+async fn a_holder_held_up_while_the_store_is_away_leaves_no_held_key(b: Backend) {
+    common::logs::init();
+    let faulty = Arc::new(common::faulty::Faulty {
+        late_by: Duration::from_millis(1_500),
+        ..common::faulty::Faulty::new(b.open().await)
+    });
+    faulty.late.store(1, Ordering::SeqCst);
+    faulty.refuse_extends.store(1, Ordering::SeqCst);
+    let engine = Arc::new(Engine::new(faulty.clone(), Limits::default()));
+    let counts = Arc::new(common::upstream::Counts::default());
+    let app = common::upstream::router(counts.clone()).layer(IdempotencyLayer::new(
+        engine,
+        LayerPolicy::default()
+            .on_lease_expiry(LeaseExpiry::Hold)
+            .lease(Duration::from_secs(1))
+            .default_wait(None),
+    ));
+    let key = fresh_key();
+    let post = || {
+        Request::post("/ok")
+            .header("idempotency-key", &key)
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let res = app.clone().oneshot(post()).await.unwrap();
+    assert_eq!(res.status(), 503, "not sent while the store is away");
+    assert_eq!(counts.started(&key), 0);
+    // Under hold, a key left in flight past its lease would be unknown:
+    // the engine releases it instead, for its request never went out.
+    let started = Instant::now();
+    loop {
+        let res = app.clone().oneshot(post()).await.unwrap();
+        if res.status() == 201 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the unsent claim was never settled: {}",
+            res.status()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(counts.started(&key), 1);
+}
+
 /// Under `takeover`, a takeover whose call did not act (the origin answered
 /// a release status) does not forget that an earlier attempt may have: the
 /// next request is sent as attempt 3, not as a first attempt.
@@ -1170,6 +1219,7 @@ both_stores! {
         a_lost_takeover_is_not_released,
         a_holder_held_up_past_its_lease_does_not_send,
         a_holder_held_up_past_its_lease_sends_once_renewed,
+        a_holder_held_up_while_the_store_is_away_leaves_no_held_key,
         a_takeover_that_did_not_act_leaves_the_key_to_the_next_attempt,
         a_key_whose_upstream_hung_up_waits_for_an_operator,
     ],

@@ -17,14 +17,16 @@ use idemgate::store::{
 use uuid::Uuid;
 
 /// `inner` with claims delayed by `claim_delay`, the answers of the next
-/// `lose` claims lost after they applied, and those of the next `late`
-/// claims given `late_by` after they applied.
+/// `lose` claims lost after they applied, those of the next `late` claims
+/// given `late_by` after they applied, and the next `refuse_extends` lease
+/// extensions failed as if the store were away.
 pub struct Faulty {
     pub inner: Arc<dyn Store>,
     pub claim_delay: Duration,
     pub lose: AtomicUsize,
     pub late: AtomicUsize,
     pub late_by: Duration,
+    pub refuse_extends: AtomicUsize,
 }
 
 impl Faulty {
@@ -35,6 +37,7 @@ impl Faulty {
             lose: AtomicUsize::new(0),
             late: AtomicUsize::new(0),
             late_by: Duration::ZERO,
+            refuse_extends: AtomicUsize::new(0),
         }
     }
 }
@@ -82,6 +85,13 @@ impl Store for Faulty {
         id: Uuid,
         lease_seconds: u32,
     ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        let refuse = self
+            .refuse_extends
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if refuse {
+            return Err(StoreError::unavailable("the store is away"));
+        }
         self.inner.extend(tenant, id, lease_seconds).await
     }
 
