@@ -917,21 +917,26 @@ async fn a_claim_whose_answer_was_lost_is_released(b: Backend) {
     };
     let lost = engine.reserve(&request).await;
     assert!(matches!(&lost, Err(e) if e.is_unavailable()), "{lost:?}");
+    match once_settled(&engine, &request, "the lost claim").await {
+        ReserveOutcome::Reserved(r) => assert_eq!(r.attempt, 1, "new again, not a takeover"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// What a claim of `request` gets once its key is no longer in flight (a
+/// lost claim settled by the engine's sweep), within 5 s.
+async fn once_settled(engine: &Engine, request: &ReserveRequest, what: &str) -> ReserveOutcome {
     let started = Instant::now();
     loop {
-        match engine.reserve(&request).await.unwrap() {
-            ReserveOutcome::Reserved(r) => {
-                assert_eq!(r.attempt, 1, "new again, not a takeover");
-                break;
-            }
+        match engine.reserve(request).await.unwrap() {
             ReserveOutcome::InFlight { .. } => {
                 assert!(
                     started.elapsed() < Duration::from_secs(5),
-                    "the lost claim was never released"
+                    "{what} was never settled"
                 );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            other => panic!("{other:?}"),
+            other => return other,
         }
     }
 }
@@ -970,31 +975,18 @@ async fn a_lost_takeover_is_not_released(b: Backend) {
         faulty.lose.store(1, Ordering::SeqCst);
         let lost = engine.reserve(&request(30, on_lease_expiry)).await;
         assert!(matches!(&lost, Err(e) if e.is_unavailable()), "{lost:?}");
-        let started = Instant::now();
-        loop {
-            match engine.reserve(&request(30, on_lease_expiry)).await.unwrap() {
-                ReserveOutcome::Reserved(r) => {
-                    assert_eq!(on_lease_expiry, LeaseExpiry::Takeover);
-                    assert_eq!(
-                        r.attempt, 3,
-                        "the attempt after the lost takeover, not a first attempt"
-                    );
-                    break;
-                }
-                ReserveOutcome::Unknown { record } => {
-                    assert_eq!(on_lease_expiry, LeaseExpiry::Hold);
-                    assert_eq!(record.attempt, 2);
-                    break;
-                }
-                ReserveOutcome::InFlight { .. } => {
-                    assert!(
-                        started.elapsed() < Duration::from_secs(5),
-                        "the lost takeover was never settled ({on_lease_expiry:?})"
-                    );
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                other => panic!("{on_lease_expiry:?}: {other:?}"),
+        let what = format!("the lost takeover ({on_lease_expiry:?})");
+        match once_settled(&engine, &request(30, on_lease_expiry), &what).await {
+            ReserveOutcome::Reserved(r) if on_lease_expiry == LeaseExpiry::Takeover => {
+                assert_eq!(
+                    r.attempt, 3,
+                    "the attempt after the lost takeover, not a first attempt"
+                );
             }
+            ReserveOutcome::Unknown { record } if on_lease_expiry == LeaseExpiry::Hold => {
+                assert_eq!(record.attempt, 2);
+            }
+            other => panic!("{on_lease_expiry:?}: {other:?}"),
         }
     }
 }
@@ -1071,32 +1063,46 @@ async fn a_holder_held_up_past_its_lease_does_not_send(b: Backend) {
 /// A holder held up past its lease that nobody took the key from sends its
 /// request after all, once the store has renewed its lease.
 async fn a_holder_held_up_past_its_lease_sends_once_renewed(b: Backend) {
+    let (app, counts) = held_up(&b, LeaseExpiry::Takeover, 0).await;
+    let key = fresh_key();
+    let res = app.oneshot(post_ok(&key)).await.unwrap();
+    assert_eq!(res.status(), 201);
+    assert_eq!(counts.started(&key), 1);
+}
+
+/// The layer over a store that answers its first claim 1.5 s late, under a
+/// 1 s lease, and fails its first `failed_extends` lease extensions.
+async fn held_up(
+    b: &Backend,
+    on_lease_expiry: LeaseExpiry,
+    failed_extends: usize,
+) -> (axum::Router, Arc<common::upstream::Counts>) {
     common::logs::init();
-    let faulty = Arc::new(common::faulty::Faulty {
+    let faulty = common::faulty::Faulty {
         late_by: Duration::from_millis(1_500),
         ..common::faulty::Faulty::new(b.open().await)
-    });
+    };
     faulty.late.store(1, Ordering::SeqCst);
-    let engine = Arc::new(Engine::new(faulty.clone(), Limits::default()));
+    faulty
+        .refuse_extends
+        .store(failed_extends, Ordering::SeqCst);
+    let engine = Arc::new(Engine::new(Arc::new(faulty), Limits::default()));
     let counts = Arc::new(common::upstream::Counts::default());
     let app = common::upstream::router(counts.clone()).layer(IdempotencyLayer::new(
         engine,
         LayerPolicy::default()
-            .on_lease_expiry(LeaseExpiry::Takeover)
-            .lease(Duration::from_secs(1)),
+            .on_lease_expiry(on_lease_expiry)
+            .lease(Duration::from_secs(1))
+            .default_wait(None),
     ));
-    let key = fresh_key();
-    let res = app
-        .oneshot(
-            Request::post("/ok")
-                .header("idempotency-key", &key)
-                .body(Body::from("{}"))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(res.status(), 201);
-    assert_eq!(counts.started(&key), 1);
+    (app, counts)
+}
+
+fn post_ok(key: &str) -> Request<Body> {
+    Request::post("/ok")
+        .header("idempotency-key", key)
+        .body(Body::from("{}"))
+        .unwrap()
 }
 
 /// A holder held up past its lease that cannot reach the store to renew it
@@ -1104,29 +1110,9 @@ async fn a_holder_held_up_past_its_lease_sends_once_renewed(b: Backend) {
 /// either: once the store is back the engine releases the claim (a first
 /// attempt), and the retry runs the request once.
 async fn a_holder_held_up_while_the_store_is_away_leaves_no_held_key(b: Backend) {
-    common::logs::init();
-    let faulty = Arc::new(common::faulty::Faulty {
-        late_by: Duration::from_millis(1_500),
-        ..common::faulty::Faulty::new(b.open().await)
-    });
-    faulty.late.store(1, Ordering::SeqCst);
-    faulty.refuse_extends.store(1, Ordering::SeqCst);
-    let engine = Arc::new(Engine::new(faulty.clone(), Limits::default()));
-    let counts = Arc::new(common::upstream::Counts::default());
-    let app = common::upstream::router(counts.clone()).layer(IdempotencyLayer::new(
-        engine,
-        LayerPolicy::default()
-            .on_lease_expiry(LeaseExpiry::Hold)
-            .lease(Duration::from_secs(1))
-            .default_wait(None),
-    ));
+    let (app, counts) = held_up(&b, LeaseExpiry::Hold, 1).await;
     let key = fresh_key();
-    let post = || {
-        Request::post("/ok")
-            .header("idempotency-key", &key)
-            .body(Body::from("{}"))
-            .unwrap()
-    };
+    let post = || post_ok(&key);
     let res = app.clone().oneshot(post()).await.unwrap();
     assert_eq!(res.status(), 503, "not sent while the store is away");
     assert_eq!(counts.started(&key), 0);
