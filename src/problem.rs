@@ -289,9 +289,16 @@ impl ApiError {
                 HeaderValue::from_static("Bearer realm=\"idemgate\""),
             );
         }
+        res.extensions_mut().insert(OwnProblem(self.slug()));
         res
     }
 }
+
+/// Response extension: the problem is idemgate's own (not an upstream's
+/// answer passed on), with its slug. The MCP door turns these into tool
+/// results and JSON-RPC errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OwnProblem(pub &'static str);
 
 impl From<KeyError> for ApiError {
     fn from(e: KeyError) -> Self {

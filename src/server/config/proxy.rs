@@ -93,6 +93,26 @@ pub struct ProxyArgs {
     #[arg(long, env = "IDEMGATE_PRESERVE_HOST", default_value_t = true)]
     pub preserve_host: bool,
 
+    /// What the upstream speaks: `http` guards requests by their HTTP
+    /// method and `Idempotency-Key` header; `mcp` is the upstream's MCP
+    /// streamable-HTTP endpoint, whose write tools' `tools/call` requests are
+    /// guarded by their `idempotency_key` argument (everything else passes
+    /// through, and `tools/list` tells clients about the argument).
+    #[arg(long, env = "IDEMGATE_PROTOCOL", value_name = "http|mcp", default_value = "http",
+          value_parser = ["http", "mcp"])]
+    pub protocol: String,
+
+    /// With --protocol mcp: the tools that are guarded, comma-separated
+    /// (`*` for all). Unset, every tool the server's tools/list does not
+    /// annotate `readOnlyHint: true`.
+    #[arg(
+        long,
+        env = "IDEMGATE_MCP_TOOLS",
+        value_name = "NAME,...",
+        value_delimiter = ','
+    )]
+    pub mcp_tools: Option<Vec<String>>,
+
     /// What a key's lease ending without news means (the proxy was killed,
     /// stalled or cut off from the database for longer than the lease):
     /// `hold` (the default) never sends it upstream again by itself, for the
@@ -203,6 +223,16 @@ impl ProxyArgs {
                     "is set ({}) but the upstream is not https://; a CA file checks an https \
                      upstream's certificate",
                     path.display()
+                ),
+            });
+        }
+        if self.mcp_tools.is_some() && self.protocol != "mcp" {
+            return Err(ConfigError {
+                setting: "mcp_tools",
+                problem: format!(
+                    "names the guarded MCP tools, but the protocol is {:?}; set \
+                     IDEMGATE_PROTOCOL=mcp (--protocol mcp) for an MCP server's endpoint",
+                    self.protocol
                 ),
             });
         }

@@ -14,6 +14,7 @@
 mod admin;
 pub mod client;
 pub mod headers;
+pub mod mcp;
 pub mod routes;
 pub mod tls;
 mod upgrade;
@@ -76,17 +77,42 @@ impl Proxy {
             args.upstream_connect_timeout,
             args.preserve_host,
         )?;
-        let policy = layer_policy(args, routes);
+        let mcp = args.protocol == "mcp";
+        let mut policy = layer_policy(args, routes);
+        if mcp {
+            // A tool call's fingerprint is its name and arguments; an MCP
+            // client waits for a slow tool itself (its own timeout, an event
+            // stream that stays open), so no 504 at the upstream timeout.
+            policy.fingerprint_policy.ignore.extend(
+                mcp::FINGERPRINT_IGNORE
+                    .iter()
+                    .filter_map(|p| crate::fingerprint::JsonPointer::parse(p).ok()),
+            );
+            policy.answer_timeout = None;
+        }
         let engine = Arc::new(wiring::engine(
             &args.run,
             store.clone(),
             args.policy.limits(),
         )?);
         let admin = admin::router(engine.clone(), args, &policy);
+        let key_header = policy.key_header.clone();
+        let require_key = policy.require_key;
+        let max_body_bytes = policy.max_body_bytes;
         let layer = IdempotencyLayer::new(engine.clone(), policy);
-        let app = Router::new()
-            .fallback_service(layer.layer(client))
-            .layer(serve::trace_layer());
+        let app = if mcp {
+            mcp::router(
+                client,
+                &layer,
+                args.mcp_tools.clone(),
+                key_header,
+                require_key,
+                max_body_bytes,
+            )
+        } else {
+            Router::new().fallback_service(layer.layer(client))
+        }
+        .layer(serve::trace_layer());
         Ok(Proxy {
             app,
             admin,

@@ -1,0 +1,400 @@
+//! `idemgate proxy --protocol mcp` (SPEC §12): in front of an MCP server's
+//! streamable-HTTP endpoint, its write tools run once per key, with no
+//! change to the server.
+//!
+//! * Everything passes through as it is (the event stream, `DELETE`,
+//!   `initialize`, notifications, resources, prompts, the session and
+//!   protocol headers) but two messages: `tools/list` answers, whose guarded
+//!   tools gain an optional `idempotency_key` argument in their input schema
+//!   ([`tools`]), and `tools/call` requests of guarded tools.
+//! * A guarded call's key is its `idempotency_key` argument (removed before
+//!   it is forwarded, unless the tool declares it), or
+//!   `params._meta["dev.idemgate/idempotency-key"]`, or the key header; the
+//!   call then goes through the same layer as the HTTP door, with the key in
+//!   the header and a fingerprint over the tool's name and arguments (the
+//!   JSON-RPC `id` and `_meta` are ignored). A call without a key passes
+//!   through unguarded, as the HTTP door passes a request without one.
+//! * The layer's answer goes back as MCP clients take it: a first call's
+//!   answer as the server gave it; a replay as the stored response with the
+//!   repeat's own `id`, in the form the first answer had where the repeat
+//!   accepts it (`application/json` or one server-sent event); a refusal as
+//!   a tool result with `isError` and the problem in `structuredContent`
+//!   (`key-reused`, `request-in-flight`, `outcome-unknown`, `key-invalid`);
+//!   a store or upstream that is away as a JSON-RPC error.
+
+mod messages;
+mod tools;
+mod upstream;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{Map, Value, json};
+use tower::{Layer, ServiceExt};
+
+use self::messages::Form;
+use self::tools::{Catalogue, KEY_ARGUMENT};
+use self::upstream::{CallId, McpUpstream};
+use crate::layer::{Idempotency, IdempotencyLayer};
+use crate::problem::{ApiError, OwnProblem};
+use crate::server::proxy::ProxyClient;
+
+/// Where a call's `_meta` may carry the key.
+const META_KEY: &str = "dev.idemgate/idempotency-key";
+
+/// The JSON-RPC error code of a call idemgate could not take to the tool.
+const UNAVAILABLE: i64 = -32000;
+
+/// The door's state.
+struct Door {
+    client: ProxyClient,
+    guarded: Idempotency<McpUpstream>,
+    catalogue: Catalogue,
+    key_header: HeaderName,
+    require_key: bool,
+    max_body_bytes: usize,
+}
+
+/// The router of the MCP door: `client` to the upstream, guarded calls
+/// through `layer`.
+pub fn router(
+    client: ProxyClient,
+    layer: &IdempotencyLayer,
+    guarded_tools: Option<Vec<String>>,
+    key_header: HeaderName,
+    require_key: bool,
+    max_body_bytes: usize,
+) -> Router {
+    let door = Door {
+        guarded: layer.layer(McpUpstream {
+            client: client.clone(),
+        }),
+        client,
+        catalogue: Catalogue::new(guarded_tools),
+        key_header,
+        require_key,
+        max_body_bytes,
+    };
+    Router::new().fallback(handle).with_state(Arc::new(door))
+}
+
+/// The JSON-Pointers a guarded call's fingerprint leaves out: the JSON-RPC
+/// id (new on every call) and `_meta` (progress tokens, the key).
+pub const FINGERPRINT_IGNORE: [&str; 2] = ["/id", "/params/_meta"];
+
+async fn handle(State(door): State<Arc<Door>>, req: Request<Body>) -> Response {
+    if req.method() != Method::POST {
+        return door.forward(req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = match http_body_util::Limited::new(body, door.max_body_bytes)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) => {
+            let e = if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::PayloadTooLarge(format!(
+                    "the request body is over {} bytes",
+                    door.max_body_bytes
+                ))
+            } else {
+                ApiError::InvalidRequest(format!("the request body could not be read: {e}"))
+            };
+            return e.into_response();
+        }
+    };
+    let message = serde_json::from_slice::<Value>(&bytes).ok();
+    let method = message
+        .as_ref()
+        .and_then(|m| m.get("method"))
+        .and_then(Value::as_str);
+    match (method, message.as_ref().and_then(|m| m.get("id"))) {
+        (Some("tools/call"), Some(id)) => {
+            let id = id.clone();
+            let message = message.unwrap_or_default();
+            door.call(parts, bytes, message, id).await
+        }
+        (Some("tools/list"), Some(id)) => {
+            let id = id.clone();
+            door.list(Request::from_parts(parts, Body::from(bytes)), id)
+                .await
+        }
+        _ => {
+            door.forward(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+    }
+}
+
+impl Door {
+    async fn forward(&self, req: Request<Body>) -> Response {
+        match self.client.clone().oneshot(req).await {
+            Ok(res) => res,
+            Err(never) => match never {},
+        }
+    }
+
+    /// A `tools/list`: forwarded, and its answer told which tools take a key.
+    async fn list(&self, req: Request<Body>, id: Value) -> Response {
+        let res = self.forward(req).await;
+        let Some(form) = Form::of(res.headers()).filter(|_| res.status().is_success()) else {
+            return res;
+        };
+        let (parts, body) = res.into_parts();
+        let bytes = match body.collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) => {
+                return ApiError::UpstreamUnavailable(format!(
+                    "the MCP server's tools/list answer broke off: {e}"
+                ))
+                .into_response();
+            }
+        };
+        let messages = messages::read(form, &bytes).await;
+        let Some(mut response) = messages::response_to(&messages, &id).cloned() else {
+            return Response::from_parts(parts, Body::from(bytes));
+        };
+        if let Some(result) = response.get_mut("result") {
+            self.catalogue.list(result);
+        }
+        messages::answer(form, &response, parts.headers)
+    }
+
+    /// A `tools/call`: a guarded tool's with a key through the layer,
+    /// anything else forwarded as it came.
+    async fn call(
+        &self,
+        mut parts: http::request::Parts,
+        bytes: Bytes,
+        mut message: Value,
+        id: Value,
+    ) -> Response {
+        let accept = parts.headers.clone();
+        let Some(name) = message.pointer("/params/name").and_then(Value::as_str) else {
+            return self
+                .forward(Request::from_parts(parts, Body::from(bytes)))
+                .await;
+        };
+        let name = name.to_owned();
+        if !self.catalogue.guarded(&name) {
+            return self
+                .forward(Request::from_parts(parts, Body::from(bytes)))
+                .await;
+        }
+        let tool = self.catalogue.tool(&name);
+        let key = match take_key(&mut message, !tool.declares_key) {
+            Ok(key) => key,
+            Err(why) => return refused(&id, &accept, &ApiError::KeyInvalid(why)),
+        };
+        match key {
+            Some(key) => match sf_string(&key) {
+                Some(value) => {
+                    parts.headers.insert(self.key_header.clone(), value);
+                }
+                None => {
+                    let e = ApiError::KeyInvalid(
+                        "the idempotency key must be printable ASCII (1 to 255 characters)".into(),
+                    );
+                    return refused(&id, &accept, &e);
+                }
+            },
+            None if parts.headers.contains_key(&self.key_header) || self.require_key => {}
+            None => {
+                return self
+                    .forward(Request::from_parts(parts, Body::from(bytes)))
+                    .await;
+            }
+        }
+        let body = serde_json::to_vec(&message).unwrap_or_else(|_| bytes.to_vec());
+        parts.headers.remove(http::header::CONTENT_LENGTH);
+        parts.extensions.insert(CallId(id.clone()));
+        let res = match self
+            .guarded
+            .clone()
+            .oneshot(Request::from_parts(parts, Body::from(body)))
+            .await
+        {
+            Ok(res) => res,
+            Err(never) => match never {},
+        };
+        answered(res, &id, &accept).await
+    }
+}
+
+/// Takes the call's key out of its arguments (leaving it where the tool
+/// declares it, `strip` false), or reads it from its `_meta`.
+fn take_key(message: &mut Value, strip: bool) -> Result<Option<String>, String> {
+    let arguments = message
+        .pointer_mut("/params/arguments")
+        .and_then(Value::as_object_mut);
+    if let Some(arguments) = arguments
+        && let Some(key) = arguments.get(KEY_ARGUMENT)
+    {
+        let Value::String(key) = key.clone() else {
+            return Err(format!("the {KEY_ARGUMENT} argument must be a string"));
+        };
+        if strip {
+            arguments.remove(KEY_ARGUMENT);
+        }
+        return Ok(Some(key));
+    }
+    match message.pointer(&format!("/params/_meta/{}", META_KEY.replace('/', "~1"))) {
+        Some(Value::String(key)) => Ok(Some(key.clone())),
+        Some(_) => Err(format!("_meta[\"{META_KEY}\"] must be a string")),
+        None => Ok(None),
+    }
+}
+
+/// `key` as the header's sf-string, if it can be one.
+fn sf_string(key: &str) -> Option<HeaderValue> {
+    if key.is_empty() || !key.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return None;
+    }
+    let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
+    HeaderValue::from_str(&quoted).ok()
+}
+
+/// The layer's answer to a guarded call, as its MCP client takes it.
+async fn answered(res: Response, id: &Value, request: &HeaderMap) -> Response {
+    if let Some(OwnProblem(_)) = res.extensions().get::<OwnProblem>().copied() {
+        let (parts, body) = res.into_parts();
+        let problem = body
+            .collect()
+            .await
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b.to_bytes()).ok())
+            .unwrap_or_else(|| json!({ "status": parts.status.as_u16() }));
+        return problem_answer(id, request, parts.status, problem);
+    }
+    let replayed = res
+        .headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true");
+    if !replayed {
+        return res;
+    }
+    if res
+        .headers()
+        .contains_key(crate::headers::IDEMPOTENCY_BODY_OMITTED)
+    {
+        // The tool ran; its result was over the body limit, so only its
+        // status was kept.
+        let message = messages::error(
+            id,
+            UNAVAILABLE,
+            "idemgate: the tool already ran under this key, but its result was too large to \
+             keep (IDEMGATE_MAX_BODY_BYTES), so it cannot be given again",
+            None,
+        );
+        return messages::answer(
+            Form::for_request(request, Form::Json),
+            &message,
+            HeaderMap::new(),
+        );
+    }
+    let (parts, body) = res.into_parts();
+    let Some(stored_form) = Form::of(&parts.headers) else {
+        return Response::from_parts(parts, body);
+    };
+    let Ok(bytes) = body
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+    else {
+        return ApiError::Internal("a stored answer could not be read".into()).into_response();
+    };
+    let messages = messages::read(stored_form, &bytes).await;
+    let stored = messages
+        .iter()
+        .rev()
+        .find(|m| m.get("result").is_some() || m.get("error").is_some());
+    let Some(stored) = stored else {
+        return Response::from_parts(parts, Body::from(bytes));
+    };
+    let mut message = stored.clone();
+    message["id"] = id.clone();
+    let mut headers = parts.headers;
+    headers.remove(http::header::ETAG);
+    messages::answer(Form::for_request(request, stored_form), &message, headers)
+}
+
+/// A refusal of the layer's or the door's own.
+fn refused(id: &Value, request: &HeaderMap, e: &ApiError) -> Response {
+    let problem =
+        serde_json::to_value(e.problem(crate::problem::DEFAULT_PROBLEM_BASE)).unwrap_or_default();
+    problem_answer(id, request, e.status(), problem)
+}
+
+/// An idemgate problem as an MCP answer: a refusal the model can read (a
+/// tool result with `isError`), or, for what is no refusal of the call (a
+/// store or upstream away, a fault), a JSON-RPC error.
+fn problem_answer(id: &Value, request: &HeaderMap, status: StatusCode, problem: Value) -> Response {
+    let title = problem["title"].as_str().unwrap_or("Refused").to_owned();
+    let detail = problem["detail"].as_str().unwrap_or_default().to_owned();
+    let slug = problem["type"]
+        .as_str()
+        .and_then(|t| t.rsplit('/').next())
+        .unwrap_or_default()
+        .to_owned();
+    let form = Form::for_request(request, Form::Json);
+    let message = if status.is_client_error() && status != StatusCode::PAYLOAD_TOO_LARGE {
+        let mut text = format!("idemgate refused this call ({slug}): {detail}");
+        if let Some(secs) = problem["retry_after_seconds"].as_u64() {
+            text.push_str(&format!(
+                " Repeat the call with the same idempotency_key in {secs} s."
+            ));
+        }
+        let structured: Map<String, Value> = problem.as_object().cloned().unwrap_or_default();
+        messages::result(
+            id,
+            json!({
+                "content": [{ "type": "text", "text": text }],
+                "structuredContent": structured,
+                "isError": true,
+            }),
+        )
+    } else {
+        messages::error(
+            id,
+            UNAVAILABLE,
+            &format!("idemgate: {title}: {detail}"),
+            Some(problem),
+        )
+    };
+    messages::answer(form, &message, HeaderMap::new())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_comes_from_the_argument_or_meta_and_the_argument_is_removed() {
+        let mut call = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": { "name": "charge", "arguments": { "amount": 5, "idempotency_key": "k1" } } });
+        assert_eq!(take_key(&mut call, true), Ok(Some("k1".into())));
+        assert_eq!(call["params"]["arguments"], json!({ "amount": 5 }));
+        let mut own = json!({ "params": { "arguments": { "idempotency_key": "k2" } } });
+        assert_eq!(take_key(&mut own, false), Ok(Some("k2".into())));
+        assert_eq!(own["params"]["arguments"]["idempotency_key"], "k2");
+        let mut meta = json!({ "params": { "arguments": {},
+            "_meta": { "dev.idemgate/idempotency-key": "k3" } } });
+        assert_eq!(take_key(&mut meta, true), Ok(Some("k3".into())));
+        let mut bad = json!({ "params": { "arguments": { "idempotency_key": 7 } } });
+        assert!(take_key(&mut bad, true).is_err());
+        assert_eq!(take_key(&mut json!({ "params": {} }), true), Ok(None));
+    }
+
+    #[test]
+    fn a_key_becomes_an_sf_string() {
+        assert_eq!(sf_string("a\"b\\c").unwrap(), "\"a\\\"b\\\\c\"");
+        assert!(sf_string("").is_none());
+        assert!(sf_string("é").is_none());
+    }
+}

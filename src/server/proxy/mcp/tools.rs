@@ -1,0 +1,169 @@
+//! Which tools are guarded, learnt from the server's `tools/list` answers,
+//! and those answers as clients get them: each guarded tool's input schema
+//! with an optional `idempotency_key`.
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+use serde_json::{Value, json};
+
+/// The argument that carries the key.
+pub(super) const KEY_ARGUMENT: &str = "idempotency_key";
+
+/// What the key argument is described as in a guarded tool's schema.
+const KEY_DESCRIPTION: &str = "Idempotency key: the same string for every repeat of this call \
+    (a retry, a resumed step), a new one for a new call. A repeat with the same key and the same \
+    arguments gets the first call's result and does not run the tool again.";
+
+/// What the door knows of a tool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Tool {
+    /// Annotated `readOnlyHint: true`.
+    pub read_only: bool,
+    /// Its input schema declares `idempotency_key` itself: the argument is
+    /// the tool's, and is forwarded.
+    pub declares_key: bool,
+}
+
+/// The tools of the upstream, as its last `tools/list` answers said, and
+/// the operator's choice of guarded tools.
+#[derive(Debug, Default)]
+pub(super) struct Catalogue {
+    /// `IDEMGATE_MCP_TOOLS`: `None` guards what is not read-only.
+    named: Option<Vec<String>>,
+    tools: RwLock<HashMap<String, Tool>>,
+}
+
+impl Catalogue {
+    pub(super) fn new(named: Option<Vec<String>>) -> Catalogue {
+        let named = named.map(|names| {
+            names
+                .into_iter()
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect()
+        });
+        Catalogue {
+            named,
+            tools: RwLock::default(),
+        }
+    }
+
+    /// What is known of tool `name` (nothing: a tool never listed).
+    pub(super) fn tool(&self, name: &str) -> Tool {
+        let tools = self.tools.read().unwrap_or_else(|e| e.into_inner());
+        tools.get(name).copied().unwrap_or_default()
+    }
+
+    /// Whether calls of tool `name` are guarded: named by the operator, or,
+    /// without names, not annotated read-only (a tool never listed is
+    /// guarded: a write tool unprotected is the costlier mistake).
+    pub(super) fn guarded(&self, name: &str) -> bool {
+        match &self.named {
+            Some(names) => names.iter().any(|n| n == "*" || n == name),
+            None => !self.tool(name).read_only,
+        }
+    }
+
+    /// Learns the tools of a `tools/list` result and adds the key argument
+    /// to each guarded one's input schema.
+    pub(super) fn list(&self, result: &mut Value) {
+        let Some(tools) = result.get_mut("tools").and_then(Value::as_array_mut) else {
+            return;
+        };
+        let mut learnt = Vec::with_capacity(tools.len());
+        for tool in tools.iter() {
+            let Some(name) = tool.get("name").and_then(Value::as_str) else {
+                continue;
+            };
+            let read_only = tool
+                .pointer("/annotations/readOnlyHint")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let declares_key = tool
+                .pointer("/inputSchema/properties")
+                .and_then(Value::as_object)
+                .is_some_and(|p| p.contains_key(KEY_ARGUMENT));
+            learnt.push((
+                name.to_owned(),
+                Tool {
+                    read_only,
+                    declares_key,
+                },
+            ));
+        }
+        {
+            let mut known = self.tools.write().unwrap_or_else(|e| e.into_inner());
+            known.extend(learnt.iter().cloned());
+        }
+        for (tool, (name, known)) in tools
+            .iter_mut()
+            .filter(|t| t.get("name").and_then(Value::as_str).is_some())
+            .zip(learnt)
+        {
+            if known.declares_key || !self.guarded(&name) {
+                continue;
+            }
+            let Some(schema) = tool.get_mut("inputSchema").and_then(Value::as_object_mut) else {
+                continue;
+            };
+            let properties = schema.entry("properties").or_insert_with(|| json!({}));
+            if let Some(properties) = properties.as_object_mut() {
+                properties.insert(
+                    KEY_ARGUMENT.to_owned(),
+                    json!({ "type": "string", "description": KEY_DESCRIPTION }),
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listed() -> Value {
+        json!({ "tools": [
+            { "name": "charge", "inputSchema": { "type": "object",
+                "properties": { "amount": { "type": "integer" } }, "required": ["amount"] } },
+            { "name": "balance", "annotations": { "readOnlyHint": true },
+              "inputSchema": { "type": "object", "properties": {} } },
+            { "name": "own_key", "inputSchema": { "type": "object",
+                "properties": { "idempotency_key": { "type": "string" } } } },
+        ]})
+    }
+
+    #[test]
+    fn guarded_tools_gain_the_key_argument_and_read_only_ones_do_not() {
+        let catalogue = Catalogue::new(None);
+        assert!(catalogue.guarded("never_listed"));
+        let mut result = listed();
+        catalogue.list(&mut result);
+        let props = |i: usize| result["tools"][i]["inputSchema"]["properties"].clone();
+        assert_eq!(props(0)[KEY_ARGUMENT]["type"], "string");
+        assert_eq!(
+            result["tools"][0]["inputSchema"]["required"],
+            json!(["amount"])
+        );
+        assert!(props(1).get(KEY_ARGUMENT).is_none());
+        assert_eq!(props(2)[KEY_ARGUMENT], json!({ "type": "string" }));
+        assert!(catalogue.guarded("charge"));
+        assert!(!catalogue.guarded("balance"));
+        assert!(catalogue.tool("own_key").declares_key);
+    }
+
+    #[test]
+    fn named_tools_are_the_only_guarded_ones() {
+        let catalogue = Catalogue::new(Some(vec!["balance".into()]));
+        let mut result = listed();
+        catalogue.list(&mut result);
+        assert!(catalogue.guarded("balance"));
+        assert!(!catalogue.guarded("charge"));
+        assert!(
+            result["tools"][0]["inputSchema"]["properties"]
+                .get(KEY_ARGUMENT)
+                .is_none()
+        );
+        assert!(Catalogue::new(Some(vec!["*".into()])).guarded("anything"));
+    }
+}

@@ -1,0 +1,126 @@
+//! The service under the layer for guarded tool calls: the proxy's client,
+//! with the upstream's answer read whole and told apart for the layer. A
+//! tool call's event stream ends with its response, so nothing is held
+//! back that would come later; what the layer stores is the whole answer.
+//!
+//! * A JSON-RPC error that says the call never reached the tool (parse
+//!   error, invalid request, method not found, invalid params) or a `4xx`
+//!   (no session, a bad header): not executed, the key is released.
+//! * A `5xx` the layer does not release, a body that breaks off, or a
+//!   `2xx` without the call's response: the tool may have run, so the
+//!   outcome is unknown (§2).
+//! * Anything else, a tool result with `isError` included, is stored: the
+//!   tool ran.
+
+use std::convert::Infallible;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use futures::future::BoxFuture;
+use http::Request;
+use http_body_util::BodyExt;
+use serde_json::Value;
+use tower::{Service, ServiceExt};
+
+use super::messages::{self, Form};
+use crate::layer::{NotExecuted, OutcomeUnknown};
+use crate::problem::ApiError;
+use crate::server::proxy::ProxyClient;
+
+/// JSON-RPC error codes that mean the request never reached the tool.
+const NOT_RUN: [i64; 4] = [-32700, -32600, -32601, -32602];
+
+/// The most of a tool call's answer read into memory.
+const MOST: usize = 64 * 1024 * 1024;
+
+/// The JSON-RPC id of the tool call a request carries (an extension).
+#[derive(Debug, Clone)]
+pub(super) struct CallId(pub Value);
+
+/// [`ProxyClient`] for guarded tool calls.
+#[derive(Clone)]
+pub(super) struct McpUpstream {
+    pub client: ProxyClient,
+}
+
+impl Service<Request<Body>> for McpUpstream {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let client = self.client.clone();
+        Box::pin(async move {
+            let id = req.extensions().get::<CallId>().map(|c| c.0.clone());
+            let res = client.oneshot(req).await?;
+            Ok(told_apart(res, id).await)
+        })
+    }
+}
+
+/// The upstream's answer, read whole and marked for the layer.
+async fn told_apart(res: Response, id: Option<Value>) -> Response {
+    let marked = |mut res: Response, unknown: bool| {
+        if unknown {
+            res.extensions_mut().insert(OutcomeUnknown);
+        } else {
+            res.extensions_mut().insert(NotExecuted);
+        }
+        res
+    };
+    if res.extensions().get::<NotExecuted>().is_some()
+        || res.extensions().get::<OutcomeUnknown>().is_some()
+    {
+        return res;
+    }
+    let status = res.status();
+    if status.is_client_error() {
+        return marked(res, false);
+    }
+    let (mut parts, body) = res.into_parts();
+    let bytes = match http_body_util::Limited::new(body, MOST).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) => {
+            tracing::warn!(error = %e, "the MCP server's answer to a tool call broke off");
+            let res = ApiError::UpstreamUnavailable(
+                "the MCP server's answer broke off; whether the tool ran is unknown".into(),
+            )
+            .into_response();
+            return marked(res, true);
+        }
+    };
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    let whole = |parts, bytes| Response::from_parts(parts, Body::from(bytes));
+    if status.is_server_error() {
+        // The layer releases its release statuses itself; any other 5xx may
+        // have come after the tool ran.
+        return whole(parts, bytes);
+    }
+    let (Some(form), Some(id)) = (Form::of(&parts.headers), id) else {
+        return whole(parts, bytes);
+    };
+    let messages = messages::read(form, &bytes).await;
+    match messages::response_to(&messages, &id) {
+        Some(response) => {
+            let code = response.pointer("/error/code").and_then(Value::as_i64);
+            let res = whole(parts, bytes);
+            match code {
+                Some(code) if NOT_RUN.contains(&code) => marked(res, false),
+                _ => res,
+            }
+        }
+        None if status.is_success() && status != http::StatusCode::ACCEPTED => {
+            tracing::warn!(
+                "the MCP server's answer to a tool call ended without its response; whether the \
+                 tool ran is unknown"
+            );
+            marked(whole(parts, bytes), true)
+        }
+        None => whole(parts, bytes),
+    }
+}

@@ -1,0 +1,52 @@
+"""An MCP server made with the official Python SDK (`mcp`), unchanged by
+idemgate: a write tool that charges, a slow one, and a read-only one. Every
+execution of a write tool appends a line to $CHARGES_LOG, so a test counts
+what really ran.
+
+    CHARGES_LOG=/tmp/charges python3 tests/mcp/server.py PORT [--json-response]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import uuid
+from typing import Any
+
+from mcp.server.mcpserver import MCPServer
+from mcp.types import ToolAnnotations
+
+server = MCPServer("payments")
+
+
+def _record(tool: str, **arguments: Any) -> str:
+    charge = f"ch_{uuid.uuid4().hex[:12]}"
+    with open(os.environ["CHARGES_LOG"], "a", encoding="utf-8") as log:
+        log.write(json.dumps({"tool": tool, "charge": charge, **arguments}) + "\n")
+    return charge
+
+
+@server.tool(description="Charge a customer an amount in cents.")
+def charge(customer: str, amount: int) -> dict[str, Any]:
+    return {"charge": _record("charge", customer=customer, amount=amount), "amount": amount}
+
+
+@server.tool(description="Charge, slowly: the charge is made after `seconds`.")
+async def slow_charge(customer: str, amount: int, seconds: float) -> dict[str, Any]:
+    await asyncio.sleep(seconds)
+    return {"charge": _record("slow_charge", customer=customer, amount=amount), "amount": amount}
+
+
+@server.tool(description="A customer's balance.", annotations=ToolAnnotations(readOnlyHint=True))
+def balance(customer: str) -> dict[str, Any]:
+    with open(os.environ["CHARGES_LOG"], "a", encoding="utf-8") as log:
+        log.write(json.dumps({"tool": "balance", "customer": customer}) + "\n")
+    return {"customer": customer, "balance": 100}
+
+
+if __name__ == "__main__":
+    port = int(sys.argv[1])
+    json_response = "--json-response" in sys.argv[2:]
+    asyncio.run(server.run_streamable_http_async(port=port, json_response=json_response))
