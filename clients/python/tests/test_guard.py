@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import uuid
+from typing import Awaitable, Callable
 
 import pytest
 
 from idemgate_client import (
+    AsyncClient,
+    AsyncGuard,
+    AsyncHolding,
     Client,
     Guard,
     Holding,
@@ -17,6 +22,7 @@ from idemgate_client import (
     KeyReused,
     NotExecuted,
     OutcomeUnknown,
+    Reconciled,
     Reserved,
     derive_key,
 )
@@ -140,7 +146,8 @@ def test_an_unknown_outcome_is_not_run_and_goes_to_the_dead_letter_queue(client,
         guard.run(key, broke, request=CHARGE)
     time.sleep(1.5)  # the lease ends: nobody knows whether the charge went out
     charge = Charges()
-    for retry in (guard, Guard(client)):  # whoever retries, whatever it would choose
+    # Whoever retries, whatever it would choose.
+    for retry in (guard, Guard(client), Guard(client, on_lease_expiry="takeover")):
         with pytest.raises(OutcomeUnknown) as unknown:
             retry.run(key, charge, request=CHARGE)
         assert unknown.value.dead_letter_reason == "outcome_unknown"
@@ -166,7 +173,7 @@ def test_the_lease_is_extended_while_a_long_effect_runs(client, server):
         target=lambda: Guard(Client(server.base_url, token=TOKEN), lease_seconds=1).run(key, slow, request=CHARGE)
     )
     holder.start()
-    time.sleep(2.0)  # two leases of 1 s: without the heartbeat, a takeover
+    time.sleep(2.0)  # two leases of 1 s: without the heartbeat, the lease would have ended
     other = Charges()
     with pytest.raises(InFlight):
         Guard(client, wait_budget=0.5, lease_seconds=1).run(key, other, request=CHARGE)
@@ -176,7 +183,8 @@ def test_the_lease_is_extended_while_a_long_effect_runs(client, server):
 
 def test_a_takeover_hands_the_attempt_and_the_recovery_point(client):
     key = fresh_key()
-    # A holder that recorded its progress, then died: its lease ends.
+    # A holder that recorded its progress, then died: its lease ends (under
+    # the reservation API's default, takeover).
     dead = client.reserve(key, request=CHARGE, lease_seconds=1)
     assert isinstance(dead, Reserved)
     client.checkpoint(dead.reservation_id, recovery_point="charge-sent", data={"charge": "ch_7"})
@@ -188,9 +196,132 @@ def test_a_takeover_hands_the_attempt_and_the_recovery_point(client):
         assert holding.recovery is not None
         return {"charge": holding.recovery.data["charge"], "reconciled": True}
 
-    result = Guard(client).run(key, reconcile, request=CHARGE)
+    # A guard that takes over without a reconcile function: its effect
+    # reconciles by itself (the caller's promise).
+    result = Guard(client, on_lease_expiry="takeover").run(key, reconcile, request=CHARGE)
     assert result == {"charge": "ch_7", "reconciled": True}
     assert seen[0].attempt == 2 and seen[0].recovery.recovery_point == "charge-sent"
+
+
+class Payments:
+    """A payments API and an effect that charges through it, counting: the
+    effect's runs, the charges it made (per key), and a crash either before
+    or after the charge on the effect's first run."""
+
+    def __init__(self, crash: str | None = None) -> None:
+        self.crash = crash
+        self.runs = 0
+        self.charges: dict[str, str] = {}
+
+    def charge(self, key: str, holding: Holding) -> dict[str, object]:
+        self.runs += 1
+        holding.checkpoint("validated", {"amount": 500})
+        if self.crash == "before" and self.runs == 1:
+            raise RuntimeError("the worker crashed before the charge went out")
+        self.charges[key] = f"ch_{len(self.charges) + 1}"
+        holding.checkpoint("charge-sent", {"charge": self.charges[key]})
+        if self.crash == "after" and self.runs == 1:
+            raise ConnectionError("the payment API hung up after charging")
+        return {"charge": self.charges[key], "attempt": holding.attempt}
+
+    def find(self, key: str) -> Reconciled[dict[str, object]] | None:
+        """What a reconcile asks the payments API: the key's charge, if any."""
+        return Reconciled({"charge": self.charges[key], "found": True}) if key in self.charges else None
+
+
+def test_by_default_an_effect_that_raised_after_acting_is_never_run_again(client):
+    payments, key = Payments(crash="after"), fresh_key()
+    guard = Guard(client, lease_seconds=1)
+    with pytest.raises(ConnectionError):
+        guard.run(key, lambda h: payments.charge(key, h), request=CHARGE)
+    time.sleep(1.5)  # the lease ends: under hold, the outcome is unknown
+    for _ in range(2):
+        with pytest.raises(OutcomeUnknown) as unknown:
+            guard.run(key, lambda h: payments.charge(key, h), request=CHARGE)
+        assert unknown.value.dead_letter_reason == "outcome_unknown"
+    assert payments.runs == 1 and len(payments.charges) == 1
+
+
+def test_a_default_guard_does_not_run_a_takeover_it_cannot_reconcile(client):
+    key = fresh_key()
+    # An earlier holder that chose takeover (the reservation API's default) dies.
+    dead = client.reserve(key, request=CHARGE, lease_seconds=1)
+    assert isinstance(dead, Reserved)
+    time.sleep(1.3)
+    charge = Charges()
+    with pytest.raises(OutcomeUnknown) as refused:
+        Guard(client, lease_seconds=1).run(key, charge, request=CHARGE)
+    assert refused.value.dead_letter_reason == "outcome_unknown"
+    time.sleep(1.3)  # the refusing guard's own lease (under hold) ends: unknown
+    with pytest.raises(OutcomeUnknown) as unknown:
+        Guard(client).run(key, charge, request=CHARGE, reconcile=lambda h: None)
+    assert unknown.value.retry_after is None
+    assert charge.runs == 0
+
+
+def test_a_reconcile_that_finds_the_effect_returns_its_result_without_running(client):
+    payments, key = Payments(crash="after"), fresh_key()
+    guard = Guard(client, lease_seconds=1)
+    seen: list[Holding] = []
+
+    def reconcile(holding: Holding) -> Reconciled[dict[str, object]] | None:
+        seen.append(holding)
+        return payments.find(key)
+
+    with pytest.raises(ConnectionError):
+        guard.run(key, lambda h: payments.charge(key, h), request=CHARGE, reconcile=reconcile)
+    time.sleep(1.5)  # the lease ends: under takeover, the next run reconciles
+    found = {"charge": "ch_1", "found": True}
+    assert guard.run(key, lambda h: payments.charge(key, h), request=CHARGE, reconcile=reconcile) == found
+    # The key is completed with the reconciled result: every run replays it.
+    assert guard.run(key, lambda h: payments.charge(key, h), request=CHARGE, reconcile=reconcile) == found
+    assert Guard(client).run(key, lambda h: payments.charge(key, h), request=CHARGE) == found
+    assert payments.runs == 1 and payments.charges == {key: "ch_1"}
+    assert len(seen) == 1 and seen[0].attempt == 2
+    assert seen[0].recovery is not None and seen[0].recovery.recovery_point == "charge-sent"
+
+
+def test_a_reconcile_that_finds_nothing_runs_the_effect_on_the_takeover(client):
+    payments, key = Payments(crash="before"), fresh_key()
+    guard = Guard(client, lease_seconds=1)
+    seen: list[Holding] = []
+
+    def reconcile(holding: Holding) -> Reconciled[dict[str, object]] | None:
+        seen.append(holding)
+        return payments.find(key)
+
+    with pytest.raises(RuntimeError):  # a crash, not NotExecuted: the key stays held
+        guard.run(key, lambda h: payments.charge(key, h), request=CHARGE, reconcile=reconcile)
+    time.sleep(1.5)
+    ran = {"charge": "ch_1", "attempt": 2}
+    assert guard.run(key, lambda h: payments.charge(key, h), request=CHARGE, reconcile=reconcile) == ran
+    assert guard.run(key, lambda h: payments.charge(key, h), request=CHARGE, reconcile=reconcile) == ran
+    # Two runs of the effect, because the first never charged: one charge.
+    assert payments.runs == 2 and payments.charges == {key: "ch_1"}
+    assert len(seen) == 1 and seen[0].attempt == 2
+    assert seen[0].recovery is not None and seen[0].recovery.recovery_point == "validated"
+    assert seen[0].recovery.data == {"amount": 500}
+
+
+def test_the_decorator_form_with_reconcile(client):
+    payments, guard, run = Payments(crash="after"), Guard(client, lease_seconds=1), f"run-{uuid.uuid4()}"
+    key_of = lambda run, step: derive_key(tenant="acme", run=run, step=step, tool="charge")  # noqa: E731
+    attempts: list[int] = []
+
+    def find(holding: Holding, run: str, step: int) -> Reconciled[dict[str, object]] | None:
+        attempts.append(holding.attempt)
+        return payments.find(key_of(run, step))
+
+    @guard.effect(key=key_of, reconcile=find)
+    def charge(holding: Holding, run: str, step: int) -> dict[str, object]:
+        return payments.charge(key_of(run, step), holding)
+
+    with pytest.raises(ConnectionError):
+        charge(run, 1)
+    time.sleep(1.5)
+    assert charge(run, 1) == {"charge": "ch_1", "found": True}
+    assert charge(run, 1) == {"charge": "ch_1", "found": True}
+    assert payments.runs == 1 and attempts == [2]
 
 
 def test_the_async_guard(server):
@@ -243,6 +374,94 @@ def test_the_async_guard(server):
 
     asyncio.run(flow())
     assert runs == 2
+
+
+class AsyncPayments(Payments):
+    """As :class:`Payments`, for the async guard."""
+
+    async def acharge(self, key: str, holding: AsyncHolding) -> dict[str, object]:
+        self.runs += 1
+        await holding.checkpoint("validated", {"amount": 500})
+        if self.crash == "before" and self.runs == 1:
+            raise RuntimeError("the worker crashed before the charge went out")
+        self.charges[key] = f"ch_{len(self.charges) + 1}"
+        await holding.checkpoint("charge-sent", {"charge": self.charges[key]})
+        if self.crash == "after" and self.runs == 1:
+            raise ConnectionError("the payment API hung up after charging")
+        return {"charge": self.charges[key], "attempt": holding.attempt}
+
+
+def _run_async(server, flow: Callable[[AsyncClient], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async with AsyncClient(server.base_url, token=TOKEN) as a:
+            await flow(a)
+
+    asyncio.run(main())
+
+
+def test_the_async_guard_by_default_never_runs_again_an_effect_that_raised_after_acting(server):
+    payments, key = AsyncPayments(crash="after"), fresh_key()
+
+    async def flow(a: AsyncClient) -> None:
+        guard = AsyncGuard(a, lease_seconds=1)
+        with pytest.raises(ConnectionError):
+            await guard.run(key, lambda h: payments.acharge(key, h), request=CHARGE)
+        await asyncio.sleep(1.5)
+        for _ in range(2):
+            with pytest.raises(OutcomeUnknown) as unknown:
+                await guard.run(key, lambda h: payments.acharge(key, h), request=CHARGE)
+            assert unknown.value.dead_letter_reason == "outcome_unknown"
+
+    _run_async(server, flow)
+    assert payments.runs == 1 and len(payments.charges) == 1
+
+
+def test_the_async_guard_with_a_reconcile_that_finds_the_effect(server):
+    payments, key = AsyncPayments(crash="after"), fresh_key()
+    seen: list[AsyncHolding] = []
+
+    async def reconcile(holding: AsyncHolding) -> Reconciled[dict[str, object]] | None:
+        seen.append(holding)
+        return payments.find(key)
+
+    async def flow(a: AsyncClient) -> None:
+        guard = AsyncGuard(a, lease_seconds=1)
+        with pytest.raises(ConnectionError):
+            await guard.run(key, lambda h: payments.acharge(key, h), request=CHARGE, reconcile=reconcile)
+        await asyncio.sleep(1.5)
+        for _ in range(2):  # the reconciled result, then its replay
+            assert await guard.run(
+                key, lambda h: payments.acharge(key, h), request=CHARGE, reconcile=reconcile
+            ) == {"charge": "ch_1", "found": True}
+
+    _run_async(server, flow)
+    assert payments.runs == 1 and payments.charges == {key: "ch_1"}
+    assert len(seen) == 1 and seen[0].attempt == 2
+    assert seen[0].recovery is not None and seen[0].recovery.recovery_point == "charge-sent"
+
+
+def test_the_async_guard_with_a_reconcile_that_finds_nothing(server):
+    payments, key = AsyncPayments(crash="before"), fresh_key()
+    seen: list[AsyncHolding] = []
+
+    async def reconcile(holding: AsyncHolding) -> Reconciled[dict[str, object]] | None:
+        seen.append(holding)
+        return payments.find(key)
+
+    async def flow(a: AsyncClient) -> None:
+        guard = AsyncGuard(a, lease_seconds=1)
+        with pytest.raises(RuntimeError):
+            await guard.run(key, lambda h: payments.acharge(key, h), request=CHARGE, reconcile=reconcile)
+        await asyncio.sleep(1.5)
+        for _ in range(2):
+            assert await guard.run(
+                key, lambda h: payments.acharge(key, h), request=CHARGE, reconcile=reconcile
+            ) == {"charge": "ch_1", "attempt": 2}
+
+    _run_async(server, flow)
+    assert payments.runs == 2 and payments.charges == {key: "ch_1"}
+    assert len(seen) == 1 and seen[0].attempt == 2
+    assert seen[0].recovery is not None and seen[0].recovery.recovery_point == "validated"
 
 
 def test_the_decorator_form(client):

@@ -3,7 +3,7 @@ export { DERIVE_KEY_TAG, derive_key } from "./keys.js";
 export type { Attempt } from "./keys.js";
 export { Client } from "./api.js";
 export { guard, InFlight, MAX_WAIT_SECONDS, NotExecuted } from "./guard.js";
-export type { GuardOptions, Holding } from "./guard.js";
+export type { GuardOptions, Holding, Reconciliation } from "./guard.js";
 export { classify, isNetworkError, RELEASED, retryingFetch, UNKNOWN } from "./retry.js";
 export type { Decision, RetryOptions, Verdict } from "./retry.js";
 export type {

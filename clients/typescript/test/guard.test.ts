@@ -4,7 +4,7 @@ import { randomUUID } from "node:crypto";
 import { after, before, describe, test } from "node:test";
 
 import {
-  Client, InFlight, KeyReused, NotExecuted, OutcomeUnknown, derive_key, guard, type Holding,
+  Client, InFlight, KeyReused, NotExecuted, OutcomeUnknown, derive_key, guard, type Holding, type Reconciliation,
 } from "../src/index.js";
 import { TOKEN, postgresWanted, settle, startServer, type Server, type Store } from "./server.js";
 
@@ -23,6 +23,34 @@ function charges(ms = 0) {
     return { charge: `ch_${n}`, attempt: holding.attempt };
   };
   return { state, effect };
+}
+
+/**
+ * A payments API and an effect that charges through it, counting: the
+ * effect's runs, the charges it made (per key), and a crash either before or
+ * after the charge on the effect's first run.
+ */
+class Payments {
+  runs = 0;
+  readonly charges = new Map<string, string>();
+  constructor(readonly crash: "before" | "after") {}
+
+  async charge(key: string, holding: Holding) {
+    this.runs += 1;
+    await holding.checkpoint("validated", { amount: 500 });
+    if (this.crash === "before" && this.runs === 1) throw new Error("the worker crashed before the charge went out");
+    const charge = `ch_${this.charges.size + 1}`;
+    this.charges.set(key, charge);
+    await holding.checkpoint("charge-sent", { charge });
+    if (this.crash === "after" && this.runs === 1) throw new Error("the payment API hung up after charging");
+    return { charge, attempt: holding.attempt } as Record<string, unknown>;
+  }
+
+  /** What a reconcile asks the payments API: the key's charge, if any. */
+  find(key: string): Reconciliation<Record<string, unknown>> {
+    const charge = this.charges.get(key);
+    return charge === undefined ? { found: false } : { found: true, result: { charge, found: true } };
+  }
 }
 
 const stores: Store[] = postgresWanted() ? ["sqlite", "postgres"] : ["sqlite"];
@@ -117,7 +145,8 @@ for (const store of stores) describe(store, () => {
     );
     await sleep(1500); // the lease ends: nobody knows whether the charge went out
     const { state, effect } = charges();
-    for (const options of [held, { request: CHARGE }]) { // whoever retries, whatever it would choose
+    // Whoever retries, whatever it would choose.
+    for (const options of [held, { request: CHARGE }, { request: CHARGE, onLeaseExpiry: "takeover" } as const]) {
       await assert.rejects(guard(idem, key, effect, options), (e: unknown) => {
         assert.ok(e instanceof OutcomeUnknown);
         assert.equal(e.deadLetterReason, "outcome_unknown");
@@ -155,7 +184,7 @@ for (const store of stores) describe(store, () => {
     const slow = charges(3500);
     const key = freshKey();
     const holder = guard(idem, key, slow.effect, { request: CHARGE, leaseSeconds: 1 });
-    await sleep(2000); // two leases of 1 s: without the heartbeat, a takeover
+    await sleep(2000); // two leases of 1 s: without the heartbeat, the lease would have ended
     const other = charges();
     await assert.rejects(guard(idem, key, other.effect, { request: CHARGE, waitBudgetMs: 500, leaseSeconds: 1 }), InFlight);
     await holder;
@@ -165,18 +194,103 @@ for (const store of stores) describe(store, () => {
 
   test("a takeover hands the attempt and the recovery point", async () => {
     const key = freshKey();
+    // A holder that recorded its progress, then died: its lease ends (under
+    // the reservation API's default, takeover).
     const dead = await idem.reserve(key, { request: CHARGE, leaseSeconds: 1 });
     if (dead.kind !== "reserved") throw new Error("not reserved");
     await idem.checkpoint(dead.reservationId, "charge-sent", { charge: "ch_7" });
     await sleep(1300);
     const seen: Holding[] = [];
+    // A guard that takes over without a reconcile: its effect reconciles by
+    // itself (the caller's promise).
     const result = await guard(idem, key, async (holding) => {
       seen.push(holding);
       const data = holding.recovery?.data as { charge: string };
       return { charge: data.charge, reconciled: true };
-    }, { request: CHARGE });
+    }, { request: CHARGE, onLeaseExpiry: "takeover" });
     assert.deepEqual(result, { charge: "ch_7", reconciled: true });
     assert.equal(seen[0]?.attempt, 2);
     assert.equal(seen[0]?.recovery?.recoveryPoint, "charge-sent");
+  });
+
+  test("by default an effect that threw after acting is never run again", async () => {
+    const payments = new Payments("after");
+    const key = freshKey();
+    const charge = (h: Holding) => payments.charge(key, h);
+    await assert.rejects(guard(idem, key, charge, { request: CHARGE, leaseSeconds: 1 }), /hung up after charging/);
+    await sleep(1500); // the lease ends: under hold, the outcome is unknown
+    for (const _ of [1, 2]) {
+      await assert.rejects(guard(idem, key, charge, { request: CHARGE, leaseSeconds: 1 }), (e: unknown) => {
+        assert.ok(e instanceof OutcomeUnknown);
+        assert.equal(e.deadLetterReason, "outcome_unknown");
+        return true;
+      });
+    }
+    assert.equal(payments.runs, 1);
+    assert.equal(payments.charges.size, 1);
+  });
+
+  test("a default guard does not run a takeover it cannot reconcile", async () => {
+    const key = freshKey();
+    // An earlier holder that chose takeover (the reservation API's default) dies.
+    await idem.reserve(key, { request: CHARGE, leaseSeconds: 1 });
+    await sleep(1300);
+    const { state, effect } = charges();
+    await assert.rejects(guard(idem, key, effect, { request: CHARGE, leaseSeconds: 1 }), OutcomeUnknown);
+    await sleep(1300); // the refusing guard's own lease (under hold) ends: unknown
+    await assert.rejects(
+      guard(idem, key, effect, { request: CHARGE, reconcile: () => ({ found: false }) }),
+      (e: unknown) => e instanceof OutcomeUnknown && e.retryAfter === undefined,
+    );
+    assert.equal(state.runs, 0);
+  });
+
+  test("a reconcile that finds the effect resolves to its result without running it", async () => {
+    const payments = new Payments("after");
+    const key = freshKey();
+    const charge = (h: Holding) => payments.charge(key, h);
+    const seen: Holding[] = [];
+    const reconcile = async (holding: Holding) => {
+      seen.push(holding);
+      return payments.find(key);
+    };
+    const options = { request: CHARGE, leaseSeconds: 1, reconcile };
+    await assert.rejects(guard(idem, key, charge, options), /hung up after charging/);
+    await sleep(1500); // the lease ends: under takeover, the next call reconciles
+    const found = { charge: "ch_1", found: true };
+    assert.deepEqual(await guard(idem, key, charge, options), found);
+    // The key is completed with the reconciled result: every call replays it.
+    assert.deepEqual(await guard(idem, key, charge, options), found);
+    assert.deepEqual(await guard(idem, key, charge, { request: CHARGE }), found);
+    assert.equal(payments.runs, 1);
+    assert.deepEqual([...payments.charges], [[key, "ch_1"]]);
+    assert.equal(seen.length, 1);
+    assert.equal(seen[0]?.attempt, 2);
+    assert.equal(seen[0]?.recovery?.recoveryPoint, "charge-sent");
+  });
+
+  test("a reconcile that finds nothing runs the effect on the takeover", async () => {
+    const payments = new Payments("before");
+    const key = freshKey();
+    const charge = (h: Holding) => payments.charge(key, h);
+    const seen: Holding[] = [];
+    const reconcile = (holding: Holding) => {
+      seen.push(holding);
+      return payments.find(key);
+    };
+    const options = { request: CHARGE, leaseSeconds: 1, reconcile };
+    // A crash, not NotExecuted: the key stays held.
+    await assert.rejects(guard(idem, key, charge, options), /crashed before the charge/);
+    await sleep(1500);
+    const ran = { charge: "ch_1", attempt: 2 };
+    assert.deepEqual(await guard(idem, key, charge, options), ran);
+    assert.deepEqual(await guard(idem, key, charge, options), ran);
+    // Two runs of the effect, because the first never charged: one charge.
+    assert.equal(payments.runs, 2);
+    assert.deepEqual([...payments.charges], [[key, "ch_1"]]);
+    assert.equal(seen.length, 1);
+    assert.equal(seen[0]?.attempt, 2);
+    assert.equal(seen[0]?.recovery?.recoveryPoint, "validated");
+    assert.deepEqual(seen[0]?.recovery?.data, { amount: 500 });
   });
 });

@@ -29,7 +29,7 @@ from .errors import (
     TenantLimit,
     Unauthorized,
 )
-from .guard import AsyncGuard, AsyncHolding, Guard, Holding, InFlight, NotExecuted
+from .guard import AsyncGuard, AsyncHolding, Guard, Holding, InFlight, NotExecuted, Reconciled
 from .keys import DERIVE_KEY_TAG, derive_key
 from .retry import AsyncRetryTransport, Decision, RetryTransport, classify
 
@@ -60,6 +60,7 @@ __all__ = [
     "OutcomeUnknown",
     "PayloadTooLarge",
     "Problem",
+    "Reconciled",
     "Record",
     "RecoveryPoint",
     "RequestInFlight",

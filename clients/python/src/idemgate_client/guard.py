@@ -10,24 +10,50 @@
   the same key) within ``wait_budget`` seconds, then :class:`InFlight` is
   raised: the step belongs in the caller's dead-letter queue, never in a
   second execution;
-- a key whose outcome is unknown (an earlier holder was cut off under
-  ``on_lease_expiry="hold"``) raises :class:`~idemgate_client.OutcomeUnknown`
-  at once and the effect does not run: the step belongs in the dead-letter
-  queue, never retried and never under a new key, until an operator settles
-  the key (completed: the next run returns that result; released: it runs);
+- a key whose outcome is unknown raises
+  :class:`~idemgate_client.OutcomeUnknown` at once and the effect does not
+  run: the step belongs in the dead-letter queue, never retried and never
+  under a new key, until an operator settles the key (completed: the next run
+  returns that result; released: it runs);
 - a key reused with another payload raises :class:`~idemgate_client.KeyReused`
   and is never retried;
-- a takeover (the earlier holder's lease ran out) hands the effect
-  ``holding.attempt > 1`` and the recovery point that holder recorded: the
-  effect must reconcile (look for what it did) before acting again;
 - the effect's lease is extended while it runs;
 - an effect that raises :class:`NotExecuted` (it failed before acting)
-  releases the key, so a retry runs it; any other exception leaves the key in
-  flight until its lease ends, because the effect may have acted. What
-  follows is the guard's ``on_lease_expiry``: ``takeover`` (the server's
-  default) hands the key to the next run, with the recovery point to
-  reconcile from; ``hold`` makes its outcome unknown, for an effect that
-  cannot reconcile, and leaves it to an operator.
+  releases the key, so a retry runs it; any other exception (or a process
+  that dies) leaves the key in flight until its lease ends, because the
+  effect may have acted.
+
+What the lease's end means is the guard's ``on_lease_expiry``:
+
+- by default ``"hold"``: a crashed effect is never run again by itself. Its
+  key's outcome becomes unknown when the lease ends, the next run raises
+  :class:`~idemgate_client.OutcomeUnknown` without running the effect, and
+  an operator settles the key;
+- with a ``reconcile`` function (``run(..., reconcile=...)``), ``"takeover"``:
+  the next run after the lease takes the key over (``holding.attempt > 1``,
+  with ``holding.recovery``, what the earlier holder recorded with
+  :meth:`Holding.checkpoint`) and calls ``reconcile(holding)`` before
+  anything else. It looks for what the earlier attempt did and returns
+  ``Reconciled(result)`` if the effect happened (that result is committed as
+  the key's and returned; the effect does not run) or ``None`` if it did not
+  (the effect runs, with ``holding.attempt > 1``)::
+
+      def find_charge(holding: Holding) -> Reconciled[Charge] | None:
+          charge = payments.find(idempotency_key=key)
+          return Reconciled(charge) if charge else None
+
+      guard.run(key, charge, request=..., reconcile=find_charge)
+
+- ``Guard(client, on_lease_expiry="takeover")`` without a ``reconcile``: the
+  effect itself is taken over, with ``holding.attempt > 1``. That is the
+  caller's promise that the effect reconciles by itself (it is idempotent on
+  the key, as a call to an API that dedupes on it is); the guard cannot check.
+
+A guard that would not take over (``"hold"``, no ``reconcile``) and still
+gets a key taken over from an earlier holder that chose ``"takeover"`` does
+not run the effect either: it raises
+:class:`~idemgate_client.OutcomeUnknown` and leaves the key to end its lease
+under ``hold``, unknown, for an operator.
 
 Both dead-letter errors, :class:`InFlight` and
 :class:`~idemgate_client.OutcomeUnknown`, carry ``dead_letter_reason``
@@ -48,13 +74,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Mapping, TypeVar, overload
 from uuid import UUID
 
 from .api import AsyncClient, Client, Completed, LeaseExpiry, RecoveryPoint, Reserved
-from .errors import IdemgateError, RequestInFlight
+from .errors import IdemgateError, OutcomeUnknown, RequestInFlight
 
-__all__ = ["AsyncGuard", "AsyncHolding", "Guard", "Holding", "InFlight", "NotExecuted"]
+__all__ = ["AsyncGuard", "AsyncHolding", "Guard", "Holding", "InFlight", "NotExecuted", "Reconciled"]
 
 T = TypeVar("T")
 
@@ -80,6 +106,53 @@ class InFlight(IdemgateError):
 
 class NotExecuted(Exception):
     """Raised by an effect that failed before it acted: the key is released."""
+
+
+@dataclass(frozen=True)
+class Reconciled(Generic[T]):
+    """What a ``reconcile`` function returns when the earlier attempt's effect
+    did happen: its result, committed as the key's and returned in place of
+    running the effect again. (``None`` says it did not happen: the effect
+    runs.)"""
+
+    result: T
+
+
+def _lease_expiry(chosen: LeaseExpiry | None, reconciles: bool) -> LeaseExpiry:
+    """The ``on_lease_expiry`` a run reserves with: the guard's, when it chose
+    one; unset, ``takeover`` with a ``reconcile`` and ``hold`` without."""
+    if chosen is not None:
+        return chosen
+    return "takeover" if reconciles else "hold"
+
+
+def _unreconciled(attempt: int) -> OutcomeUnknown:
+    """A takeover that this run cannot reconcile (no ``reconcile``, and it did
+    not choose ``takeover`` itself): whether the earlier attempt acted is
+    unknown, so the effect does not run; the key, held under ``hold``, turns
+    unknown when this run's lease ends."""
+    return OutcomeUnknown(
+        409,
+        {
+            # Raised by the guard itself (the server answered 201): its slug, no base URI.
+            "type": "outcome-unknown",
+            "title": "Outcome unknown",
+            "detail": f"the key was taken over from an earlier attempt (this is attempt {attempt}) "
+            "that may have acted, and this guard has no reconcile function: the effect is not run; "
+            "the key becomes unknown when this lease ends, for an operator to settle",
+            "attempt": attempt,
+        },
+        None,
+    )
+
+
+def _reconciled(found: object) -> Reconciled[Any] | None:
+    if found is None or isinstance(found, Reconciled):
+        return found
+    raise TypeError(
+        f"reconcile must return Reconciled(result) or None, not {type(found).__name__}; "
+        "the key is left in flight"
+    )
 
 
 @dataclass
@@ -151,10 +224,13 @@ def _pause(key: str, busy: RequestInFlight, budget: float, started: float) -> fl
 class Guard:
     """Runs effects under idempotency keys, through one :class:`Client`.
 
-    ``on_lease_expiry`` is what the guard's lease ending without a commit
-    means (the process died, or the effect raised after it may have acted):
-    unset, the server's default ``takeover``; ``"hold"`` for an effect that
-    cannot reconcile, whose key then waits for an operator.
+    ``on_lease_expiry`` is what a run's lease ending without a commit means
+    (the process died, or the effect raised after it may have acted). Unset:
+    ``"hold"`` (the key's outcome becomes unknown and waits for an
+    operator; the effect never runs again by itself), or ``"takeover"`` for a
+    run given a ``reconcile`` function, which the next run calls first.
+    ``"takeover"`` chosen here without a ``reconcile`` hands the key to the
+    effect itself: the caller's promise that the effect reconciles by itself.
     """
 
     def __init__(
@@ -181,34 +257,65 @@ class Guard:
         *,
         request: Mapping[str, Any] | None = None,
         fingerprint: str | None = None,
+        reconcile: Callable[[Holding], Reconciled[T] | None] | None = None,
     ) -> T:
         """The effect's result for ``key``: run now, or stored by an earlier run.
+
+        With ``reconcile``, the key is reserved under ``takeover``, and a run
+        that takes it over (``holding.attempt > 1``) calls
+        ``reconcile(holding)`` first: ``Reconciled(result)`` (the earlier
+        attempt's effect happened) commits and returns that result without
+        running the effect; ``None`` (it did not) runs the effect.
 
         Raises :class:`InFlight` (held past the wait budget) or
         :class:`~idemgate_client.OutcomeUnknown` without running the effect:
         both for the dead-letter queue, never for a retry under a new key.
         """
-        reserved = self._reserve(key, request, fingerprint)
+        expiry = _lease_expiry(self.on_lease_expiry, reconcile is not None)
+        reserved = self._reserve(key, request, fingerprint, expiry)
         if isinstance(reserved, Completed):
             return self.decode(reserved.response.text())  # type: ignore[no-any-return]
+        if reserved.attempt > 1 and reconcile is None and expiry == "hold":
+            raise _unreconciled(reserved.attempt)
         holding = Holding(reserved.reservation_id, reserved.attempt, reserved.recovery, self.client)
         try:
             with _Heartbeat(self.client, reserved, self.lease_seconds):
-                result = effect(holding)
+                found = None
+                if reconcile is not None and reserved.attempt > 1:
+                    found = _reconciled(reconcile(holding))
+                result: T = found.result if found is not None else effect(holding)
         except NotExecuted:
             self.client.release(reserved.reservation_id)
             raise
         self.client.commit(reserved.reservation_id, status=200, body=self.encode(result))
         return result
 
+    @overload
     def effect(
         self,
         key: Callable[..., str],
         request: Callable[..., Mapping[str, Any]] | None = None,
+    ) -> Callable[[Callable[..., T]], Callable[..., T]]: ...
+
+    @overload
+    def effect(
+        self,
+        key: Callable[..., str],
+        request: Callable[..., Mapping[str, Any]] | None = None,
+        *,
+        reconcile: Callable[..., Reconciled[T] | None],
+    ) -> Callable[[Callable[..., T]], Callable[..., T]]: ...
+
+    def effect(
+        self,
+        key: Callable[..., str],
+        request: Callable[..., Mapping[str, Any]] | None = None,
+        *,
+        reconcile: Callable[..., Reconciled[T] | None] | None = None,
     ) -> Callable[[Callable[..., T]], Callable[..., T]]:
         """The decorator form of :meth:`run`: ``key`` (and ``request``) are
-        computed from the call's arguments; the function gets the
-        :class:`Holding` first, then those arguments::
+        computed from the call's arguments; the function (and ``reconcile``,
+        if given) gets the :class:`Holding` first, then those arguments::
 
             @guard.effect(key=lambda run, step, args: derive_key(tenant="acme", run=run, step=step, tool="charge"),
                           request=lambda run, step, args: {"method": "POST", "path": "/charges", "body": args})
@@ -225,6 +332,7 @@ class Guard:
                     key(*args, **kwargs),
                     lambda holding: fn(holding, *args, **kwargs),
                     request=request(*args, **kwargs) if request is not None else None,
+                    reconcile=(lambda holding: reconcile(holding, *args, **kwargs)) if reconcile is not None else None,
                 )
 
             return guarded
@@ -232,7 +340,7 @@ class Guard:
         return decorate
 
     def _reserve(
-        self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None
+        self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None, expiry: LeaseExpiry
     ) -> Reserved | Completed:
         started = time.monotonic()
         while True:
@@ -243,7 +351,7 @@ class Guard:
                     fingerprint=fingerprint,
                     lease_seconds=self.lease_seconds,
                     wait=_wait_for(self.wait_budget, started),
-                    on_lease_expiry=self.on_lease_expiry,
+                    on_lease_expiry=expiry,
                 )
             except RequestInFlight as busy:
                 time.sleep(_pause(key, busy, self.wait_budget, started))
@@ -264,7 +372,9 @@ class AsyncHolding:
 
 
 class AsyncGuard:
-    """As :class:`Guard`, over an :class:`AsyncClient`, for async effects."""
+    """As :class:`Guard`, over an :class:`AsyncClient`, for async effects
+    (and an async ``reconcile``). ``on_lease_expiry`` unset: ``"hold"``, or
+    ``"takeover"`` for a run given a ``reconcile``."""
 
     def __init__(
         self,
@@ -290,11 +400,20 @@ class AsyncGuard:
         *,
         request: Mapping[str, Any] | None = None,
         fingerprint: str | None = None,
+        reconcile: Callable[[AsyncHolding], Awaitable[Reconciled[T] | None]] | None = None,
     ) -> T:
-        """The effect's result for ``key``: run now, or stored by an earlier run."""
-        reserved = await self._reserve(key, request, fingerprint)
+        """The effect's result for ``key``: run now, or stored by an earlier run.
+
+        ``reconcile`` as in :meth:`Guard.run`, awaited: on a takeover
+        (``holding.attempt > 1``) it runs first, and ``Reconciled(result)``
+        is committed and returned without running the effect.
+        """
+        expiry = _lease_expiry(self.on_lease_expiry, reconcile is not None)
+        reserved = await self._reserve(key, request, fingerprint, expiry)
         if isinstance(reserved, Completed):
             return self.decode(reserved.response.text())  # type: ignore[no-any-return]
+        if reserved.attempt > 1 and reconcile is None and expiry == "hold":
+            raise _unreconciled(reserved.attempt)
         holding = AsyncHolding(reserved.reservation_id, reserved.attempt, reserved.recovery, self.client)
         every = _beat_every(reserved, self.lease_seconds)
 
@@ -308,7 +427,10 @@ class AsyncGuard:
 
         heartbeat = asyncio.create_task(beat())
         try:
-            result = await effect(holding)
+            found = None
+            if reconcile is not None and reserved.attempt > 1:
+                found = _reconciled(await reconcile(holding))
+            result: T = found.result if found is not None else await effect(holding)
         except NotExecuted:
             await self.client.release(reserved.reservation_id)
             raise
@@ -318,7 +440,7 @@ class AsyncGuard:
         return result
 
     async def _reserve(
-        self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None
+        self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None, expiry: LeaseExpiry
     ) -> Reserved | Completed:
         started = time.monotonic()
         while True:
@@ -329,7 +451,7 @@ class AsyncGuard:
                     fingerprint=fingerprint,
                     lease_seconds=self.lease_seconds,
                     wait=_wait_for(self.wait_budget, started),
-                    on_lease_expiry=self.on_lease_expiry,
+                    on_lease_expiry=expiry,
                 )
             except RequestInFlight as busy:
                 await asyncio.sleep(_pause(key, busy, self.wait_budget, started))
