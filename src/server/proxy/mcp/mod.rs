@@ -6,7 +6,7 @@
 //!   `initialize`, notifications, resources, prompts, the session and
 //!   protocol headers) but two messages: `tools/list` answers, whose guarded
 //!   tools gain an optional `idempotency_key` argument in their input schema
-//!   ([`tools`]), and `tools/call` requests of guarded tools.
+//!   (`tools.rs`), and `tools/call` requests of guarded tools.
 //! * A guarded call's key is its `idempotency_key` argument (removed before
 //!   it is forwarded, unless the tool declares it), or
 //!   `params._meta["dev.idemgate/idempotency-key"]`, or the key header; the
