@@ -138,13 +138,16 @@ class Origin:
     """A payments API that counts its charges, per idempotency key: ``/slow/MS``
     takes that long, ``/flaky`` answers 503 to a key's first call, ``/hangup``
     charges and then closes the connection without answering, ``/events``
-    streams."""
+    streams; ``GET /charges`` with the key finds the key's last charge (404:
+    none), as a reconcile asks a payments API."""
 
     def __init__(self) -> None:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.charges: dict[str, int] = {}
+        #: The last charge answered per key (GET /charges looks it up).
+        self.answers: dict[str, bytes] = {}
         self.calls: dict[str, int] = {}
         self.lock = threading.Lock()
         # /events: when each event was sent, per key; a test releases each
@@ -156,6 +159,15 @@ class Origin:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *_: object) -> None:
                 pass
+
+            def do_GET(self) -> None:
+                key = self.headers.get("idempotency-key", "")
+                with origin.lock:
+                    found = origin.answers.get(key)
+                if found is None:
+                    self._answer(404, b'{"error":"no charge"}')
+                else:
+                    self._answer(200, found)
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
@@ -172,6 +184,7 @@ class Origin:
                     # any answer: whether it happened, the caller cannot tell.
                     with origin.lock:
                         origin.charges[key] = origin.charges.get(key, 0) + 1
+                        origin.answers[key] = f'{{"charge":"ch_{sum(origin.charges.values())}"}}'.encode()
                     self.close_connection = True
                     return
                 if self.path.startswith("/flaky") and call == 1:
@@ -182,7 +195,8 @@ class Origin:
                 with origin.lock:
                     origin.charges[key] = origin.charges.get(key, 0) + 1
                     n = sum(origin.charges.values())
-                self._answer(201, f'{{"charge":"ch_{n}"}}'.encode())
+                    origin.answers[key] = f'{{"charge":"ch_{n}"}}'.encode()
+                self._answer(201, origin.answers[key])
 
             def _events(self, key: str) -> None:
                 """Three server-sent events, each after the one before has been
