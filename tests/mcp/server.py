@@ -17,6 +17,7 @@ from typing import Any
 
 from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
+from pydantic import BaseModel
 
 server = MCPServer("payments")
 
@@ -37,6 +38,16 @@ def charge(customer: str, amount: int) -> dict[str, Any]:
 async def slow_charge(customer: str, amount: int, seconds: float) -> dict[str, Any]:
     await asyncio.sleep(seconds)
     return {"charge": _record("slow_charge", customer=customer, amount=amount), "amount": amount}
+
+
+class Charge(BaseModel):
+    charge: str
+    amount: int
+
+
+@server.tool(description="Charge, with a typed result (the tool declares an outputSchema).")
+def typed_charge(customer: str, amount: int) -> Charge:
+    return Charge(charge=_record("typed_charge", customer=customer, amount=amount), amount=amount)
 
 
 @server.tool(description="A customer's balance.", annotations=ToolAnnotations(readOnlyHint=True))

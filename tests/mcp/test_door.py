@@ -134,8 +134,13 @@ def key() -> str:
 
 
 def problem_type(result: Any) -> str:
+    """The problem's name of a refusal: from its _meta, which it always has,
+    after checking its structuredContent says the same where there is one."""
     assert result.is_error, result
-    return str(result.structured_content["type"]).rsplit("/", 1)[-1]
+    problem = result.meta["dev.idemgate/problem"]
+    if result.structured_content is not None:
+        assert result.structured_content == problem
+    return str(problem["type"]).rsplit("/", 1)[-1]
 
 
 def test_tools_list_offers_the_key_to_write_tools_only(rig: Rig) -> None:
@@ -200,6 +205,26 @@ def test_another_amount_under_the_same_key_is_an_error_result(rig: Rig) -> None:
     assert problem_type(other) == "key-reused"
     assert "key-reused" in other.content[0].text
     assert len(rig.executions("charge")) == 1
+
+
+def test_a_typed_tools_refusal_leaves_its_structured_content_alone(rig: Rig) -> None:
+    """A tool with an outputSchema: clients check structuredContent against
+    it (the TypeScript SDK even for error results), so a refusal carries its
+    problem in _meta and text only."""
+    k = key()
+
+    async def go() -> tuple[Any, Any]:
+        async with session(rig.url) as s:
+            await s.list_tools()
+            first = await s.call_tool("typed_charge", {"customer": "c8", "amount": 5, "idempotency_key": k})
+            other = await s.call_tool("typed_charge", {"customer": "c8", "amount": 6, "idempotency_key": k})
+            return first, other
+
+    first, other = asyncio.run(go())
+    assert not first.is_error and first.structured_content["amount"] == 5
+    assert problem_type(other) == "key-reused"
+    assert other.structured_content is None
+    assert len(rig.executions("typed_charge")) == 1
 
 
 def test_a_key_that_is_not_a_string_is_an_error_result(rig: Rig) -> None:

@@ -77,6 +77,20 @@ const BY_SLUG = new Map<string, typeof Problem>(
   ].map((cls) => [cls.slug, cls]),
 );
 
+/**
+ * The error for a problem carried in another form than an HTTP answer (an
+ * MCP tool result's `structuredContent`), or undefined when `body.type` names
+ * none of idemgate's problems (it must be the problem's name or end in
+ * `/` and it).
+ */
+export function problemOf(status: number, body: Record<string, unknown>, retryAfter: number | undefined): Problem | undefined {
+  const type = body["type"];
+  if (typeof type !== "string") return undefined;
+  const slug = type.split("/").pop() ?? "";
+  const cls = BY_SLUG.get(slug);
+  return cls === undefined ? undefined : new cls(status, body, retryAfter);
+}
+
 /** The error for an answer that is not a success. */
 export async function problemFrom(response: Response): Promise<Problem> {
   let body: Record<string, unknown> = {};

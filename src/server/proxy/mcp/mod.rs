@@ -47,6 +47,9 @@ use crate::server::proxy::ProxyClient;
 /// Where a call's `_meta` may carry the key.
 const META_KEY: &str = "dev.idemgate/idempotency-key";
 
+/// Where a refusal's `_meta` carries its problem.
+pub const PROBLEM_META: &str = "dev.idemgate/problem";
+
 /// The JSON-RPC error code of a call idemgate could not take to the tool.
 const UNAVAILABLE: i64 = -32000;
 
@@ -190,7 +193,9 @@ impl Door {
         let tool = self.catalogue.tool(&name);
         let key = match take_key(&mut message, !tool.declares_key) {
             Ok(key) => key,
-            Err(why) => return refused(&id, &accept, &ApiError::KeyInvalid(why)),
+            Err(why) => {
+                return refused(&id, &accept, tool.typed_output, &ApiError::KeyInvalid(why));
+            }
         };
         match key {
             Some(key) => match sf_string(&key) {
@@ -201,7 +206,7 @@ impl Door {
                     let e = ApiError::KeyInvalid(
                         "the idempotency key must be printable ASCII (1 to 255 characters)".into(),
                     );
-                    return refused(&id, &accept, &e);
+                    return refused(&id, &accept, tool.typed_output, &e);
                 }
             },
             None if parts.headers.contains_key(&self.key_header) || self.require_key => {}
@@ -223,7 +228,7 @@ impl Door {
             Ok(res) => res,
             Err(never) => match never {},
         };
-        answered(res, &id, &accept).await
+        answered(res, &id, &accept, tool.typed_output).await
     }
 }
 
@@ -261,7 +266,7 @@ fn sf_string(key: &str) -> Option<HeaderValue> {
 }
 
 /// The layer's answer to a guarded call, as its MCP client takes it.
-async fn answered(res: Response, id: &Value, request: &HeaderMap) -> Response {
+async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: bool) -> Response {
     if let Some(OwnProblem(_)) = res.extensions().get::<OwnProblem>().copied() {
         let (parts, body) = res.into_parts();
         let problem = body
@@ -270,7 +275,7 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap) -> Response {
             .ok()
             .and_then(|b| serde_json::from_slice::<Value>(&b.to_bytes()).ok())
             .unwrap_or_else(|| json!({ "status": parts.status.as_u16() }));
-        return problem_answer(id, request, parts.status, problem);
+        return problem_answer(id, request, parts.status, problem, typed_output);
     }
     let replayed = res
         .headers()
@@ -324,17 +329,30 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap) -> Response {
     messages::answer(Form::for_request(request, stored_form), &message, headers)
 }
 
-/// A refusal of the layer's or the door's own.
-fn refused(id: &Value, request: &HeaderMap, e: &ApiError) -> Response {
+/// A refusal of the door's own.
+fn refused(id: &Value, request: &HeaderMap, typed_output: bool, e: &ApiError) -> Response {
     let problem =
         serde_json::to_value(e.problem(crate::problem::DEFAULT_PROBLEM_BASE)).unwrap_or_default();
-    problem_answer(id, request, e.status(), problem)
+    problem_answer(id, request, e.status(), problem, typed_output)
 }
 
 /// An idemgate problem as an MCP answer: a refusal the model can read (a
 /// tool result with `isError`), or, for what is no refusal of the call (a
 /// store or upstream away, a fault), a JSON-RPC error.
-fn problem_answer(id: &Value, request: &HeaderMap, status: StatusCode, problem: Value) -> Response {
+///
+/// The refusal's problem goes in `structuredContent`, and in
+/// `_meta["dev.idemgate/problem"]`; for a tool whose `outputSchema` a
+/// problem would not satisfy (`typed_output`), only in `_meta`: the
+/// TypeScript SDK checks an error result's `structuredContent` against that
+/// schema too, and would turn the refusal into a protocol error the model
+/// never sees.
+fn problem_answer(
+    id: &Value,
+    request: &HeaderMap,
+    status: StatusCode,
+    problem: Value,
+    typed_output: bool,
+) -> Response {
     let title = problem["title"].as_str().unwrap_or("Refused").to_owned();
     let detail = problem["detail"].as_str().unwrap_or_default().to_owned();
     let slug = problem["type"]
@@ -345,20 +363,24 @@ fn problem_answer(id: &Value, request: &HeaderMap, status: StatusCode, problem: 
     let form = Form::for_request(request, Form::Json);
     let message = if status.is_client_error() && status != StatusCode::PAYLOAD_TOO_LARGE {
         let mut text = format!("idemgate refused this call ({slug}): {detail}");
+        if !text.ends_with('.') {
+            text.push('.');
+        }
         if let Some(secs) = problem["retry_after_seconds"].as_u64() {
             text.push_str(&format!(
                 " Repeat the call with the same idempotency_key in {secs} s."
             ));
         }
         let structured: Map<String, Value> = problem.as_object().cloned().unwrap_or_default();
-        messages::result(
-            id,
-            json!({
-                "content": [{ "type": "text", "text": text }],
-                "structuredContent": structured,
-                "isError": true,
-            }),
-        )
+        let mut result = json!({
+            "content": [{ "type": "text", "text": text }],
+            "isError": true,
+            "_meta": { PROBLEM_META: structured },
+        });
+        if !typed_output {
+            result["structuredContent"] = Value::Object(structured);
+        }
+        messages::result(id, result)
     } else {
         messages::error(
             id,

@@ -23,6 +23,11 @@ pub(super) struct Tool {
     /// Its input schema declares `idempotency_key` itself: the argument is
     /// the tool's, and is forwarded.
     pub declares_key: bool,
+    /// It declares an `outputSchema` that a problem document would not
+    /// satisfy: clients check a result's `structuredContent` against it (the
+    /// TypeScript SDK, error results included), so a refusal must not carry
+    /// its problem there.
+    pub typed_output: bool,
 }
 
 /// The tools of the upstream, as its last `tools/list` answers said, and
@@ -84,11 +89,15 @@ impl Catalogue {
                 .pointer("/inputSchema/properties")
                 .and_then(Value::as_object)
                 .is_some_and(|p| p.contains_key(KEY_ARGUMENT));
+            let typed_output = tool
+                .get("outputSchema")
+                .is_some_and(|schema| !takes_a_problem(schema));
             learnt.push((
                 name.to_owned(),
                 Tool {
                     read_only,
                     declares_key,
+                    typed_output,
                 },
             ));
         }
@@ -118,6 +127,45 @@ impl Catalogue {
     }
 }
 
+/// Whether a problem document (`type`, `title`, `status`, `detail`, and
+/// perhaps `retry_after_seconds`, `lease_expires_at`) satisfies an output
+/// schema, as far as a conservative reading tells: an object schema that
+/// requires none of what a problem may lack, allows members it does not
+/// list, and types the ones it lists as a problem does.
+fn takes_a_problem(schema: &Value) -> bool {
+    const ALWAYS: [&str; 4] = ["type", "title", "status", "detail"];
+    let Some(schema) = schema.as_object() else {
+        return false;
+    };
+    if schema.get("type").is_some_and(|t| t != "object") {
+        return false;
+    }
+    let required_ok = schema
+        .get("required")
+        .and_then(Value::as_array)
+        .is_none_or(|required| {
+            required
+                .iter()
+                .all(|r| r.as_str().is_some_and(|r| ALWAYS.contains(&r)))
+        });
+    let open = schema.get("additionalProperties") != Some(&Value::Bool(false));
+    let typed_alike = schema
+        .get("properties")
+        .and_then(Value::as_object)
+        .is_none_or(|properties| {
+            properties.iter().all(|(name, p)| {
+                let want = match name.as_str() {
+                    "type" | "title" | "detail" | "lease_expires_at" => "string",
+                    "status" | "retry_after_seconds" => "integer",
+                    _ => return true,
+                };
+                p.get("type")
+                    .is_none_or(|t| t == want || (want == "integer" && t == "number"))
+            })
+        });
+    required_ok && open && typed_alike
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,7 +177,8 @@ mod tests {
             { "name": "balance", "annotations": { "readOnlyHint": true },
               "inputSchema": { "type": "object", "properties": {} } },
             { "name": "own_key", "inputSchema": { "type": "object",
-                "properties": { "idempotency_key": { "type": "string" } } } },
+                "properties": { "idempotency_key": { "type": "string" } } },
+              "outputSchema": { "type": "object", "required": ["charge"] } },
         ]})
     }
 
@@ -150,6 +199,26 @@ mod tests {
         assert!(catalogue.guarded("charge"));
         assert!(!catalogue.guarded("balance"));
         assert!(catalogue.tool("own_key").declares_key);
+        assert!(catalogue.tool("own_key").typed_output);
+        assert!(!catalogue.tool("charge").typed_output);
+    }
+
+    #[test]
+    fn an_open_object_schema_takes_a_problem_and_a_typed_one_does_not() {
+        assert!(takes_a_problem(
+            &json!({ "type": "object", "additionalProperties": true })
+        ));
+        assert!(takes_a_problem(&json!({ "type": "object",
+            "properties": { "status": { "type": "integer" } } })));
+        assert!(!takes_a_problem(
+            &json!({ "type": "object", "required": ["charge"] })
+        ));
+        assert!(!takes_a_problem(
+            &json!({ "type": "object", "additionalProperties": false })
+        ));
+        assert!(!takes_a_problem(&json!({ "type": "object",
+            "properties": { "status": { "type": "string" } } })));
+        assert!(!takes_a_problem(&json!({ "type": "array" })));
     }
 
     #[test]
