@@ -24,6 +24,7 @@ mod keep_alive;
 mod layer;
 mod lifecycle;
 mod limits;
+mod mcp;
 mod metrics;
 mod openapi;
 mod outage;

@@ -18,8 +18,9 @@ use uuid::Uuid;
 
 /// `inner` with claims delayed by `claim_delay`, the answers of the next
 /// `lose` claims lost after they applied, those of the next `late` claims
-/// given `late_by` after they applied, and the next `refuse_extends` lease
-/// extensions failed as if the store were away.
+/// given `late_by` after they applied, the next `refuse_extends` lease
+/// extensions failed as if the store were away, and, while `away`, every
+/// claim failed so before it reaches the store.
 pub struct Faulty {
     pub inner: Arc<dyn Store>,
     pub claim_delay: Duration,
@@ -27,6 +28,7 @@ pub struct Faulty {
     pub late: AtomicUsize,
     pub late_by: Duration,
     pub refuse_extends: AtomicUsize,
+    pub away: std::sync::atomic::AtomicBool,
 }
 
 impl Faulty {
@@ -38,6 +40,7 @@ impl Faulty {
             late: AtomicUsize::new(0),
             late_by: Duration::ZERO,
             refuse_extends: AtomicUsize::new(0),
+            away: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -46,6 +49,9 @@ impl Faulty {
 impl Store for Faulty {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
         tokio::time::sleep(self.claim_delay).await;
+        if self.away.load(Ordering::SeqCst) {
+            return Err(StoreError::unavailable("the store is away"));
+        }
         let claim = self.inner.reserve(req).await?;
         let lose = self
             .lose
