@@ -59,6 +59,7 @@ class Rig:
     proxy: subprocess.Popen[bytes] | None = None
     server_port: int = 0
     url: str = ""
+    admin: str = ""
 
     @property
     def log(self) -> Path:
@@ -93,6 +94,7 @@ class Rig:
         )
         wait_for(f"http://127.0.0.1:{admin}/healthz", "idemgate proxy")
         self.url = f"http://127.0.0.1:{port}/mcp"
+        self.admin = f"http://127.0.0.1:{admin}"
 
     def executions(self, tool: str | None = None) -> list[dict[str, Any]]:
         if not self.log.exists():
@@ -307,4 +309,23 @@ def test_a_server_killed_during_a_call_leaves_the_key_unknown(rig: Rig) -> None:
     result = asyncio.run(again())
     # Whether the charge was made is unknown: never run again by itself (§2).
     assert problem_type(result) == "outcome-unknown"
+    assert rig.executions("slow_charge") == []
+
+    # An operator looks (the server's own records) and settles the key with
+    # what happened, the tool's result alone; every repeat then gets it.
+    stuck = httpx.get(f"{rig.admin}/v1/admin/keys", params={"state": "unknown"}, timeout=10).json()["keys"]
+    assert len(stuck) == 1, stuck
+    settled = {"content": [{"type": "text", "text": "ch_ops"}],
+               "structuredContent": {"charge": "ch_ops", "amount": 100}, "isError": False}
+    answer = httpx.post(
+        f"{rig.admin}/v1/admin/keys/{stuck[0]['tenant']}/{stuck[0]['key_hash']}/resolve",
+        json={"action": "complete", "reason": "the ledger shows ch_ops",
+              "response": {"status": 200, "headers": [["content-type", "application/json"]],
+                           "body": json.dumps(settled)}},
+        timeout=10,
+    )
+    assert answer.status_code == 200, answer.text
+    replayed = asyncio.run(again())
+    assert not replayed.is_error, replayed
+    assert replayed.structured_content == {"charge": "ch_ops", "amount": 100}
     assert rig.executions("slow_charge") == []

@@ -319,11 +319,19 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: 
         .iter()
         .rev()
         .find(|m| m.get("result").is_some() || m.get("error").is_some());
-    let Some(stored) = stored else {
-        return Response::from_parts(parts, Body::from(bytes));
+    let message = match stored {
+        Some(stored) => {
+            let mut message = stored.clone();
+            message["id"] = id.clone();
+            message
+        }
+        // What an operator settled the key with (`idemgate keys resolve
+        // --complete`) may be the tool's result alone.
+        None => match messages.last() {
+            Some(result @ Value::Object(_)) => messages::result(id, result.clone()),
+            _ => return Response::from_parts(parts, Body::from(bytes)),
+        },
     };
-    let mut message = stored.clone();
-    message["id"] = id.clone();
     let mut headers = parts.headers;
     headers.remove(http::header::ETAG);
     messages::answer(Form::for_request(request, stored_form), &message, headers)
