@@ -6,9 +6,10 @@
 //! * A JSON-RPC error that says the call never reached the tool (parse
 //!   error, invalid request, method not found, invalid params) or a `4xx`
 //!   (no session, a bad header): not executed, the key is released.
-//! * A `5xx` the layer does not release, a body that breaks off, or a
-//!   `2xx` without the call's response: the tool may have run, so the
-//!   outcome is unknown (§2).
+//! * A body that breaks off, or a `2xx` without the call's response: the
+//!   tool may have run, so the outcome is unknown (§2).
+//! * A release status (`IDEMGATE_RELEASE_STATUSES`) is released by the
+//!   layer; any other `5xx` is stored, as the HTTP door stores a `500`.
 //! * Anything else, a tool result with `isError` included, is stored: the
 //!   tool ran.
 
