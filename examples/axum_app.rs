@@ -4,16 +4,19 @@
 //! cargo run --example axum_app
 //! # in another shell:
 //! J='content-type: application/json'
-//! curl -si localhost:3001/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":500}'  # 201, ch_1
-//! curl -si localhost:3001/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":500}'  # replayed
-//! curl -si localhost:3001/charges -H "$J" -H 'Idempotency-Key: "order-1"' -d '{"amount":900}'  # 422
-//! curl -si localhost:3001/charges -H "$J" -d '{"amount":500}'                                  # 400 key-missing
-//! curl -s localhost:3001/charges                                                               # still 1 charge
+//! K="Idempotency-Key: \"order-$(date +%s)\""   # a new key (a quoted sf-string) each time through
+//! curl -si localhost:3001/charges -H "$J" -H "$K" -d '{"amount":500}'  # 201, a new charge (ch_1 on a fresh start)
+//! curl -si localhost:3001/charges -H "$J" -H "$K" -d '{"amount":500}'  # replayed: the same charge
+//! curl -si localhost:3001/charges -H "$J" -H "$K" -d '{"amount":900}'  # 422 key-reused
+//! curl -si localhost:3001/charges -H "$J" -d '{"amount":500}'          # 400 key-missing
+//! curl -s localhost:3001/charges                                       # one charge per key, not per request
 //! ```
 //!
-//! The keys live in `idemgate-example.db` in the temp directory; `LISTEN`
-//! overrides the address (default 127.0.0.1:3001, beside the proxy quick
-//! start's origin on 3000).
+//! The keys live in `idemgate-example.db` in the temp directory and outlive
+//! the app (the charge counter does not): a key used before replays its
+//! first response, so each time through takes a new one. `LISTEN` overrides
+//! the address (default 127.0.0.1:3001, beside the proxy quick start's
+//! origin on 3000).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
