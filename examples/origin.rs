@@ -3,11 +3,13 @@
 //! the README's "Reverse proxy" section):
 //!
 //! ```sh
-//! cargo run --release --example origin                           # 127.0.0.1:3000
+//! cargo run --release --bin idemgate-demo-origin                 # 127.0.0.1:3000
 //! DATABASE_URL=sqlite://proxy.db cargo run --release -- proxy --upstream http://127.0.0.1:3000
 //! ```
 //!
-//! `LISTEN` overrides the address.
+//! It is the bin `idemgate-demo-origin` (Cargo.toml says why it is not an
+//! example), which `cargo build --release` builds beside the server and the
+//! container image carries. `LISTEN` overrides the address.
 
 use std::sync::Arc;
 

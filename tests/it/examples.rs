@@ -8,8 +8,12 @@ use std::time::{Duration, Instant};
 
 /// An example binary `cargo test` built beside this test (a plain
 /// `cargo test` builds the examples; `cargo test --test it examples::` alone does
-/// not, so run `cargo build --examples` first then).
+/// not, so run `cargo build --examples` first then). The origin is the bin
+/// `idemgate-demo-origin`, which cargo always builds for the tests.
 fn example(name: &str) -> PathBuf {
+    if name == "origin" {
+        return PathBuf::from(env!("CARGO_BIN_EXE_idemgate-demo-origin"));
+    }
     let exe = std::env::current_exe().unwrap();
     let debug = exe.parent().and_then(|deps| deps.parent()).unwrap();
     debug.join("examples").join(name)
