@@ -1,22 +1,28 @@
 # syntax=docker/dockerfile:1
 # Build stage: the release binary, and the demo origin the compose file puts
-# behind the proxy.
+# behind the proxy (a bin of the crate, so no dev-dependency is compiled).
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
-COPY Cargo.toml Cargo.lock ./
+# Cargo loads every workspace member's manifest (bench/, campaign/) even to
+# build one package, and --locked checks the lock file against all of them.
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY bench ./bench
+COPY campaign ./campaign
 COPY src ./src
 COPY migrations ./migrations
 COPY examples ./examples
-RUN cargo build --release --locked --bin idemgate --example origin
+RUN cargo build --release --locked --bin idemgate --bin idemgate-demo-origin
 
-# Runtime stage: a small image, run as an unprivileged user.
+# Runtime stage: a small image, run as an unprivileged user. The SQLite store
+# (the default DATABASE_URL, sqlite://idemgate.db) lands in the working
+# directory, /var/lib/idemgate: mount a volume there to keep it.
 FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --home-dir /var/lib/idemgate --create-home idemgate
 COPY --from=build /src/target/release/idemgate /usr/local/bin/idemgate
-COPY --from=build /src/target/release/examples/origin /usr/local/bin/idemgate-demo-origin
+COPY --from=build /src/target/release/idemgate-demo-origin /usr/local/bin/idemgate-demo-origin
 USER idemgate
 WORKDIR /var/lib/idemgate
 EXPOSE 8080 8081 9090

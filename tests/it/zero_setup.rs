@@ -103,11 +103,52 @@ fn the_container_files_run_what_exists() {
     let dockerfile = std::fs::read_to_string(format!("{root}/Dockerfile")).unwrap();
     let compose = std::fs::read_to_string(format!("{root}/docker-compose.yml")).unwrap();
     assert!(dockerfile.matches("\nFROM ").count() >= 2, "multi-stage");
-    assert!(dockerfile.contains("cargo build --release --locked --bin idemgate --example origin"));
+    assert!(
+        dockerfile
+            .contains("cargo build --release --locked --bin idemgate --bin idemgate-demo-origin")
+    );
     assert!(
         std::path::Path::new(&format!("{root}/examples/origin.rs")).exists(),
         "the demo origin the image carries"
     );
+    // Cargo loads every workspace member's manifest to build any package:
+    // the build stage must COPY each member, or it fails before compiling.
+    let build_stage = dockerfile
+        .split("\nFROM ")
+        .find(|stage| stage.contains(" AS build"))
+        .expect("a stage named build");
+    let copied: Vec<&str> = build_stage
+        .lines()
+        .filter_map(|l| l.strip_prefix("COPY "))
+        .flat_map(|args| {
+            let words: Vec<&str> = args.split_whitespace().collect();
+            words[..words.len() - 1].to_vec()
+        })
+        .collect();
+    let manifest: toml::Table = std::fs::read_to_string(format!("{root}/Cargo.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let members = manifest["workspace"]["members"].as_array().unwrap();
+    for member in members.iter().map(|m| m.as_str().unwrap()) {
+        assert!(
+            copied.contains(&member),
+            "the build stage does not COPY the workspace member {member}"
+        );
+    }
+    for needed in [
+        "Cargo.toml",
+        "Cargo.lock",
+        "build.rs",
+        "src",
+        "migrations",
+        "examples",
+    ] {
+        assert!(
+            copied.contains(&needed),
+            "the build stage does not COPY {needed}"
+        );
+    }
     assert!(dockerfile.contains("ENTRYPOINT [\"idemgate\"]"));
     let user = dockerfile
         .lines()
