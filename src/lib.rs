@@ -37,6 +37,7 @@ mod replay_cache;
 pub mod seal;
 #[cfg(feature = "server")]
 pub mod server;
+pub mod spans;
 pub mod store;
 mod telemetry;
 

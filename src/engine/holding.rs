@@ -3,15 +3,33 @@
 //! refused.
 
 use chrono::{DateTime, Utc};
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::decide::refusal_for;
 use super::{CommitOutcome, Engine, EngineError, Lookup, Refusal};
+use crate::spans;
 use crate::store::{KeyState, Record, Recovery, StoredResponse};
 
 impl Engine {
-    /// Stores the response of reservation `id` and completes its key.
+    /// Stores the response of reservation `id` and completes its key, in a
+    /// span of its own ([`spans::COMMIT`]).
     pub async fn commit(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        response: &StoredResponse,
+    ) -> Result<CommitOutcome, EngineError> {
+        let span = spans::commit(response.status);
+        let outcome = self
+            .commit_unspanned(tenant, id, response)
+            .instrument(span.clone())
+            .await;
+        spans::committed(&span, &outcome);
+        outcome
+    }
+
+    async fn commit_unspanned(
         &self,
         tenant: &str,
         id: Uuid,
@@ -57,8 +75,27 @@ impl Engine {
         })
     }
 
-    /// Forgets an in-flight key whose effect never started.
+    /// Forgets an in-flight key whose effect never started, in a span of its
+    /// own ([`spans::RELEASE`]).
     pub async fn release(
+        &self,
+        tenant: &str,
+        id: Uuid,
+    ) -> Result<Result<(), Refusal>, EngineError> {
+        let span = spans::release();
+        let outcome = self
+            .release_unspanned(tenant, id)
+            .instrument(span.clone())
+            .await;
+        match &outcome {
+            Ok(Ok(())) => span.record("idemgate.outcome", "released"),
+            Ok(Err(_)) => span.record("idemgate.outcome", "refused"),
+            Err(_) => span.record("otel.status_code", "ERROR"),
+        };
+        outcome
+    }
+
+    async fn release_unspanned(
         &self,
         tenant: &str,
         id: Uuid,

@@ -7,17 +7,30 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::decide::{claimable, decide, decide_completed};
 use super::{Engine, EngineError, ReserveOutcome, ReserveRequest};
+use crate::spans;
 use crate::store::{ClaimRequest, Record};
 use crate::telemetry;
 
 impl Engine {
     /// Reserves a key; with `wait`, holds the caller while another holder's
     /// lease is alive, without holding a database connection in between.
+    /// In a span of its own ([`spans::CLAIM`]).
     pub async fn reserve(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        let wait_ms = req.wait.map_or(0, |w| {
+            u64::try_from(w.min(self.limits.max_wait).as_millis()).unwrap_or(u64::MAX)
+        });
+        let span = spans::claim(&req.key_hash, wait_ms);
+        let decision = self.reserve_unspanned(req).instrument(span.clone()).await;
+        spans::claimed(&span, &decision);
+        decision
+    }
+
+    async fn reserve_unspanned(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
         if let Some(outcome) = self.cached_outcome(req) {
             return Ok(outcome);
         }

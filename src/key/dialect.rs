@@ -97,6 +97,25 @@ pub fn read(
     policy: &KeyPolicy,
     dialect: Dialect,
 ) -> Result<Keyed, KeyError> {
+    let span = crate::spans::key();
+    let _in_span = span.enter();
+    let keyed = read_unspanned(headers, name, policy, dialect);
+    if !span.is_disabled() {
+        match &keyed {
+            Ok(keyed) => span.record("idemgate.key.hash", keyed.key.hash_prefix().as_str()),
+            Err(KeyError::Missing) => span.record("idemgate.outcome", "missing"),
+            Err(KeyError::Invalid(_)) => span.record("idemgate.outcome", "invalid"),
+        };
+    }
+    keyed
+}
+
+fn read_unspanned(
+    headers: &HeaderMap,
+    name: &HeaderName,
+    policy: &KeyPolicy,
+    dialect: Dialect,
+) -> Result<Keyed, KeyError> {
     match dialect {
         Dialect::IdempotencyKey => {
             let key = super::from_headers(headers, name, policy)?;

@@ -28,6 +28,7 @@ use crate::headers::{
 };
 use crate::key::{self, Dialect, KeyError};
 use crate::problem::ApiError;
+use crate::spans;
 use crate::store::Record;
 use crate::telemetry::{self, Outcome};
 
@@ -68,6 +69,7 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
                 KeyError::Invalid(_) => Outcome::Invalid,
             };
             telemetry::record(mode, outcome, started.elapsed());
+            spans::record_request(Some(outcome.as_str()), None, None);
             tracing::info!(mode, outcome = outcome.as_str(), "idempotency key refused");
             return answered(dialect, outcome, policy.problem(ApiError::from(e)));
         }
@@ -77,9 +79,11 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     {
         let outcome = Outcome::TooOld;
         telemetry::record(mode, outcome, started.elapsed());
+        let key_hash = keyed.key.hash_prefix();
+        spans::record_request(Some(outcome.as_str()), Some(&key_hash), None);
         tracing::info!(
             mode,
-            key.hash = %keyed.key.hash_prefix(),
+            key.hash = %key_hash,
             outcome = outcome.as_str(),
             age_seconds = too_old.age.as_secs(),
             "first attempt older than the keys' window: refused, not executed"
@@ -172,7 +176,11 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
             }
         },
         Decision::Other(ReserveOutcome::Completed(record)) => {
-            let res = encoding::for_retry(&accepted, replay(policy, &record)).await;
+            let replayed = replay(policy, &record);
+            let span = spans::replay(replayed.status().as_u16());
+            let res = encoding::for_retry(&accepted, replayed)
+                .instrument(span)
+                .await;
             (outcome, None, res)
         }
         Decision::Other(refused) => {
@@ -184,9 +192,11 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
 
     // === logging ===
     telemetry::record(mode, outcome, decided);
+    let tenant_shown = &tenant[..tenant.len().min(12)];
+    spans::record_request(Some(outcome.as_str()), Some(&key_hash), Some(tenant_shown));
     tracing::info!(
         mode,
-        tenant.id = %&tenant[..tenant.len().min(12)],
+        tenant.id = %tenant_shown,
         key.hash = %key_hash,
         outcome = outcome.as_str(),
         settled = settled.map(Settled::as_str),

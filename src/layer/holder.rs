@@ -408,10 +408,15 @@ impl Holder {
                     self.commit_bound(),
                     self.key_hash.clone(),
                 );
-                tokio::spawn(async move {
-                    retry.await;
-                    drop(held);
-                });
+                // In the request's trace: its commit spans are this one's.
+                let span = tracing::Span::current();
+                tokio::spawn(tracing::Instrument::instrument(
+                    async move {
+                        retry.await;
+                        drop(held);
+                    },
+                    span,
+                ));
                 Settled::Deferred
             }
             Err(StoreError::Other { why, .. }) => {
