@@ -11,20 +11,57 @@ use tracing_subscriber::EnvFilter;
 /// by default, JSON when asked, level from `RUST_LOG` (default `info`). Human
 /// lines are coloured only when standard error is a terminal (and `NO_COLOR`
 /// is unset), so a file or a pipe gets no escape sequences.
-pub fn init_tracing(json: bool) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+///
+/// With `otlp` (`IDEMGATE_OTLP_ENDPOINT`), the spans of
+/// [`crate::spans`] are exported there too ([`otel`](super::otel)); the
+/// log lines never show them. The returned exporter is to be shut down at
+/// the end, so that the last spans are sent.
+pub fn init_tracing(json: bool, otlp: Option<&str>) -> Option<super::otel::Exporting> {
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let rust_log = std::env::var("RUST_LOG").unwrap_or_default();
+    // The spans are the exporter's, not the log lines' (unless RUST_LOG
+    // names them).
+    if !rust_log.contains(crate::spans::TARGET)
+        && let Ok(off) = format!("{}=off", crate::spans::TARGET).parse()
+    {
+        filter = filter.add_directive(off);
+    }
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let ansi = !json && !no_color && std::io::stderr().is_terminal();
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let fmt = tracing_subscriber::fmt::layer()
         .with_ansi(ansi)
         .with_writer(std::io::stderr);
-    // A second init (tests, embedding) keeps the first subscriber.
-    let _ = if json {
-        builder.json().flatten_event(true).try_init()
+    let fmt = if json {
+        fmt.json().flatten_event(true).boxed()
     } else {
-        builder.try_init()
+        fmt.boxed()
     };
+    let mut failed = None;
+    let (otel, exporting) = match otlp.map(super::otel::layer) {
+        Some(Ok((layer, exporting))) => {
+            let only_spans = tracing_subscriber::filter::Targets::new()
+                .with_target(crate::spans::TARGET, tracing::Level::TRACE);
+            (Some(layer.with_filter(only_spans)), Some(exporting))
+        }
+        Some(Err(e)) => {
+            failed = Some(e);
+            (None, None)
+        }
+        None => (None, None),
+    };
+    // A second init (tests, embedding) keeps the first subscriber.
+    let _ = tracing_subscriber::registry()
+        .with(fmt.with_filter(filter))
+        .with(otel)
+        .try_init();
+    if let Some(e) = failed {
+        tracing::warn!(error = %e, "traces are not exported");
+    }
+    exporting
 }
 
 /// The process-wide Prometheus recorder, installed on first use.

@@ -21,6 +21,8 @@ pub mod keys;
 #[doc(hidden)]
 pub mod operations;
 #[doc(hidden)]
+pub mod otel;
+#[doc(hidden)]
 pub mod proxy;
 #[doc(hidden)]
 pub mod serve;
@@ -51,7 +53,12 @@ pub async fn run(argv: Vec<OsString>) -> ExitCode {
         }
     };
     let json = cli.log_format == LogFormat::Json;
-    exporter::init_tracing(json);
+    let otlp = match &cli.command {
+        Command::Serve(args) => args.run.otlp_endpoint.clone(),
+        Command::Proxy(args) => args.run.otlp_endpoint.clone(),
+        _ => None,
+    };
+    let exporting = exporter::init_tracing(json, otlp.as_deref());
     let result = match cli.command {
         Command::Serve(args) => wiring::serve(*args).await,
         Command::Proxy(args) => proxy::run(*args, cli.config).await,
@@ -60,6 +67,10 @@ pub async fn run(argv: Vec<OsString>) -> ExitCode {
         Command::Keys { command } => keys::run(*command).await,
         Command::Openapi { output } => openapi(output, json),
     };
+    // The spans of the last requests, before the process ends.
+    if let Some(exporting) = exporting {
+        exporting.shutdown().await;
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if json => {

@@ -46,6 +46,7 @@ mod storms;
 mod streaming;
 mod tenants;
 mod tls_upstream;
+mod traces;
 mod unknown;
 mod waiting;
 mod websocket;

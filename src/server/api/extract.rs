@@ -68,8 +68,10 @@ impl FromRequestParts<AppState> for Tenant {
             return Ok(Tenant(DEFAULT_TENANT.into()));
         }
         let token = bearer_token(parts, "send one Authorization: Bearer <token> header")?;
+        // The tenant's name, as the logs show it (never the token).
         tokens
             .tenant_for(token)
+            .inspect(|t| crate::spans::record_request(None, None, Some(t)))
             .map(|t| Tenant(t.to_owned()))
             .ok_or(ApiError::Unauthorized("the bearer token is not valid"))
     }

@@ -228,6 +228,11 @@ pub fn router(state: AppState) -> Router {
                 refuse_declared_oversize(req, next, envelope_limit)
             },
         ))
+        .layer(axum::middleware::from_fn(
+            |req: axum::extract::Request, next: axum::middleware::Next| {
+                crate::server::otel::door_span("api", req, next)
+            },
+        ))
         .layer(crate::server::serve::trace_layer())
         .with_state(state)
 }

@@ -82,6 +82,14 @@ pub struct RunArgs {
     )]
     pub tenant_max_stored_bytes: u64,
 
+    /// Exports traces (a span per request, with its key parse, claim,
+    /// upstream call and commit) over OTLP/HTTP to this collector's base
+    /// URL, e.g. http://127.0.0.1:4318 (`/v1/traces` is added). Unset: no
+    /// export. OTEL_SERVICE_NAME names the service (default idemgate).
+    #[arg(long, env = "IDEMGATE_OTLP_ENDPOINT", value_name = "URL",
+          value_parser = crate::server::otel::parse_endpoint)]
+    pub otlp_endpoint: Option<String>,
+
     #[command(flatten)]
     pub seal: SealArgs,
 }

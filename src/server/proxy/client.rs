@@ -20,6 +20,7 @@ use http::{Request, StatusCode, Uri, Version, header};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::Service;
+use tracing::Instrument as _;
 
 use super::headers::to_upstream;
 use super::tls::{self, Connector, Trust};
@@ -114,6 +115,9 @@ impl ProxyClient {
         if let Some(asked) = &asked {
             asked.ask(req.headers_mut());
         }
+        // The upstream call's span is the upstream's parent, when traces are
+        // exported; otherwise the client's traceparent goes on as it came.
+        crate::server::otel::inject(req.headers_mut());
         match self.client.request(req).await {
             Ok(res) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {
                 upgrade::switched(asked, res, &self.upstream.authority)
@@ -224,7 +228,23 @@ impl Service<Request<Body>> for ProxyClient {
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let this = self.clone();
-        Box::pin(async move { Ok(this.forward(req).await) })
+        let span = tracing::info_span!(
+            target: crate::spans::TARGET,
+            "idemgate.upstream",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            http.request.method = %req.method(),
+            server.address = %this.upstream.authority,
+            http.response.status_code = tracing::field::Empty,
+        );
+        Box::pin(async move {
+            let res = this.forward(req).instrument(span.clone()).await;
+            span.record("http.response.status_code", res.status().as_u16());
+            if res.status().is_server_error() {
+                span.record("otel.status_code", "ERROR");
+            }
+            Ok(res)
+        })
     }
 }
 

@@ -100,6 +100,7 @@ impl Proxy {
         let require_key = policy.require_key;
         let max_body_bytes = policy.max_body_bytes;
         let layer = IdempotencyLayer::new(engine.clone(), policy);
+        let door = if mcp { "mcp" } else { "proxy" };
         let app = if mcp {
             mcp::router(
                 client,
@@ -112,6 +113,11 @@ impl Proxy {
         } else {
             Router::new().fallback_service(layer.layer(client))
         }
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                crate::server::otel::door_span(door, req, next)
+            },
+        ))
         .layer(serve::trace_layer());
         Ok(Proxy {
             app,
