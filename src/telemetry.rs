@@ -67,7 +67,8 @@ pub enum Outcome {
     Mismatch,
     /// 400: no key where one is required.
     Missing,
-    /// 400: a malformed key.
+    /// 400: a malformed key (`key-invalid`), or on the reservation API a
+    /// request body or field it cannot take (`invalid-request`).
     Invalid,
     /// An expired lease was taken over.
     Takeover,

@@ -67,3 +67,61 @@ async fn the_proxy_admin_listener_exports_its_series_from_start_up() {
     let text = metrics(format!("http://127.0.0.1:{}/metrics", proxy.admin)).await;
     assert_series_at_zero(&text, "proxy", &OUTCOMES);
 }
+
+/// The value of the series `name` (with its labels, as rendered), if exported.
+fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[track_caller]
+fn assert_value(text: &str, series: &str, expected: f64) {
+    assert_eq!(value(text, series), Some(expected), "{series} in:\n{text}");
+}
+
+async fn reserve(base: &str, key: &str, body: Option<&str>) -> reqwest::Response {
+    let mut req = common::http()
+        .post(format!("{base}/v1/reservations"))
+        .header("Idempotency-Key", format!("\"{key}\""));
+    if let Some(body) = body {
+        req = req
+            .header("content-type", "application/json")
+            .body(body.to_owned());
+    }
+    req.send().await.unwrap()
+}
+
+/// A reservation whose body or field the API cannot take (400
+/// invalid-request) is counted as `invalid`, with the malformed keys, not
+/// under no outcome at all.
+#[tokio::test]
+async fn a_bad_reservation_body_counts_as_invalid() {
+    let db = TestDb::new().await;
+    let served = Served::start(&db, &[]).await;
+    let base = served.base();
+    let series = "idemgate_requests_total{mode=\"api\",outcome=\"invalid\"}";
+    assert_value(&metrics(format!("{base}/metrics")).await, series, 0.0);
+    for body in [
+        "{not json",
+        r#"{"lease_seconds":0}"#,
+        r#"{"fingerprint":"a","request":{"method":"POST","path":"/"}}"#,
+    ] {
+        let res = reserve(&base, &common::app::fresh_key(), Some(body)).await;
+        assert_eq!(res.status(), 400, "{body}");
+        let problem: serde_json::Value = res.json().await.unwrap();
+        assert!(
+            problem["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("/invalid-request"),
+            "{problem}"
+        );
+    }
+    let text = metrics(format!("{base}/metrics")).await;
+    assert_value(&text, series, 3.0);
+    assert_value(
+        &text,
+        "idemgate_requests_total{mode=\"api\",outcome=\"created\"}",
+        0.0,
+    );
+}

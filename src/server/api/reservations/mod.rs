@@ -98,9 +98,19 @@ pub async fn create_reservation(
 ) -> Response {
     let dialect = Dialect::of(&headers, &state.key_policy);
     let mut outcome = None;
-    let mut res = reserve(&state, tenant, &headers, body, dialect, &mut outcome)
-        .await
-        .unwrap_or_else(IntoResponse::into_response);
+    let started = Instant::now();
+    let mut res = match reserve(&state, tenant, &headers, body, dialect, &mut outcome).await {
+        Ok(res) => res,
+        Err(e) => {
+            // A body or field it cannot take (400 invalid-request) is counted
+            // as `invalid`, SPEC §10's outcome for a malformed request, like a
+            // malformed key; its Repeatability-Result stays unset.
+            if outcome.is_none() && matches!(e, ApiError::InvalidRequest(_)) {
+                telemetry::record(MODE, Outcome::Invalid, started.elapsed());
+            }
+            e.into_response()
+        }
+    };
     let result = outcome.and_then(Outcome::repeatability_result);
     set_repeatability_result(res.headers_mut(), dialect, result);
     res
