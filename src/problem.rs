@@ -10,6 +10,7 @@ use serde::Serialize;
 use crate::engine::{Refusal, ReserveOutcome, TenantLimit};
 use crate::key::KeyError;
 use crate::store::StoreError;
+use crate::telemetry::{self, StoreErrorKind};
 
 /// The base of every problem `type` unless an embedder sets another
 /// ([`LayerPolicy::problem_base`](crate::layer::LayerPolicy::problem_base)); the
@@ -314,9 +315,13 @@ impl From<StoreError> for ApiError {
         match e {
             StoreError::Unavailable { why, .. } => {
                 crate::store::report_unavailable(&why);
+                telemetry::record_store_error(StoreErrorKind::Unavailable);
                 ApiError::StoreUnavailable
             }
-            StoreError::Other { why, .. } => ApiError::Internal(why),
+            StoreError::Other { why, .. } => {
+                telemetry::record_store_error(StoreErrorKind::Other);
+                ApiError::Internal(why)
+            }
         }
     }
 }

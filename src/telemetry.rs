@@ -32,6 +32,22 @@ pub(crate) fn describe() {
          database round trip."
     );
     metrics::describe_counter!(
+        "idemgate_replay_cache_misses_total",
+        "Reserves the in-process replay cache could not answer (a new key, one in flight, or \
+         a completed one not cached here), which went to the database; with \
+         idemgate_replay_cache_hits_total, the cache's hit ratio. 0 with the cache off."
+    );
+    metrics::describe_counter!(
+        "idemgate_store_errors_total",
+        "Answers a store failure produced, by kind: unavailable (503 store-unavailable: the \
+         database cannot be reached or timed out) or other (500: a bug or a schema mismatch)."
+    );
+    metrics::describe_gauge!(
+        "idemgate_store_up",
+        "1 if the store answered a ping at the last scrape of /metrics (or the last /readyz), \
+         0 if not."
+    );
+    metrics::describe_counter!(
         "idemgate_store_batches_total",
         "Transactions that wrote claims, commits and releases (a write alone is one)."
     );
@@ -52,6 +68,13 @@ pub(crate) fn describe() {
         "idemgate_db_pool_connections",
         "Database pool connections by state (idle, active)."
     );
+    // Counters of the process, at 0 from start-up like the doors' series, so
+    // that an alert on `rate()` or `increase()` works before the first event.
+    metrics::counter!("idemgate_replay_cache_hits_total").increment(0);
+    metrics::counter!("idemgate_replay_cache_misses_total").increment(0);
+    for kind in StoreErrorKind::ALL {
+        metrics::counter!("idemgate_store_errors_total", "kind" => kind.as_str()).increment(0);
+    }
 }
 
 /// The outcome of a request, the `outcome` label of `idemgate_requests_total`.
@@ -169,6 +192,44 @@ pub fn record_unknown(n: u64) {
 /// Counts one reserve answered from the replay cache.
 pub fn record_replay_cache_hit() {
     metrics::counter!("idemgate_replay_cache_hits_total").increment(1);
+}
+
+/// Counts one reserve the replay cache (when on) could not answer.
+pub fn record_replay_cache_miss() {
+    metrics::counter!("idemgate_replay_cache_misses_total").increment(1);
+}
+
+/// The `kind` label of `idemgate_store_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    /// The store cannot be reached or timed out: `503 store-unavailable`.
+    Unavailable,
+    /// Anything else: a `500`.
+    Other,
+}
+
+impl StoreErrorKind {
+    /// Every kind.
+    pub const ALL: [StoreErrorKind; 2] = [StoreErrorKind::Unavailable, StoreErrorKind::Other];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreErrorKind::Unavailable => "unavailable",
+            StoreErrorKind::Other => "other",
+        }
+    }
+}
+
+/// Counts one answer a store failure produced.
+pub fn record_store_error(kind: StoreErrorKind) {
+    metrics::counter!("idemgate_store_errors_total", "kind" => kind.as_str()).increment(1);
+}
+
+/// Sets the gauge of whether the store answered its last ping.
+#[cfg(feature = "server")]
+pub fn record_store_up(up: bool) {
+    metrics::gauge!("idemgate_store_up").set(if up { 1.0 } else { 0.0 });
 }
 
 /// Publishes how the store batched its writes.

@@ -51,10 +51,10 @@ impl Engine {
 
     /// The decision for a key whose completed record is in the replay cache.
     pub(super) fn cached_outcome(&self, req: &ReserveRequest) -> Option<ReserveOutcome> {
-        let record = self
-            .replay_cache
-            .as_ref()?
-            .get(&req.tenant, &req.key_hash)?;
+        let Some(record) = self.replay_cache.as_ref()?.get(&req.tenant, &req.key_hash) else {
+            telemetry::record_replay_cache_miss();
+            return None;
+        };
         telemetry::record_replay_cache_hit();
         Some(decide_completed(record, req.fingerprint.as_deref()))
     }

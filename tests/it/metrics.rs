@@ -7,7 +7,7 @@
 use crate::common;
 
 use common::bin::Served;
-use common::pg::TestDb;
+use common::pg::{TempCluster, TestDb};
 use common::proxy::ProxyProcess;
 use common::upstream::Upstream;
 
@@ -124,4 +124,64 @@ async fn a_bad_reservation_body_counts_as_invalid() {
         "idemgate_requests_total{mode=\"api\",outcome=\"created\"}",
         0.0,
     );
+}
+
+/// The replay cache's hits and misses are counted (at 0 from start-up): a
+/// new key misses, its replay after the commit hits.
+#[tokio::test]
+async fn replay_cache_hits_and_misses_are_counted() {
+    let db = TestDb::new().await;
+    let served = Served::start(&db, &[]).await;
+    let base = served.base();
+    let text = metrics(format!("{base}/metrics")).await;
+    assert_value(&text, "idemgate_replay_cache_hits_total", 0.0);
+    assert_value(&text, "idemgate_replay_cache_misses_total", 0.0);
+
+    let key = common::app::fresh_key();
+    let reserved = reserve(&base, &key, None).await;
+    assert_eq!(reserved.status(), 201);
+    let id = reserved.json::<serde_json::Value>().await.unwrap()["reservation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let committed = common::http()
+        .post(format!("{base}/v1/reservations/{id}/commit"))
+        .header("content-type", "application/json")
+        .body(r#"{"status":200,"body":"ok"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(committed.status(), 200);
+    let replayed = reserve(&base, &key, None).await;
+    assert_eq!(replayed.status(), 200);
+
+    let text = metrics(format!("{base}/metrics")).await;
+    assert_value(&text, "idemgate_replay_cache_misses_total", 1.0);
+    assert_value(&text, "idemgate_replay_cache_hits_total", 1.0);
+}
+
+/// An outage shows on /metrics with no traffic (`idemgate_store_up` 0, from
+/// the scrape's own ping) and in the answers it caused
+/// (`idemgate_store_errors_total{kind="unavailable"}`), so an alert can fire
+/// on either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_shows_as_store_down_and_store_errors() {
+    let cluster = TempCluster::start().await.expect("a private PostgreSQL");
+    let served = Served::spawn(common::bin::idemgate_at(&cluster.url()), &[]).await;
+    let base = served.base();
+    let unavailable = "idemgate_store_errors_total{kind=\"unavailable\"}";
+    let text = metrics(format!("{base}/metrics")).await;
+    assert_value(&text, "idemgate_store_up", 1.0);
+    assert_value(&text, unavailable, 0.0);
+    assert_value(&text, "idemgate_store_errors_total{kind=\"other\"}", 0.0);
+
+    cluster.stop().await.unwrap();
+    let text = metrics(format!("{base}/metrics")).await;
+    assert_value(&text, "idemgate_store_up", 0.0);
+    assert_value(&text, unavailable, 0.0);
+    let res = reserve(&base, &common::app::fresh_key(), None).await;
+    assert_eq!(res.status(), 503);
+    let text = metrics(format!("{base}/metrics")).await;
+    assert_value(&text, unavailable, 1.0);
+    assert_value(&text, "idemgate_store_up", 0.0);
 }

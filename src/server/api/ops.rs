@@ -188,17 +188,26 @@ pub async fn get_healthz() -> axum::Json<Health> {
         StoreUnavailable,
     ))]
 pub async fn get_readyz(State(state): State<AppState>) -> Result<axum::Json<Health>, ApiError> {
-    match tokio::time::timeout(READY_TIMEOUT, state.engine.store().ping()).await {
+    let ready = match tokio::time::timeout(READY_TIMEOUT, state.engine.store().ping()).await {
         Ok(Ok(())) => Ok(axum::Json(Health { status: "ok" })),
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Err(ApiError::StoreUnavailable),
-    }
+    };
+    telemetry::record_store_up(ready.is_ok());
+    ready
 }
 
 /// Prometheus metrics.
 #[utoipa::path(get, path = "/metrics", tag = "operations",
     responses((status = 200, description = "Prometheus text format.", body = String, content_type = "text/plain")))]
 pub async fn get_metrics(State(state): State<AppState>) -> impl IntoResponse {
+    // The store's own answer, so that an alert sees an outage with no traffic
+    // too (a ping is one round trip per scrape; not counted as an error).
+    let up = matches!(
+        tokio::time::timeout(READY_TIMEOUT, state.engine.store().ping()).await,
+        Ok(Ok(()))
+    );
+    telemetry::record_store_up(up);
     if let Some(stats) = state.engine.store().pool_stats() {
         telemetry::record_pool(stats);
     }
