@@ -146,9 +146,26 @@ impl Origin {
         let origin = Origin::default();
         let app = Router::new()
             .fallback(
-                |State(origin): State<Origin>, headers: HeaderMap| async move {
+                |State(origin): State<Origin>, headers: HeaderMap, body: Bytes| async move {
                     origin.seen.lock().unwrap().push(headers);
-                    (StatusCode::CREATED, r#"{"charged":true}"#)
+                    // An MCP tool call gets its JSON-RPC result.
+                    let call = serde_json::from_slice::<serde_json::Value>(&body).ok();
+                    match call.filter(|c| c["jsonrpc"] == "2.0") {
+                        Some(call) => {
+                            let result = serde_json::json!({ "jsonrpc": "2.0", "id": call["id"],
+                                "result": { "content": [{ "type": "text", "text": "charged" }] } });
+                            (
+                                StatusCode::OK,
+                                [("content-type", "application/json")],
+                                result.to_string(),
+                            )
+                        }
+                        None => (
+                            StatusCode::CREATED,
+                            [("content-type", "application/json")],
+                            r#"{"charged":true}"#.to_owned(),
+                        ),
+                    }
                 },
             )
             .with_state(origin.clone());
@@ -174,7 +191,7 @@ impl Origin {
 
 /// `idemgate proxy` in front of `upstream`, with `env`, on free ports; waits
 /// for `/readyz`.
-async fn proxy(upstream: &str, env: &[(&str, &str)]) -> (Child, String) {
+async fn proxy(upstream: &str, env: &[(&str, &str)], flags: &[&str]) -> (Child, String) {
     let (port, admin) = (free_port(), free_port());
     let mut cmd = idemgate_at("sqlite::memory:");
     cmd.env_remove("IDEMGATE_UPSTREAM")
@@ -188,6 +205,7 @@ async fn proxy(upstream: &str, env: &[(&str, &str)]) -> (Child, String) {
         .args(["proxy", "--upstream", upstream])
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .args(flags)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -259,6 +277,7 @@ async fn the_proxy_exports_its_spans_in_the_callers_trace_and_passes_its_context
             ("IDEMGATE_OTLP_ENDPOINT", endpoint.as_str()),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
         ],
+        &[],
     )
     .await;
     let http = common::http();
@@ -391,7 +410,7 @@ async fn the_proxy_exports_its_spans_in_the_callers_trace_and_passes_its_context
 #[tokio::test]
 async fn without_an_endpoint_nothing_is_exported_and_the_callers_traceparent_passes_through() {
     let (origin, upstream) = Origin::start().await;
-    let (mut child, base) = proxy(&upstream, &[]).await;
+    let (mut child, base) = proxy(&upstream, &[], &[]).await;
     let http = common::http();
     let res = post_charge(&http, &base).await;
     assert_eq!(res.status(), 201);
@@ -475,5 +494,78 @@ async fn serve_exports_a_reservations_spans_in_the_callers_trace() {
     }
     let claim = spans.iter().find(|s| s.name == "idemgate.claim").unwrap();
     assert_eq!(claim.attr("idemgate.outcome"), Some("created"));
+    assert_nothing_secret(&spans);
+}
+
+#[tokio::test]
+async fn the_mcp_door_traces_a_tool_call_and_its_repeat() {
+    let (receiver, endpoint) = Receiver::start().await;
+    let (origin, upstream) = Origin::start().await;
+    let (mut child, base) = proxy(
+        &format!("{upstream}/mcp"),
+        &[("IDEMGATE_OTLP_ENDPOINT", endpoint.as_str())],
+        &["--protocol", "mcp"],
+    )
+    .await;
+    let http = common::http();
+    for id in [1, 2] {
+        let call = serde_json::json!({ "jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": { "name": "charge",
+                "arguments": { "memo": "body-secret-memo", "idempotency_key": KEY } } });
+        let res = http
+            .post(format!("{base}/mcp"))
+            .header("accept", "application/json, text/event-stream")
+            .header("traceparent", traceparent())
+            .json(&call)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        let answer: serde_json::Value = res.json().await.unwrap();
+        assert_eq!(answer["id"], id, "{answer}");
+        assert_eq!(
+            answer["result"]["content"][0]["text"], "charged",
+            "{answer}"
+        );
+    }
+    // The default batch delay is longer than this: the flush at the stop
+    // delivers them.
+    stop(&mut child).await;
+
+    let spans = receiver.spans();
+    for span in &spans {
+        assert_eq!(span.trace_id, TRACE_ID, "{span:?}");
+    }
+    let requests: Vec<&Exported> = spans
+        .iter()
+        .filter(|s| s.name == "idemgate.request")
+        .collect();
+    assert_eq!(requests.len(), 2, "{spans:#?}");
+    let outcomes: Vec<Option<&str>> = requests
+        .iter()
+        .map(|r| r.attr("idemgate.outcome"))
+        .collect();
+    assert!(outcomes.contains(&Some("created")), "{outcomes:?}");
+    assert!(outcomes.contains(&Some("replayed")), "{outcomes:?}");
+    for request in &requests {
+        assert_eq!(request.parent, CALLER_SPAN);
+        assert_eq!(request.attr("idemgate.door"), Some("mcp"));
+    }
+    let upstream_spans: Vec<&Exported> = spans
+        .iter()
+        .filter(|s| s.name == "idemgate.upstream")
+        .collect();
+    assert_eq!(
+        upstream_spans.len(),
+        1,
+        "the repeat is not sent: {spans:#?}"
+    );
+    let sent = origin.traceparents();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    let sent = sent[0].clone().expect("the MCP server got a traceparent");
+    assert_eq!(
+        sent,
+        format!("00-{TRACE_ID}-{}-01", upstream_spans[0].span_id)
+    );
     assert_nothing_secret(&spans);
 }
