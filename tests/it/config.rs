@@ -620,11 +620,11 @@ fn a_refusal_after_the_parse_names_the_setting_as_it_was_set() {
             "--upstream-timeout 0: must be at least 1 second",
             "IDEMGATE_UPSTREAM_TIMEOUT",
         ),
-        // Two settings at odds: each named as it was set, the default too.
+        // Two settings at odds: each named as it was set.
         (
-            &[],
+            &[("IDEMGATE_DEFAULT_TTL", "86400")],
             &["serve", "--max-ttl", "3600"],
-            "the default --default-ttl 86400: exceeds the longest TTL a reservation may ask for, \
+            "IDEMGATE_DEFAULT_TTL=86400: exceeds the longest TTL a reservation may ask for, \
              --max-ttl 3600",
             "IDEMGATE_MAX_TTL",
         ),

@@ -17,6 +17,7 @@ mod config;
 mod crash;
 mod db_faults;
 mod db_setup;
+mod defaults;
 mod examples;
 mod harness_selftest;
 mod hostile;

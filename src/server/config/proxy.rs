@@ -49,30 +49,30 @@ pub struct ProxyArgs {
     /// sent (then 504 upstream-timeout). A guarded call is not abandoned at
     /// the timeout: it runs on, its key's lease kept alive, and its late
     /// answer is stored for the retry. The key's lease is this plus 5,
-    /// extended every third of that while the call runs.
+    /// extended every third of that while the call runs [default: 30, or
+    /// IDEMGATE_UPSTREAM_ABANDON_AFTER if that is shorter].
     #[arg(
         long,
         env = "IDEMGATE_UPSTREAM_TIMEOUT",
         value_name = "SECONDS",
-        default_value = "30",
         value_parser = seconds
     )]
-    pub upstream_timeout: Duration,
+    pub upstream_timeout: Option<Duration>,
 
     /// Seconds after which a guarded upstream call that has still not
     /// answered is abandoned: its outcome is unknown (see
     /// --on-lease-expiry). Until then the lease is kept alive, so a slow
     /// origin never runs a key twice. The default outlasts the request timeouts origins commonly have
     /// themselves (30 to 120 s), at the cost of a connection and a task per
-    /// call still running.
+    /// call still running [default: 300, or IDEMGATE_UPSTREAM_TIMEOUT if
+    /// that is longer].
     #[arg(
         long,
         env = "IDEMGATE_UPSTREAM_ABANDON_AFTER",
         value_name = "SECONDS",
-        default_value = "300",
         value_parser = seconds
     )]
-    pub upstream_abandon_after: Duration,
+    pub upstream_abandon_after: Option<Duration>,
 
     /// Seconds to wait for a connection to the upstream, its TLS handshake
     /// included (502 upstream-unavailable after that; the key is released).
@@ -132,15 +132,15 @@ pub struct ProxyArgs {
     /// request's answer, which it then gets replayed (at most
     /// IDEMGATE_MAX_WAIT), when it does not say itself with `Prefer: wait=N`;
     /// `Prefer: wait=0` asks for the immediate 409 request-in-flight, and 0
-    /// here answers every duplicate at once.
+    /// here answers every duplicate at once [default: 10, or
+    /// IDEMGATE_MAX_WAIT if that is shorter].
     #[arg(
         long,
         env = "IDEMGATE_DEFAULT_WAIT",
         value_name = "SECONDS",
-        default_value = "10",
         value_parser = seconds
     )]
-    pub default_wait: Duration,
+    pub default_wait: Option<Duration>,
 
     /// Answer 400 key-missing to a guarded request without a key, instead of
     /// passing it through unguarded.
@@ -208,9 +208,62 @@ fn parse_header_name(s: &str) -> Result<Header, String> {
         .map_err(|_| format!("{s:?} is not a valid header name"))
 }
 
+/// How long a client waits for the upstream's answer, unless
+/// `IDEMGATE_UPSTREAM_ABANDON_AFTER` is shorter.
+pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a guarded call may run unanswered before it is abandoned, unless
+/// `IDEMGATE_UPSTREAM_TIMEOUT` is longer.
+pub const ABANDON_AFTER: Duration = Duration::from_secs(300);
+
+/// How long a duplicate is held for the first request's answer, unless
+/// `IDEMGATE_MAX_WAIT` is shorter.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+
 // === impl ProxyArgs ===
 
 impl ProxyArgs {
+    /// How long a client waits for the upstream's answer:
+    /// `IDEMGATE_UPSTREAM_TIMEOUT` if set, else [`UPSTREAM_TIMEOUT`], or
+    /// `IDEMGATE_UPSTREAM_ABANDON_AFTER` if that is shorter. Of two settings
+    /// bound to each other, the one not set follows the one set: a default
+    /// never contradicts a value the operator chose.
+    pub fn upstream_timeout(&self) -> Duration {
+        self.upstream_timeout.unwrap_or_else(|| {
+            self.upstream_abandon_after
+                .map_or(UPSTREAM_TIMEOUT, |a| UPSTREAM_TIMEOUT.min(a))
+        })
+    }
+
+    /// When a guarded call still unanswered is abandoned:
+    /// `IDEMGATE_UPSTREAM_ABANDON_AFTER` if set, else [`ABANDON_AFTER`], or
+    /// `IDEMGATE_UPSTREAM_TIMEOUT` if that is longer.
+    pub fn abandon_after(&self) -> Duration {
+        self.upstream_abandon_after.unwrap_or_else(|| {
+            self.upstream_timeout
+                .map_or(ABANDON_AFTER, |t| ABANDON_AFTER.max(t))
+        })
+    }
+
+    /// How long a duplicate is held by default: `IDEMGATE_DEFAULT_WAIT` if
+    /// set, else [`DEFAULT_WAIT`], or `IDEMGATE_MAX_WAIT` if that is shorter.
+    pub fn default_wait(&self) -> Duration {
+        self.default_wait.unwrap_or_else(|| {
+            DEFAULT_WAIT.min(Duration::from_secs(u64::from(self.max_wait())))
+        })
+    }
+
+    /// The longest `Prefer: wait` honoured: `IDEMGATE_MAX_WAIT` if set, else
+    /// 10, or `IDEMGATE_DEFAULT_WAIT` if that is longer.
+    pub fn max_wait(&self) -> u32 {
+        self.policy.max_wait(self.default_wait)
+    }
+
+    /// The engine's bounds.
+    pub fn limits(&self) -> crate::engine::Limits {
+        self.policy.limits_waiting(self.default_wait)
+    }
+
     /// Refuses settings the proxy must not start with.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let upstream = self.upstream_uri()?;
@@ -236,31 +289,39 @@ impl ProxyArgs {
                 ),
             });
         }
-        if self.upstream_timeout.is_zero() {
+        // The bound first: a timeout that follows a bound of 0 would be
+        // refused in the bound's stead.
+        if self.abandon_after().is_zero() {
+            return Err(ConfigError {
+                setting: "upstream_abandon_after",
+                problem: "must be at least 1 second".into(),
+            });
+        }
+        if self.upstream_timeout().is_zero() {
             return Err(ConfigError {
                 setting: "upstream_timeout",
                 problem: "must be at least 1 second".into(),
             });
         }
-        if self.upstream_abandon_after < self.upstream_timeout {
+        if self.abandon_after() < self.upstream_timeout() {
             return Err(ConfigError {
-                setting: "IDEMGATE_UPSTREAM_ABANDON_AFTER",
+                setting: "upstream_abandon_after",
                 problem: format!(
-                    "{} s is shorter than IDEMGATE_UPSTREAM_TIMEOUT ({} s): a call must be \
+                    "{} s is shorter than {{upstream_timeout}} ({} s): a call must be \
                      allowed to run at least as long as its client waits for it",
-                    self.upstream_abandon_after.as_secs(),
-                    self.upstream_timeout.as_secs()
+                    self.abandon_after().as_secs(),
+                    self.upstream_timeout().as_secs()
                 ),
             });
         }
-        if self.default_wait.as_secs() > u64::from(self.policy.max_wait) {
+        if self.default_wait().as_secs() > u64::from(self.max_wait()) {
             return Err(ConfigError {
                 setting: "default_wait",
                 problem: format!(
                     "{} s is longer than the longest wait, {{max_wait}} ({} s): lower the one or \
                      raise the other",
-                    self.default_wait.as_secs(),
-                    self.policy.max_wait
+                    self.default_wait().as_secs(),
+                    self.max_wait()
                 ),
             });
         }

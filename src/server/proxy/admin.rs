@@ -72,8 +72,8 @@ fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
         "proxy": {
             "require_key": policy.require_key,
             "release_statuses": policy.release_statuses,
-            "upstream_timeout_seconds": args.upstream_timeout.as_secs(),
-            "upstream_abandon_after_seconds": args.upstream_abandon_after.as_secs(),
+            "upstream_timeout_seconds": args.upstream_timeout().as_secs(),
+            "upstream_abandon_after_seconds": args.abandon_after().as_secs(),
             "routes": policy.routes.iter().map(|r| json!({
                 "path": r.path(),
                 "methods": r.methods.as_ref().map(|m| m.iter().map(|m| m.as_str()).collect::<Vec<_>>()),

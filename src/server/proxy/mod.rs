@@ -93,7 +93,7 @@ impl Proxy {
         let engine = Arc::new(wiring::engine(
             &args.run,
             store.clone(),
-            args.policy.limits(),
+            args.limits(),
         )?);
         let admin = admin::router(engine.clone(), args, &policy);
         let key_header = policy.key_header.clone();
@@ -130,7 +130,7 @@ impl Proxy {
 
 /// The layer's policy from the proxy's settings.
 pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
-    let upstream_timeout = args.upstream_timeout;
+    let upstream_timeout = args.upstream_timeout();
     LayerPolicy::default()
         .for_proxy()
         .methods(args.policy.methods.clone())
@@ -149,10 +149,10 @@ pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
         .max_body_bytes(args.policy.max_body_bytes)
         .lease(upstream_timeout + LEASE_MARGIN)
         .answer_timeout(Some(upstream_timeout))
-        .abandon_after(Some(args.upstream_abandon_after))
+        .abandon_after(Some(args.abandon_after()))
         .on_lease_expiry(args.on_lease_expiry)
-        .default_wait((!args.default_wait.is_zero()).then_some(args.default_wait))
-        .ttl(Duration::from_secs(u64::from(args.policy.default_ttl)))
+        .default_wait(Some(args.default_wait()).filter(|w| !w.is_zero()))
+        .ttl(Duration::from_secs(u64::from(args.policy.default_ttl())))
         .routes(routes)
 }
 
@@ -161,7 +161,7 @@ pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
 pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()> {
     args.validate()?;
     let routes = match &config {
-        Some(path) => routes::from_file(path, args.policy.max_ttl)?,
+        Some(path) => routes::from_file(path, args.policy.max_ttl())?,
         None => Vec::new(),
     };
     let store = wiring::open_store(&args.store, !args.run.no_migrate).await?;
