@@ -187,17 +187,20 @@ pub async fn run(command: KeysCommand) -> anyhow::Result<()> {
 
 /// The engine over the database `db` names, migrated (as `prune` does).
 async fn engine(db: &Database) -> anyhow::Result<Engine> {
-    let store = wiring::open_store(&db.store, true).await.map_err(|e| {
-        if db.store.database_url.trim().starts_with("sqlite") && e.to_string().contains("lock") {
-            e.context(
-                "a running idemgate holds this SQLite file: ask it instead, on its admin \
+    let store = wiring::open_store_as(&db.store, wiring::Opening::Existing)
+        .await
+        .map_err(|e| {
+            if db.store.database_url.trim().starts_with("sqlite") && e.to_string().contains("lock")
+            {
+                e.context(
+                    "a running idemgate holds this SQLite file: ask it instead, on its admin \
                  endpoints (GET /v1/admin/keys?state=unknown on serve's listener, or on the \
                  proxy's admin listener)",
-            )
-        } else {
-            e
-        }
-    })?;
+                )
+            } else {
+                e
+            }
+        })?;
     let sealer = db.seal.sealer()?;
     Ok(Engine::new(store, Limits::default())
         .with_replay_cache(0)

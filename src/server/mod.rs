@@ -101,7 +101,7 @@ async fn migrate(args: StoreArgs, json: bool) -> anyhow::Result<()> {
 }
 
 async fn prune_once(args: StoreArgs, json: bool) -> anyhow::Result<()> {
-    let store = wiring::open_store(&args, true).await?;
+    let store = wiring::open_store_as(&args, wiring::Opening::Existing).await?;
     let n = crate::prune::prune_once(store.as_ref()).await?;
     report(json, &format!("pruned {n} expired key(s)"));
     Ok(())

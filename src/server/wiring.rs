@@ -12,13 +12,55 @@ use crate::server::config::{ConfigError, RunArgs, ServeArgs, StoreArgs};
 use crate::server::serve;
 use crate::store::Store;
 
+/// How a command opens its store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opening {
+    /// Creates a SQLite file that is not there, and applies the pending
+    /// migrations: `serve`, `proxy`, `migrate`.
+    Migrate,
+    /// `serve` and `proxy` with `--no-migrate`: nothing is created or
+    /// migrated, and a database that cannot serve without migrations (none
+    /// there, no tables, migrations missing) refuses the start, saying what
+    /// to run. A server that is merely down is no refusal: the door answers
+    /// 503 until it is back.
+    NoMigrate,
+    /// A command that reads a database someone else set up (`keys`,
+    /// `prune`): a SQLite file that is not there is an error naming its
+    /// path, and nothing is created; one that is there is migrated.
+    Existing,
+}
+
 /// Opens the store `DATABASE_URL` names, applying migrations unless told not to.
+pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<dyn Store>> {
+    let opening = if migrate {
+        Opening::Migrate
+    } else {
+        Opening::NoMigrate
+    };
+    open_store_as(args, opening).await
+}
+
+/// A `--no-migrate` start's refusal of a database that cannot serve: `why`
+/// names it; the rest says what to run.
+fn not_set_up(why: &str) -> anyhow::Error {
+    ConfigError {
+        setting: "no_migrate",
+        problem: format!(
+            "{why}: run `idemgate migrate` on it first (with the same DATABASE_URL), or start \
+             without --no-migrate (the migrations are then applied at start)"
+        ),
+    }
+    .into()
+}
+
+/// Opens the store `DATABASE_URL` names, as `opening` says.
 #[cfg_attr(
     not(any(feature = "sqlite", feature = "postgres")),
     allow(unused_variables)
 )]
-pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<dyn Store>> {
+pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result<Arc<dyn Store>> {
     let url = args.database_url.trim();
+    let migrate = opening != Opening::NoMigrate;
     // `sqlite:rel.db` and `sqlite::memory:` are SQLite URLs too (sqlx reads
     // them), so the scheme ends at the first colon.
     let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
@@ -46,17 +88,40 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
                         e.reason()
                     )
                 })?;
+            } else {
+                match store.not_set_up().await {
+                    Ok(None) => {}
+                    Ok(Some(why)) => return Err(not_set_up(&why)),
+                    // Down or unreachable: the door answers 503 until it is
+                    // back, and the log says why.
+                    Err(e) => tracing::warn!(
+                        error = e.reason(),
+                        "the database cannot be reached at start; requests answer 503 \
+                         store-unavailable until it can"
+                    ),
+                }
             }
             Ok(Arc::new(store))
         }
         #[cfg(feature = "sqlite")]
         "sqlite" => {
-            let store = crate::store::SqliteStore::open(url)
-                .await
-                .map_err(|e| ConfigError {
+            let opened = match opening {
+                Opening::Migrate => crate::store::SqliteStore::open(url).await,
+                Opening::NoMigrate | Opening::Existing => {
+                    crate::store::SqliteStore::open_existing(url).await
+                }
+            };
+            let store = opened.map_err(|e| {
+                let why = e.reason();
+                if opening == Opening::NoMigrate && why.starts_with("no SQLite database at ") {
+                    return not_set_up(why.split(": nothing was created").next().unwrap_or(why));
+                }
+                ConfigError {
                     setting: "database_url",
-                    problem: format!("cannot open the SQLite database: {}", e.reason()),
-                })?;
+                    problem: format!("cannot open the SQLite database: {why}"),
+                }
+                .into()
+            })?;
             if migrate {
                 store.migrate().await.map_err(|e| {
                     anyhow::anyhow!(
@@ -65,6 +130,13 @@ pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<d
                         e.reason()
                     )
                 })?;
+            } else {
+                let why = store.not_set_up().await.map_err(|e| {
+                    anyhow::anyhow!("cannot read the SQLite database {url}: {}", e.reason())
+                })?;
+                if let Some(why) = why {
+                    return Err(not_set_up(&format!("the SQLite database {url} {why}")));
+                }
             }
             tracing::info!(database = %url, "embedded SQLite store: one idemgate process per file");
             Ok(Arc::new(store))
@@ -127,12 +199,14 @@ pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate()?;
-    let store = open_store(&args.store, !args.run.no_migrate).await?;
-    let state = app_state(&args, store.clone());
+    // The listener before the store: a start that fails for its address
+    // leaves no new database behind.
     let listener = TcpListener::bind(args.listen).await.context(ConfigError {
         setting: "listen",
         problem: "cannot listen there".into(),
     })?;
+    let store = open_store(&args.store, !args.run.no_migrate).await?;
+    let state = app_state(&args, store.clone());
     if state.tokens.is_empty() {
         tracing::warn!(
             listen = %args.listen,

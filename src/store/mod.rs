@@ -151,3 +151,25 @@ pub async fn write_one<S: Store + ?Sized>(store: &S, write: &Write) -> Result<Wr
         } => Written::Release(store.release(tenant, *reservation_id).await?),
     })
 }
+
+/// What of `migrator`'s migrations `applied` (the versions a database's
+/// `_sqlx_migrations` records) lacks, in words; `None` if nothing.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn missing_migrations(
+    migrator: &sqlx::migrate::Migrator,
+    applied: &[i64],
+) -> Option<String> {
+    let missing: Vec<String> = migrator
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+        .filter(|m| !applied.contains(&m.version))
+        .map(|m| m.version.to_string())
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "has not had this version's migrations applied ({} missing: {})",
+            missing.len(),
+            missing.join(", ")
+        )
+    })
+}

@@ -944,11 +944,12 @@ fn the_proxys_hold_settings_are_refused_by_name() {
     let err = refused(bare(&[("IDEMGATE_ON_LEASE_EXPIRY", "retry")]).args(start_args("proxy")));
     assert!(err.contains("IDEMGATE_ON_LEASE_EXPIRY"), "{err}");
     assert!(err.contains("hold") && err.contains("takeover"), "{err}");
-    let err = refused(
-        bare(&[])
-            .args(start_args("proxy"))
-            .args(["--default-wait", "20"]),
-    );
+    let err = refused(bare(&[]).args(start_args("proxy")).args([
+        "--default-wait",
+        "20",
+        "--max-wait",
+        "5",
+    ]));
     assert!(err.contains("--default-wait"), "{err}");
     assert!(
         err.contains("--max-wait") || err.contains("max_wait"),

@@ -209,17 +209,6 @@ impl Server {
         }
     }
 
-    /// The server's `store unavailable` WARN lines that mention `cause`.
-    fn warnings_of(&self, cause: &str) -> Vec<String> {
-        self.log()
-            .lines()
-            .filter(|l| {
-                l.contains(" WARN ") && l.contains("store unavailable") && l.contains(cause)
-            })
-            .map(str::to_owned)
-            .collect()
-    }
-
     /// Nothing was a 500, nothing panicked.
     fn assert_no_internal_error(&self) {
         let log = self.log();
@@ -293,84 +282,104 @@ async fn a_store_error_keeps_the_databases_error_as_its_source() {
     assert_eq!(code.as_deref(), Some("3D000"), "{sqlx}");
 }
 
-/// `serve --no-migrate` over a database that does not exist: 503 at every
-/// door, one WARN line with the cause and the cure; then `createdb` (still
-/// 503: no tables, and the line says so) and `idemgate migrate`, and the
-/// same server serves, without a restart.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_missing_database_is_503_until_created_and_migrated_then_serves() {
+/// `serve --no-migrate` over a database that does not exist refuses to
+/// start, naming the database and what to run, instead of answering every
+/// request 503.
+#[tokio::test]
+async fn no_migrate_over_a_missing_database_refuses_to_start() {
     let db = missing_database().await;
     let url = with_password(&db.url);
-    let server = Server::start(idemgate(&url)).await;
-    let missing = format!("database \"{}\" does not exist", db.name);
-    for _ in 0..3 {
-        server.assert_unavailable().await;
-    }
-    let log = server.logged(&missing).await;
-    says_plainly(&log, &[&format!("createdb {}", db.name)]);
-    let warnings = server.warnings_of(&missing);
-    assert_eq!(
-        warnings.len(),
-        1,
-        "one WARN line for the cause, not one per request: {warnings:#?}"
-    );
-
-    admin(format!(
-        "CREATE DATABASE \"{}\" TEMPLATE template0",
-        db.name
-    ))
-    .await;
-    server.assert_unavailable().await;
-    let log = server.logged("no idemgate tables").await;
-    says_plainly(&log, &["relation \"idempotency_", "run `idemgate migrate`"]);
-
-    let out = idemgate(&url).arg("migrate").output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let migrated = Instant::now();
-    let (status, _, body) = loop {
-        let answer = server.reserve().await;
-        if answer.0 != 503 || migrated.elapsed() > Duration::from_secs(5) {
-            break answer;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert_eq!(
-        status, 201,
-        "no recovery within 5 s of the migration: {body}"
-    );
-    let id = body["reservation_id"].as_str().unwrap();
-    let commit = server
-        .http
-        .post(server.url(&format!("/v1/reservations/{id}/commit")))
-        .body(r#"{"status":200,"body":"done"}"#)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(commit.status(), 200);
-    assert_eq!(server.get("/readyz").await.0, 200);
-    server.assert_no_internal_error();
-}
-
-/// A database without the tables (`--no-migrate` on a fresh one): `/readyz`
-/// finds that out too, not only the requests.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn missing_tables_are_503_and_readyz_says_so() {
-    let db = TestDb::new().await;
-    let server = Server::start(idemgate(&db.url)).await;
-    server.assert_unavailable().await;
-    let log = server.logged("no idemgate tables").await;
+    let port = free_port().to_string();
+    let mut serve = idemgate(&url);
+    serve.args([
+        "serve",
+        "--no-migrate",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let said = refused(serve).await;
     says_plainly(
-        &log,
+        &said,
         &[
-            &format!("the database {} ", db.name),
-            "run `idemgate migrate`",
+            &format!("database \"{}\" does not exist", db.name),
+            "--no-migrate",
+            "idemgate migrate",
         ],
     );
-    server.assert_no_internal_error();
+}
+
+/// `serve --no-migrate` and `proxy --no-migrate` over a database without
+/// the tables refuse to start, naming it and saying what to run.
+#[tokio::test]
+async fn no_migrate_over_missing_tables_refuses_to_start() {
+    let db = TestDb::new().await;
+    let (port, admin) = (free_port().to_string(), free_port().to_string());
+    let mut serve = idemgate(&db.url);
+    serve.args([
+        "serve",
+        "--no-migrate",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let mut proxy = idemgate(&db.url);
+    proxy.args([
+        "proxy",
+        "--no-migrate",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--admin-listen",
+        &format!("127.0.0.1:{admin}"),
+    ]);
+    for cmd in [serve, proxy] {
+        let said = refused(cmd).await;
+        says_plainly(
+            &said,
+            &[
+                &format!("the database {} ", db.name),
+                "has no idemgate tables",
+                "run `idemgate migrate`",
+                "--no-migrate",
+            ],
+        );
+    }
+}
+
+/// SQLite: `--no-migrate` over a file without the tables refuses to start,
+/// and over a file that is not there refuses without creating it.
+#[tokio::test]
+async fn no_migrate_over_a_sqlite_file_without_tables_or_none_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.db");
+    std::fs::File::create(&empty).unwrap();
+    let missing = dir.path().join("missing.db");
+    for (path, want) in [
+        (&empty, "has no idemgate tables"),
+        (&missing, "no SQLite database at"),
+    ] {
+        let url = format!("sqlite://{}", path.display());
+        let mut serve = idemgate(&url);
+        serve.args([
+            "serve",
+            "--no-migrate",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+        ]);
+        let said = refused(serve).await;
+        says_plainly(
+            &said,
+            &[
+                want,
+                &path.display().to_string(),
+                "idemgate migrate",
+                "--no-migrate",
+            ],
+        );
+    }
+    assert!(!missing.exists(), "--no-migrate created the file");
+    let lock = dir.path().join("missing.db.lock");
+    assert!(!lock.exists(), "--no-migrate created the lock file");
 }
 
 /// A role the server does not know: the start refuses, saying so; under
@@ -393,18 +402,5 @@ async fn a_missing_role_is_named_and_never_a_500() {
     server.assert_unavailable().await;
     let log = server.logged(&missing).await;
     says_plainly(&log, &["check the user in DATABASE_URL", &create]);
-    server.assert_no_internal_error();
-}
-
-/// SQLite: a file without the tables (`--no-migrate` on a new file) is
-/// 503 at every door and at `/readyz`, and the log says what to do.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sqlite_file_without_tables_is_503_and_readyz_says_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("new.db").display());
-    let server = Server::start(idemgate(&url)).await;
-    server.assert_unavailable().await;
-    let log = server.logged("no idemgate tables").await;
-    says_plainly(&log, &["no such table", "idemgate migrate", "--no-migrate"]);
     server.assert_no_internal_error();
 }

@@ -271,12 +271,27 @@ fn a_default_follows_the_bound_the_operator_set() {
 fn two_values_the_operator_set_at_odds_are_refused_naming_both() {
     for (args, want) in [
         (
-            &["proxy", "--upstream", "http://127.0.0.1:9", "--default-wait", "20", "--max-wait", "5"][..],
+            &[
+                "proxy",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--default-wait",
+                "20",
+                "--max-wait",
+                "5",
+            ][..],
             "--default-wait 20: 20 s is longer than the longest wait, --max-wait 5",
         ),
         (
-            &["proxy", "--upstream", "http://127.0.0.1:9", "--upstream-timeout", "60",
-              "--upstream-abandon-after", "30"],
+            &[
+                "proxy",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--upstream-timeout",
+                "60",
+                "--upstream-abandon-after",
+                "30",
+            ],
             "--upstream-abandon-after 30: 30 s is shorter than --upstream-timeout 60",
         ),
         (

@@ -42,6 +42,7 @@ mod server;
 mod shutdown;
 mod slow_origin;
 mod sqlite_faults;
+mod startup;
 mod store_contract;
 mod storms;
 mod streaming;

@@ -248,9 +248,8 @@ impl ProxyArgs {
     /// How long a duplicate is held by default: `IDEMGATE_DEFAULT_WAIT` if
     /// set, else [`DEFAULT_WAIT`], or `IDEMGATE_MAX_WAIT` if that is shorter.
     pub fn default_wait(&self) -> Duration {
-        self.default_wait.unwrap_or_else(|| {
-            DEFAULT_WAIT.min(Duration::from_secs(u64::from(self.max_wait())))
-        })
+        self.default_wait
+            .unwrap_or_else(|| DEFAULT_WAIT.min(Duration::from_secs(u64::from(self.max_wait()))))
     }
 
     /// The longest `Prefer: wait` honoured: `IDEMGATE_MAX_WAIT` if set, else

@@ -90,11 +90,7 @@ impl Proxy {
             );
             policy.answer_timeout = None;
         }
-        let engine = Arc::new(wiring::engine(
-            &args.run,
-            store.clone(),
-            args.limits(),
-        )?);
+        let engine = Arc::new(wiring::engine(&args.run, store.clone(), args.limits())?);
         let admin = admin::router(engine.clone(), args, &policy);
         let key_header = policy.key_header.clone();
         let require_key = policy.require_key;
@@ -164,8 +160,8 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         Some(path) => routes::from_file(path, args.policy.max_ttl())?,
         None => Vec::new(),
     };
-    let store = wiring::open_store(&args.store, !args.run.no_migrate).await?;
-    let proxy = Proxy::build(&args, routes, store.clone())?;
+    // The listeners before the store: a start that fails for an address
+    // leaves no new database behind.
     let listener = TcpListener::bind(args.listen).await.context(ConfigError {
         setting: "listen",
         problem: "cannot listen there".into(),
@@ -176,6 +172,8 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
             setting: "admin_listen",
             problem: "cannot listen there".into(),
         })?;
+    let store = wiring::open_store(&args.store, !args.run.no_migrate).await?;
+    let proxy = Proxy::build(&args, routes, store.clone())?;
     let pruner = wiring::spawn_pruner(&args.run, store);
     telemetry::record_pruned(0);
     tracing::info!(

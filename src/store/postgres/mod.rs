@@ -68,10 +68,16 @@ impl PgStore {
     pub fn connect_lazy(url: &str, settings: &PgSettings) -> Result<PgStore> {
         let options = PgConnectOptions::from_str(url)
             .map_err(|e| StoreError::other(format!("invalid PostgreSQL URL: {e}")).because(e))?
-            .options([(
-                "statement_timeout",
-                format!("{}", settings.statement_timeout.as_millis()),
-            )])
+            .options([
+                (
+                    "statement_timeout",
+                    format!("{}", settings.statement_timeout.as_millis()),
+                ),
+                // The server's NOTICEs (the migrations' `relation
+                // "_sqlx_migrations" already exists, skipping`) are no news
+                // to an operator; warnings and errors still come through.
+                ("client_min_messages", "warning".to_owned()),
+            ])
             .log_statements(tracing::log::LevelFilter::Trace);
         let pool = PgPoolOptions::new()
             .max_connections(2)
@@ -145,6 +151,50 @@ impl PgStore {
         let layout = citus::distribute(&self.pool).await?;
         let _ = self.layout.set(layout);
         Ok(())
+    }
+
+    /// Why the database cannot serve without migrations, if it cannot: it
+    /// does not exist, has no idemgate tables, or misses some of this
+    /// version's migrations. For a start with `--no-migrate`, which must
+    /// refuse rather than answer every request 503. An error is anything
+    /// else (the server is down, unreachable, refuses the role): an outage
+    /// the server may start through and recover from.
+    pub async fn not_set_up(&self) -> Result<Option<String>> {
+        let target = &self.conns.target;
+        let mut conn = match self.pool.acquire().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                let missing_database = e
+                    .as_database_error()
+                    .and_then(|d| d.code())
+                    .is_some_and(|c| c == "3D000");
+                if missing_database {
+                    return Ok(Some(classify(e, target).reason().to_owned()));
+                }
+                return Err(connect_failed(e, target));
+            }
+        };
+        let table: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| classify(e, target))?;
+        let why = if table {
+            let applied: Vec<i64> =
+                sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                    .fetch_all(&mut *conn)
+                    .await
+                    .map_err(|e| classify(e, target))?;
+            super::missing_migrations(&MIGRATOR, &applied)
+        } else {
+            Some("has no idemgate tables".into())
+        };
+        Ok(why.map(|why| {
+            format!(
+                "the database {} on {} {why}",
+                errors::shell_word(&target.database),
+                target.server()
+            )
+        }))
     }
 
     /// How the tables are laid out, read once.

@@ -117,9 +117,21 @@ impl SqliteStore {
     /// process. Stores of one process share the lock, which lasts until the
     /// last of them is dropped (or the process ends, however it ends).
     pub async fn open(url: &str) -> Result<SqliteStore> {
+        SqliteStore::open_with(url, true).await
+    }
+
+    /// As [`SqliteStore::open`], but a file that is not there is an error
+    /// naming its path, and nothing is created (neither the file nor its
+    /// lock file): for the commands that read a database someone else set
+    /// up (`keys`, `prune`, `serve --no-migrate`).
+    pub async fn open_existing(url: &str) -> Result<SqliteStore> {
+        SqliteStore::open_with(url, false).await
+    }
+
+    async fn open_with(url: &str, create: bool) -> Result<SqliteStore> {
         let mut base = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::other(format!("invalid SQLite URL: {e}")).because(e))?
-            .create_if_missing(true)
+            .create_if_missing(create)
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(SqliteSynchronous::Full)
             .log_statements(tracing::log::LevelFilter::Trace);
@@ -130,6 +142,13 @@ impl SqliteStore {
         }
         // Before the first connection: a second process must not so much as
         // switch the journal mode or apply a migration under the first.
+        if !in_memory && !create && !base.get_filename().exists() {
+            return Err(StoreError::other(format!(
+                "no SQLite database at {}: nothing was created; check the path, or create \
+                 it with `idemgate migrate`",
+                base.get_filename().display()
+            )));
+        }
         let lock = if in_memory {
             None
         } else {
@@ -141,6 +160,7 @@ impl SqliteStore {
             Target {
                 path: base.get_filename().to_path_buf(),
                 in_memory,
+                create: create || in_memory,
                 busy_timeout: BUSY_TIMEOUT,
             },
             lock.clone(),
@@ -194,6 +214,28 @@ impl SqliteStore {
             sqlx::migrate::MigrateError::Execute(e) => classify(e),
             other => StoreError::other(other.to_string()).because(other),
         })
+    }
+
+    /// Why the file cannot serve without migrations, if it cannot: it has
+    /// no idemgate tables, or misses some of this version's migrations. For
+    /// a start with `--no-migrate`, which must refuse rather than answer
+    /// every request 503.
+    pub async fn not_set_up(&self) -> Result<Option<String>> {
+        let table: Option<String> = sqlx::query_scalar(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+        )
+        .fetch_optional(&self.direct)
+        .await
+        .map_err(classify)?;
+        if table.is_none() {
+            return Ok(Some("has no idemgate tables".into()));
+        }
+        let applied: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                .fetch_all(&self.direct)
+                .await
+                .map_err(classify)?;
+        Ok(super::missing_migrations(&MIGRATOR, &applied))
     }
 
     /// Closes the pools and the writer, waiting for their connections to

@@ -53,6 +53,8 @@ pub(super) struct Target {
     /// The file (or, in memory, the shared in-memory database's name).
     pub(super) path: PathBuf,
     pub(super) in_memory: bool,
+    /// Whether a file that is not there is created.
+    pub(super) create: bool,
     pub(super) busy_timeout: Duration,
 }
 
@@ -61,9 +63,11 @@ impl Target {
     /// find it there), `synchronous = FULL`, the busy timeout.
     fn open(&self) -> Result<Connection> {
         let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE
-            | OpenFlags::SQLITE_OPEN_CREATE
             | OpenFlags::SQLITE_OPEN_URI
             | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        if self.create {
+            flags |= OpenFlags::SQLITE_OPEN_CREATE;
+        }
         if self.in_memory {
             // The readers' connection opens the same name with a shared
             // cache: one database between them.

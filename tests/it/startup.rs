@@ -1,0 +1,127 @@
+//! What a command leaves behind when it fails, and what a reading command
+//! never creates: a start refused for its address opens no store (so no new
+//! SQLite file), and `keys` and `prune` on a SQLite file that is not there
+//! say so, naming the path, and create neither it nor its lock file.
+
+use std::process::Stdio;
+
+use crate::common;
+
+use common::bin::{idemgate_at, refused};
+
+/// `serve` and `proxy` on a port already taken: refused naming the
+/// address, and the SQLite file they would have created is not there.
+#[tokio::test]
+async fn a_start_refused_for_its_address_creates_no_database() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let free = format!("127.0.0.1:{}", common::free_port());
+    let dir = tempfile::tempdir().unwrap();
+    for (name, args) in [
+        ("serve.db", vec!["serve", "--listen", addr.as_str()]),
+        (
+            "proxy.db",
+            vec![
+                "proxy",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--listen",
+                addr.as_str(),
+                "--admin-listen",
+                free.as_str(),
+            ],
+        ),
+        (
+            "proxy-admin.db",
+            vec![
+                "proxy",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--listen",
+                free.as_str(),
+                "--admin-listen",
+                addr.as_str(),
+            ],
+        ),
+    ] {
+        let path = dir.path().join(name);
+        let mut cmd = idemgate_at(&format!("sqlite://{}", path.display()));
+        cmd.env_remove("IDEMGATE_CONFIG").args(&args);
+        let said = refused(cmd).await;
+        assert!(said.contains(&addr), "{args:?}: {said}");
+        assert!(said.contains("cannot listen there"), "{args:?}: {said}");
+        assert!(!path.exists(), "{args:?} left {} behind", path.display());
+    }
+}
+
+/// `keys list|show|resolve` and `prune` on a SQLite file that is not there
+/// (a typo): an error naming the path; no file and no lock file created.
+#[test]
+fn reading_commands_never_create_a_sqlite_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgat.db");
+    let url = format!("sqlite://{}", path.display());
+    let hash = "ab".repeat(32);
+    for args in [
+        vec!["keys", "list"],
+        vec!["keys", "show", "default", hash.as_str()],
+        vec![
+            "keys",
+            "resolve",
+            "default",
+            hash.as_str(),
+            "--release",
+            "--reason",
+            "typo",
+        ],
+        vec!["prune"],
+    ] {
+        let out = idemgate_at(&url)
+            .env_remove("IDEMGATE_CONFIG")
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{args:?}: {stdout}{stderr}");
+        assert!(!stdout.contains("No keys"), "{args:?}: {stdout}");
+        assert!(
+            stderr.contains(&format!("no SQLite database at {}", path.display())),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!path.exists(), "{args:?} created {}", path.display());
+        let lock = dir.path().join("idemgat.db.lock");
+        assert!(!lock.exists(), "{args:?} created {}", lock.display());
+    }
+}
+
+/// `migrate`, `prune` and `keys list` on a PostgreSQL database already
+/// migrated: no server NOTICE (`relation "_sqlx_migrations" already exists,
+/// skipping`) on either stream.
+#[tokio::test]
+async fn postgres_commands_print_no_server_notice() {
+    let db = common::pg::TestDb::new().await;
+    for args in [
+        vec!["migrate"],
+        vec!["migrate"],
+        vec!["prune"],
+        vec!["keys", "list"],
+    ] {
+        let out = idemgate_at(&db.url)
+            .env_remove("IDEMGATE_CONFIG")
+            .args(&args)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{args:?}: {text}");
+        assert!(!text.contains("already exists"), "{args:?}: {text}");
+        assert!(!text.contains("skipping"), "{args:?}: {text}");
+    }
+}
