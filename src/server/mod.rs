@@ -73,6 +73,9 @@ pub async fn run(argv: Vec<OsString>) -> ExitCode {
     }
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of standard output went away (`| head`): end quietly,
+        // with the status a shell shows for a Unix tool ended by SIGPIPE.
+        Err(e) if broken_pipe(&e) => ExitCode::from(BROKEN_PIPE_EXIT),
         Err(e) if json => {
             tracing::error!(error = sources.explain(&e), "idemgate stopped");
             ExitCode::FAILURE
@@ -82,6 +85,25 @@ pub async fn run(argv: Vec<OsString>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The exit status of a command whose reader went away: 128 + SIGPIPE, as
+/// a shell reports a Unix tool that SIGPIPE ended.
+pub const BROKEN_PIPE_EXIT: u8 = 141;
+
+/// Whether `e` is a write to a pipe whose reader is gone.
+fn broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        let kind = cause
+            .downcast_ref::<std::io::Error>()
+            .map(std::io::Error::kind)
+            .or_else(|| {
+                cause
+                    .downcast_ref::<serde_json::Error>()
+                    .and_then(serde_json::Error::io_error_kind)
+            });
+        kind == Some(std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 /// What a one-shot command did: a log line with JSON logs, so that every
@@ -115,7 +137,12 @@ fn openapi(output: Option<PathBuf>, json: bool) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot write {}", path.display()))?;
             report(json, &format!("wrote {}", path.display()));
         }
-        None => print!("{text}"),
+        None => {
+            use std::io::Write as _;
+            let mut out = std::io::stdout().lock();
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+        }
     }
     Ok(())
 }

@@ -125,3 +125,40 @@ async fn postgres_commands_print_no_server_notice() {
         assert!(!text.contains("skipping"), "{args:?}: {text}");
     }
 }
+
+/// Every command that prints ends quietly when its reader is gone (`| head`
+/// closing early): no panic, no message, and the status a shell shows for a
+/// Unix tool ended by SIGPIPE (141); `--help` and `--version` as clap ends
+/// them (0).
+#[tokio::test]
+async fn a_reader_that_goes_away_ends_a_command_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("pipe.db").display());
+    let migrated = idemgate_at(&url).arg("migrate").output().unwrap();
+    assert!(migrated.status.success());
+    for (args, code) in [
+        (vec!["openapi"], 141),
+        (vec!["keys", "list"], 141),
+        (vec!["keys", "list", "--json"], 141),
+        (vec!["keys", "list", "--state", "unknown"], 141),
+        (vec!["--help"], 0),
+        (vec!["keys", "--help"], 0),
+        (vec!["--version"], 0),
+    ] {
+        let mut child = idemgate_at(&url)
+            .env_remove("IDEMGATE_CONFIG")
+            .env("RUST_BACKTRACE", "1")
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader is gone before the command writes a byte.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("error"), "{args:?}: {stderr}");
+    }
+}
