@@ -41,6 +41,21 @@ impl Engine {
     /// A key's record, opened (unsealed); `None` when it has none or it has
     /// expired (the key is new again, whether or not pruning has deleted
     /// the row).
+    /// Up to `limit` key hashes of `tenant` from `low` to `high`, in order
+    /// ([`Store::key_hashes_between`](crate::store::Store::key_hashes_between)).
+    pub async fn key_hashes_between(
+        &self,
+        tenant: &str,
+        low: &[u8],
+        high: &[u8],
+        limit: i64,
+    ) -> Result<Vec<Vec<u8>>, EngineError> {
+        Ok(self
+            .store
+            .key_hashes_between(tenant, low, high, limit)
+            .await?)
+    }
+
     pub async fn find_key(
         &self,
         tenant: &str,

@@ -90,7 +90,8 @@ pub struct KeyRef {
     #[arg(value_name = "TENANT")]
     pub tenant: Option<String>,
 
-    /// The lowercase hex SHA-256 of the key, as `keys list` shows it.
+    /// The lowercase hex SHA-256 of the key: all 64 digits, or a prefix of
+    /// at least 8 that names one key (`keys list` shows 12).
     #[arg(value_name = "KEY_HASH", conflicts_with = "key")]
     pub key_hash: Option<String>,
 
@@ -285,6 +286,9 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
 async fn show(args: ShowArgs) -> anyhow::Result<()> {
     let (tenant, hash) = key_of(&args.key)?;
     let engine = engine(&args.db).await?;
+    let hash = operations::expand_key_hash(&engine, &tenant, &hash)
+        .await
+        .map_err(refused)?;
     let view = operations::show(&engine, &tenant, &hash)
         .await
         .map_err(refused)?;
@@ -343,6 +347,9 @@ async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
         .or_else(|| std::env::var("USER").ok())
         .unwrap_or_else(|| "idemgate keys".to_owned());
     let engine = engine(&args.db).await?;
+    let hash = operations::expand_key_hash(&engine, &tenant, &hash)
+        .await
+        .map_err(refused)?;
     let body = ResolveBody {
         action: if args.complete {
             Action::Complete

@@ -86,6 +86,21 @@ pub trait Store: Send + Sync + 'static {
     async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>>;
     /// A page of alive records, oldest first (see [`KeyQuery`]).
     async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage>;
+    /// Up to `limit` key hashes of alive records of `tenant` from `low` to
+    /// `high` (both included), in order: what a prefix of a key hash matches, looked up
+    /// as a range of the primary key rather than a scan.
+    async fn key_hashes_between(
+        &self,
+        tenant: &str,
+        low: &[u8],
+        high: &[u8],
+        limit: i64,
+    ) -> Result<Vec<Vec<u8>>> {
+        let _ = (tenant, low, high, limit);
+        Err(StoreError::other(
+            "this store cannot look a key up by a prefix of its hash",
+        ))
+    }
     /// Settles a stuck key: applies only while the record is alive, still
     /// has the reservation id `resolve` names, and is unknown or in flight
     /// past its lease. Returns the record as it left it.

@@ -162,3 +162,94 @@ async fn a_reader_that_goes_away_ends_a_command_quietly() {
         assert!(!stderr.contains("error"), "{args:?}: {stderr}");
     }
 }
+
+/// Claims keys of `tenant` with these hashes in the store at `url` (the
+/// store closed again, so that the command can open a SQLite file).
+async fn claim_hashes(url: &str, tenant: &str, hashes: &[[u8; 32]]) {
+    let args: idemgate::server::config::StoreArgs =
+        common::bin::parse_args(&["--database-url", url]);
+    let store = idemgate::server::wiring::open_store(&args, true)
+        .await
+        .unwrap();
+    for hash in hashes {
+        let claimed = store
+            .reserve(&idemgate::store::ClaimRequest {
+                on_lease_expiry: idemgate::store::LeaseExpiry::Hold,
+                tenant: tenant.into(),
+                key_hash: *hash,
+                fingerprint: None,
+                reservation_id: uuid::Uuid::new_v4(),
+                lease_seconds: 1,
+                ttl_seconds: 3600,
+                max_in_flight: None,
+            })
+            .await
+            .unwrap();
+        assert!(claimed.is_some_and(|c| c.claimed));
+    }
+    drop(store);
+    // The SQLite file lock goes with the last handle.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+}
+
+/// `keys show` and `keys resolve` take a unique prefix of a key hash (at
+/// least 8 hex digits, as `keys list` shows 12), on both stores; an
+/// ambiguous one lists its matches, a short one and one that matches
+/// nothing are clear errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_show_and_resolve_take_a_unique_prefix_of_the_key_hash() {
+    let pg = common::pg::TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite://{}", dir.path().join("prefix.db").display());
+    let mut a = [0x11u8; 32];
+    a[..4].copy_from_slice(&[0xab, 0xcd, 0xef, 0x01]);
+    let mut b = a;
+    b[4] = 0x22;
+    let mut c = [0x33u8; 32];
+    c[..4].copy_from_slice(&[0xab, 0xcd, 0xef, 0x02]);
+    let (a_hex, b_hex, c_hex) = (hex::encode(a), hex::encode(b), hex::encode(c));
+    for url in [pg.url.clone(), sqlite] {
+        claim_hashes(&url, "acme", &[a, b, c]).await;
+        // Leases of 1 s under hold: unknown, and so resolvable, after it.
+        tokio::time::sleep(std::time::Duration::from_millis(1_300)).await;
+        let run = |args: &[&str]| {
+            let out = common::bin::keys(&url, args);
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        let (ok, out, err) = run(&["show", "acme", &c_hex[..12]]);
+        assert!(ok && out.contains(&c_hex), "{url}: {out}{err}");
+        let (ok, out, err) = run(&["show", "acme", &a_hex[..10].to_uppercase()]);
+        assert!(ok && out.contains(&a_hex), "{url}: {out}{err}");
+        let (ok, _, err) = run(&["show", "acme", &a_hex[..8]]);
+        assert!(!ok && err.contains("ambiguous"), "{url}: {err}");
+        assert!(err.contains(&a_hex) && err.contains(&b_hex), "{url}: {err}");
+        assert!(!err.contains(&c_hex), "{url}: {err}");
+        let (ok, _, err) = run(&["show", "acme", &a_hex[..7]]);
+        assert!(!ok && err.contains("at least 8"), "{url}: {err}");
+        let (ok, _, err) = run(&["show", "acme", "0123456789ab"]);
+        assert!(
+            !ok && err.contains("no key whose hash starts with"),
+            "{url}: {err}"
+        );
+        // Another tenant's keys are not matched.
+        let (ok, _, err) = run(&["show", "globex", &c_hex[..12]]);
+        assert!(!ok && err.contains("not-found"), "{url}: {err}");
+        let (ok, out, err) = run(&[
+            "resolve",
+            "acme",
+            &b_hex[..12],
+            "--release",
+            "--reason",
+            "nothing happened",
+        ]);
+        assert!(ok && out.contains("Released"), "{url}: {out}{err}");
+        assert!(out.contains(&b_hex), "{url}: {out}");
+        // Now a's prefix of 8 is unique.
+        let (ok, out, err) = run(&["show", "acme", &a_hex[..8]]);
+        assert!(ok && out.contains(&a_hex), "{url}: {out}{err}");
+    }
+}

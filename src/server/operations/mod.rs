@@ -157,6 +157,63 @@ pub fn key_hash(hex_text: &str) -> Result<Vec<u8>, ApiError> {
     }
 }
 
+/// The shortest key hash prefix taken (as `git` takes a commit id's).
+pub const MIN_PREFIX: usize = 8;
+
+/// The whole key hash `text` names: its 64 hex digits, or a prefix of at
+/// least [`MIN_PREFIX`] that matches one key of `tenant` (`keys list` shows
+/// 12). One prefix that matches several is refused, listing them; one that
+/// matches none is `404 not-found`. Looked up as a range of the primary
+/// key, not a scan.
+pub async fn expand_key_hash(
+    engine: &crate::engine::Engine,
+    tenant: &str,
+    text: &str,
+) -> Result<String, ApiError> {
+    let text = text.trim().to_ascii_lowercase();
+    if text.len() == 64 {
+        return key_hash(&text).map(hex::encode);
+    }
+    if text.is_empty() || text.len() > 64 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ApiError::InvalidRequest(format!(
+            "the key hash must be hex digits of the key's SHA-256 (all 64, or a prefix of at \
+             least {MIN_PREFIX}); got {text:?}"
+        )));
+    }
+    if text.len() < MIN_PREFIX {
+        return Err(ApiError::InvalidRequest(format!(
+            "the key hash prefix {text:?} is {} hex digits; give at least {MIN_PREFIX} (as \
+             `keys list` shows them) or all 64",
+            text.len()
+        )));
+    }
+    let bound = |pad: char| {
+        let mut full = text.clone();
+        full.extend(std::iter::repeat_n(pad, 64 - text.len()));
+        hex::decode(full).expect("64 hex digits")
+    };
+    let found = engine
+        .key_hashes_between(tenant, &bound('0'), &bound('f'), 11)
+        .await?;
+    match found.as_slice() {
+        [] => Err(ApiError::NotFound(format!(
+            "tenant {tenant:?} has no key whose hash starts with {text}"
+        ))),
+        [one] => Ok(hex::encode(one)),
+        many => Err(ApiError::InvalidRequest(format!(
+            "the key hash prefix {text} is ambiguous: it matches {}{} keys of tenant {tenant:?}: \
+             {}; give more digits",
+            if many.len() > 10 { "more than " } else { "" },
+            many.len().min(10),
+            many.iter()
+                .take(10)
+                .map(hex::encode)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
 /// A cursor as the listing hands it out: opaque to the caller.
 pub(crate) fn encode_cursor(cursor: &KeyCursor) -> String {
     let text = format!(

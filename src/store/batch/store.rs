@@ -111,6 +111,18 @@ impl Store for Batched {
         self.store.list_keys(query).await
     }
 
+    async fn key_hashes_between(
+        &self,
+        tenant: &str,
+        low: &[u8],
+        high: &[u8],
+        limit: i64,
+    ) -> Result<Vec<Vec<u8>>> {
+        self.store
+            .key_hashes_between(tenant, low, high, limit)
+            .await
+    }
+
     async fn resolve(&self, resolve: &Resolve) -> Result<Option<Found>> {
         self.store.resolve(resolve).await
     }

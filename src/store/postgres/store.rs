@@ -145,6 +145,29 @@ impl Store for PgStore {
         row.map(Found::try_from).transpose()
     }
 
+    async fn key_hashes_between(
+        &self,
+        tenant: &str,
+        low: &[u8],
+        high: &[u8],
+        limit: i64,
+    ) -> Result<Vec<Vec<u8>>> {
+        let rows: Vec<(Vec<u8>,)> = self
+            .fetch_all(
+                sqlx::query_as(
+                    "SELECT key_hash FROM idempotency_keys WHERE tenant = $1
+                        AND key_hash BETWEEN $2 AND $3 AND expires_at > now()
+                        ORDER BY key_hash LIMIT $4",
+                )
+                .bind(tenant)
+                .bind(low)
+                .bind(high)
+                .bind(limit),
+            )
+            .await?;
+        Ok(rows.into_iter().map(|(h,)| h).collect())
+    }
+
     async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage> {
         let after = query.after.as_ref();
         let rows: Vec<FoundRow> = self

@@ -146,6 +146,28 @@ impl Store for SqliteStore {
         .transpose()
     }
 
+    async fn key_hashes_between(
+        &self,
+        tenant: &str,
+        low: &[u8],
+        high: &[u8],
+        limit: i64,
+    ) -> Result<Vec<Vec<u8>>> {
+        sqlx::query_scalar(
+            "SELECT key_hash FROM idempotency_keys WHERE tenant = ?1
+                AND key_hash BETWEEN ?2 AND ?3 AND expires_at > ?5
+                ORDER BY key_hash LIMIT ?4",
+        )
+        .bind(tenant)
+        .bind(low)
+        .bind(high)
+        .bind(limit)
+        .bind(now_ms())
+        .fetch_all(&self.reader)
+        .await
+        .map_err(classify)
+    }
+
     async fn list_keys(&self, query: &KeyQuery) -> Result<KeyPage> {
         let now = now_ms();
         let created_by = query
