@@ -50,10 +50,9 @@ impl Engine {
         high: &[u8],
         limit: i64,
     ) -> Result<Vec<Vec<u8>>, EngineError> {
-        Ok(self
-            .store
+        self.store
             .key_hashes_between(tenant, low, high, limit)
-            .await?)
+            .await
     }
 
     pub async fn find_key(
