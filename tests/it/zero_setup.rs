@@ -256,13 +256,18 @@ fn with_json_logs_a_refusal_to_start_is_json_too() {
             .is_some_and(|e| e.contains("IDEMGATE_TOKENS")),
         "{stderr}"
     );
-    // And a one-shot command's report.
+    // And a one-shot command's report (`migrate`: `prune` never creates
+    // the file, and the refused start left none).
     let out = bare(dir.path())
         .env("IDEMGATE_LOG_FORMAT", "json")
-        .arg("prune")
+        .arg("migrate")
         .output()
         .unwrap();
-    assert!(out.status.success());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for line in String::from_utf8_lossy(&out.stderr).lines() {
         let line: serde_json::Value = serde_json::from_str(line).expect("JSON");
         assert!(line["level"].is_string(), "{line}");
