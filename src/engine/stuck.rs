@@ -38,9 +38,6 @@ pub enum Resolved {
 // === impl Engine ===
 
 impl Engine {
-    /// A key's record, opened (unsealed); `None` when it has none or it has
-    /// expired (the key is new again, whether or not pruning has deleted
-    /// the row).
     /// Up to `limit` key hashes of `tenant` from `low` to `high`, in order
     /// ([`Store::key_hashes_between`](crate::store::Store::key_hashes_between)).
     pub async fn key_hashes_between(
@@ -55,6 +52,9 @@ impl Engine {
             .await
     }
 
+    /// A key's record, opened (unsealed); `None` when it has none or it has
+    /// expired (the key is new again, whether or not pruning has deleted
+    /// the row).
     pub async fn find_key(
         &self,
         tenant: &str,

@@ -48,7 +48,7 @@ pub async fn run(argv: Vec<OsString>) -> ExitCode {
         Err(CliError::Clap(e)) => e.exit(),
         // A usage error, as clap's own exit with.
         Err(CliError::Config(message)) => {
-            eprintln!("{ERROR_PREFIX}{message}");
+            say(&format!("{ERROR_PREFIX}{message}"));
             return ExitCode::from(2);
         }
     };
@@ -81,7 +81,7 @@ pub async fn run(argv: Vec<OsString>) -> ExitCode {
             ExitCode::FAILURE
         }
         Err(e) => {
-            eprintln!("{ERROR_PREFIX}{}", sources.explain(&e));
+            say(&format!("{ERROR_PREFIX}{}", sources.explain(&e)));
             ExitCode::FAILURE
         }
     }
@@ -106,13 +106,21 @@ fn broken_pipe(e: &anyhow::Error) -> bool {
     })
 }
 
+/// Writes `line` to standard error. A reader gone away (`2>&1 | head`) is
+/// no reason to panic as `eprintln!` does: the line is dropped, quietly.
+fn say(line: &str) {
+    use std::io::Write as _;
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "{line}").and_then(|()| err.flush());
+}
+
 /// What a one-shot command did: a log line with JSON logs, so that every
 /// line on stderr parses; a plain one otherwise.
 fn report(json: bool, what: &str) {
     if json {
         tracing::info!("{what}");
     } else {
-        eprintln!("idemgate: {what}");
+        say(&format!("idemgate: {what}"));
     }
 }
 

@@ -253,3 +253,45 @@ async fn keys_show_and_resolve_take_a_unique_prefix_of_the_key_hash() {
         assert!(ok && out.contains(&a_hex), "{url}: {out}{err}");
     }
 }
+
+/// A command whose standard error is read by a reader gone away (`2>&1 |
+/// head` closing early) ends as it would have, without a panic (101):
+/// `migrate` and `prune` report on stderr, a refusal says why there, and
+/// `keys show` prints a key into a stdout already closed.
+#[tokio::test]
+async fn a_reader_of_standard_error_that_goes_away_ends_a_command_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("stderr.db").display());
+    let mut hash = [0x44u8; 32];
+    hash[0] = 0xfe;
+    claim_hashes(&url, "acme", &[hash]).await;
+    let hex_hash = hex::encode(hash);
+    let missing = "ab".repeat(32);
+    for (args, stdout_closed, code) in [
+        (vec!["migrate"], false, 0),
+        (vec!["--log-format", "json", "migrate"], false, 0),
+        (vec!["prune"], false, 0),
+        (vec!["keys", "show", "acme", missing.as_str()], false, 1),
+        (vec!["keys", "show", "acme", &hex_hash[..12]], true, 141),
+        (vec!["keys", "show", "acme", hex_hash.as_str()], true, 141),
+        (vec!["no-such-command"], false, 2),
+        (vec!["serve", "--listen", "nowhere"], false, 2),
+    ] {
+        let mut child = idemgate_at(&url)
+            .env_remove("IDEMGATE_CONFIG")
+            .env("RUST_BACKTRACE", "1")
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stderr.take());
+        if stdout_closed {
+            drop(child.stdout.take());
+        }
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stdout}");
+        assert!(!stdout.contains("panicked"), "{args:?}: {stdout}");
+    }
+}
