@@ -245,6 +245,7 @@ mod tests {
             expires_at: now + life,
             on_lease_expiry: crate::store::LeaseExpiry::Takeover,
             resolution: None,
+            marked_unknown: None,
         };
         (record, now)
     }

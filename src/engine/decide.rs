@@ -113,6 +113,7 @@ mod tests {
             expires_at: now + Span::hours(1),
             on_lease_expiry: LeaseExpiry::Takeover,
             resolution: None,
+            marked_unknown: None,
         }
     }
 

@@ -1,5 +1,5 @@
 //! What a key's holder does with its reservation: commit, release, extend,
-//! checkpoint, look it up; and why a write addressed by a reservation id was
+//! checkpoint, mark unknown, look it up; and why a write addressed by a reservation id was
 //! refused.
 
 use chrono::{DateTime, Utc};
@@ -122,13 +122,16 @@ impl Engine {
     /// request went out, a call abandoned at its bound). Every request with
     /// the key is then refused until the holder's own late commit or
     /// release, or an operator, settles it; a waiter on it gets its answer
-    /// at once.
+    /// at once. `reason` (what failed, never a body) is kept with the record
+    /// for the operator; a key the same holder marked already keeps its
+    /// first reason, and marking it again is no refusal.
     pub async fn mark_unknown(
         &self,
         tenant: &str,
         id: Uuid,
+        reason: &str,
     ) -> Result<Result<(), Refusal>, EngineError> {
-        if let Some(key_hash) = self.store.mark_unknown(tenant, id).await? {
+        if let Some(key_hash) = self.store.mark_unknown(tenant, id, reason).await? {
             self.durations.forget(id);
             self.waiters.wake(tenant, &key_hash);
             return Ok(Ok(()));

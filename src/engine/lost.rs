@@ -183,7 +183,11 @@ async fn settle(
             .await?
             .map(|_| Settled::LeaseEnded),
         LeaseExpiry::Hold => store
-            .mark_unknown(tenant, id)
+            .mark_unknown(
+                tenant,
+                id,
+                "a later attempt's claim was lost with the store; an earlier attempt may have acted",
+            )
             .await?
             .map(|_| Settled::Unknown),
     };

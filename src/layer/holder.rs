@@ -295,7 +295,10 @@ impl Holder {
         match produced {
             Produced::Failed(e) => {
                 let e = ApiError::Internal(format!("the inner service failed: {e}"));
-                (self.outcome_unknown().await, policy.problem(e))
+                let settled = self
+                    .outcome_unknown("the call failed after it was sent")
+                    .await;
+                (settled, policy.problem(e))
             }
             Produced::NotExecuted(res) if self.attempt > 1 => {
                 (self.not_executed_again().await, res)
@@ -304,7 +307,11 @@ impl Holder {
                 self.release().await;
                 (Settled::Released, res)
             }
-            Produced::Unknown(res) => (self.outcome_unknown().await, res),
+            Produced::Unknown(res) => (
+                self.outcome_unknown("the inner service said its outcome is unknown")
+                    .await,
+                res,
+            ),
             Produced::Whole(mut parts, bytes) => {
                 let stored = StoredResponse {
                     status: parts.status.as_u16(),
@@ -324,7 +331,10 @@ impl Holder {
                     }
                     Door::Layer => ApiError::Internal(format!("the response body failed: {why}")),
                 };
-                (self.outcome_unknown().await, policy.problem(e))
+                let settled = self
+                    .outcome_unknown("the response broke off before its end")
+                    .await;
+                (settled, policy.problem(e))
             }
             // Taken by `run` before it settles anything.
             Produced::Streaming(..) => (

@@ -126,7 +126,8 @@ impl Holder {
                     "the streamed response broke off before its end; whether it acted in full is \
                      unknown"
                 );
-                self.outcome_unknown().await
+                self.outcome_unknown("the streamed response broke off before its end")
+                    .await
             }
         };
         tracing::info!(

@@ -16,7 +16,9 @@ impl Holder {
             key.hash = %self.key_hash,
             "the call ran past its bound and was abandoned; whether it acted is unknown"
         );
-        let settled = self.outcome_unknown().await;
+        let settled = self
+            .outcome_unknown("the call ran past its bound and was abandoned")
+            .await;
         if let Some(reply) = reply {
             let after = self.shared.policy.abandon_after.unwrap_or_default();
             let res = timed_out(&self.shared.policy, after, false);
@@ -28,7 +30,8 @@ impl Holder {
     /// its response broke off, it ran past its bound). Under `hold` the key
     /// is marked unknown, so no request runs it again; under `takeover` it
     /// stays in flight until its lease ends.
-    pub(super) async fn outcome_unknown(&self) -> Settled {
+    /// `why` is kept with the record for the operator who settles it.
+    pub(super) async fn outcome_unknown(&self, why: &'static str) -> Settled {
         if self.on_lease_expiry == LeaseExpiry::Takeover {
             tracing::warn!(
                 key.hash = %self.key_hash,
@@ -40,7 +43,7 @@ impl Holder {
         match self
             .shared
             .engine
-            .mark_unknown(&self.tenant, self.reservation_id)
+            .mark_unknown(&self.tenant, self.reservation_id, why)
             .await
         {
             Ok(Ok(())) => {
@@ -74,7 +77,9 @@ impl Holder {
     /// `Idempotency-Attempt`; under `hold` its outcome is unknown.
     pub(super) async fn not_executed_again(&self) -> Settled {
         if self.on_lease_expiry == LeaseExpiry::Hold {
-            return self.outcome_unknown().await;
+            return self
+                .outcome_unknown("a later attempt did not act, but an earlier one may have")
+                .await;
         }
         match self
             .shared

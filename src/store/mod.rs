@@ -19,8 +19,8 @@ pub use error::{Cause, Result, StoreError, report_unavailable};
 pub use postgres::{PgSettings, PgStore};
 pub use records::{
     BatchStats, Claim, ClaimRequest, Found, InFlightUsage, KeyCursor, KeyPage, KeyQuery, KeyState,
-    LeaseExpiry, PoolStats, PruneBatch, Record, Recovery, Resolution, Resolve, ResolveAction,
-    StoredResponse, StoredUsage, Write, Written,
+    LeaseExpiry, MarkedUnknown, PoolStats, PruneBatch, Record, Recovery, Resolution, Resolve,
+    ResolveAction, StoredResponse, StoredUsage, Write, Written,
 };
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
@@ -33,7 +33,7 @@ macro_rules! key_columns {
         "tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt, \
          recovery_point, recovery_data, response_status, response_headers, response_body, \
          created_at, completed_at, expires_at, on_lease_expiry, resolved_action, resolved_reason, \
-         resolved_by, resolved_at"
+         resolved_by, resolved_at, unknown_reason, unknown_at, unknown_reservation_id"
     };
 }
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
@@ -73,9 +73,16 @@ pub trait Store: Send + Sync + 'static {
         recovery: &Recovery,
     ) -> Result<Option<Record>>;
     /// Marks the key the id holds [`KeyState::Unknown`]: its holder cannot
-    /// tell whether the effect happened. Applies while the id holds the key
-    /// in flight; returns its key hash.
-    async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>>;
+    /// tell whether the effect happened, and says why (`reason`, kept with
+    /// the record as a [`MarkedUnknown`]). Applies while the id holds the
+    /// key in flight, or already unknown (then the first mark's reason and
+    /// time stay); returns its key hash.
+    async fn mark_unknown(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        reason: &str,
+    ) -> Result<Option<Vec<u8>>>;
     /// The record a reservation id belongs or belonged to, if it still exists.
     async fn find_by_reservation(
         &self,

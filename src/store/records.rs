@@ -144,6 +144,36 @@ impl Resolution {
     }
 }
 
+/// Why and when a key's holder marked it unknown: kept with its record for
+/// the operator who settles it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MarkedUnknown {
+    /// The holder's words: what failed (an exception's type, never a body).
+    pub reason: String,
+    /// When, by the store's clock.
+    pub at: DateTime<Utc>,
+}
+
+impl MarkedUnknown {
+    /// Rebuilds the mark from its columns: `None` when the record was never
+    /// marked, or was marked by a holder whose key has since been reserved
+    /// afresh (`marked_by` is not the record's `holder`).
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn from_columns(
+        reason: Option<String>,
+        at: Option<DateTime<Utc>>,
+        marked_by: Option<Uuid>,
+        holder: Uuid,
+    ) -> Option<MarkedUnknown> {
+        match (reason, at, marked_by) {
+            (Some(reason), Some(at), Some(by)) if by == holder => {
+                Some(MarkedUnknown { reason, at })
+            }
+            _ => None,
+        }
+    }
+}
+
 /// A response as stored for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
@@ -224,6 +254,12 @@ pub struct Record {
     pub on_lease_expiry: LeaseExpiry,
     /// How an operator settled it, if one did.
     pub resolution: Option<Resolution>,
+    /// Why and when its current holder marked it unknown, if it did. A
+    /// record a claim hands back does not carry it (`None`): a claim that
+    /// finds the key unknown answers so without needing why; a lookup
+    /// ([`Store::find_by_reservation`](super::Store::find_by_reservation),
+    /// [`Store::find_key`](super::Store::find_key), a listing) does.
+    pub marked_unknown: Option<MarkedUnknown>,
 }
 
 impl Record {

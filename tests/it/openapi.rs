@@ -58,6 +58,7 @@ fn every_operation_has_a_verb_resource_id_and_problem_errors() {
                     "commit_",
                     "release_",
                     "extend_",
+                    "mark_",
                     "checkpoint_",
                     "list_",
                     "show_",
@@ -78,7 +79,7 @@ fn every_operation_has_a_verb_resource_id_and_problem_errors() {
             ids.push(id);
         }
     }
-    assert_eq!(ids.len(), 13, "{ids:?}");
+    assert_eq!(ids.len(), 14, "{ids:?}");
 }
 
 /// A reserve answers `201` (reserved) or `200` (the replay); a client that
@@ -195,6 +196,7 @@ fn response_headers_are_declared_where_they_are_sent() {
         "post /v1/reservations/{id}/commit",
         "post /v1/reservations/{id}/extend",
         "post /v1/reservations/{id}/release",
+        "post /v1/reservations/{id}/unknown",
     ]
     .map(String::from)
     .into();

@@ -887,7 +887,8 @@ impl Model {
             }
             Op::MarkUnknown { id } => {
                 let id = resolve(id, self.ids.len());
-                if let Some(key) = self.live_holder(id) {
+                // Marking again a key it marked already is no refusal.
+                if let Some(key) = self.settling_holder(id) {
                     self.records.get_mut(&key).expect("live").state = MState::Unknown;
                     return Expect::Ok;
                 }
@@ -1149,7 +1150,7 @@ impl Subject {
                 let id = self.id(id);
                 match self
                     .engine
-                    .mark_unknown(TENANT, id)
+                    .mark_unknown(TENANT, id, "the model marks it")
                     .await
                     .unwrap_or_else(store_err)
                 {

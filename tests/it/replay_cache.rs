@@ -429,8 +429,13 @@ impl Store for AnHourAhead {
             }))
     }
 
-    async fn mark_unknown(&self, tenant: &str, id: Uuid) -> Result<Option<Vec<u8>>, StoreError> {
-        self.0.mark_unknown(tenant, id).await
+    async fn mark_unknown(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        reason: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.0.mark_unknown(tenant, id, reason).await
     }
 
     async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>, StoreError> {

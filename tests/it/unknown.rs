@@ -1189,6 +1189,40 @@ async fn a_takeover_that_did_not_act_leaves_the_key_to_the_next_attempt(b: Backe
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
+/// `POST /v1/reservations/{id}/unknown`: the key is unknown at once, under
+/// `takeover` too (a duplicate gets `409 outcome-unknown`, no
+/// `Retry-After`); the view keeps why; a missing or empty reason is `400`;
+/// the holder's own late commit still settles it.
+async fn a_holder_marks_its_key_unknown_at_once(b: Backend) {
+    let app = TestApp::new(&b.url(), &[]).await;
+    let key = fresh_key();
+    let body = reserve_body(json!({}));
+    let id = app.reserve(&key, &body).await.reservation_id();
+    app.act(&id, "unknown", "{}")
+        .await
+        .assert_problem(400, "invalid-request");
+    app.act(&id, "unknown", r#"{"reason":"  "}"#)
+        .await
+        .assert_problem(400, "invalid-request");
+    let marked = app
+        .act(&id, "unknown", r#"{"reason":"ReadTimeout after sending"}"#)
+        .await;
+    assert_eq!(marked.status, 200, "{marked:#?}");
+    assert_eq!(marked.body["state"], "unknown", "{marked:#?}");
+    assert_eq!(
+        marked.body["marked_unknown"]["reason"],
+        "ReadTimeout after sending"
+    );
+    let dup = app.reserve(&key, &body).await;
+    dup.assert_problem(409, "outcome-unknown");
+    assert!(dup.headers.get("retry-after").is_none(), "{dup:#?}");
+    let commit = app
+        .act(&id, "commit", r#"{"status":200,"body":"late"}"#)
+        .await;
+    assert_eq!(commit.status, 200, "{commit:#?}");
+    assert_eq!(app.reserve(&key, &body).await.status, 200);
+}
+
 both_stores! {
     serial: [
         an_upgrade_keeps_what_existing_records_meant,
@@ -1197,6 +1231,7 @@ both_stores! {
         the_admin_endpoints_need_an_admin_token,
     ],
     concurrent: [
+        a_holder_marks_its_key_unknown_at_once,
         a_held_key_past_its_lease_waits_for_its_holder,
         a_waiter_is_told_at_once_when_the_key_becomes_unknown,
         the_layer_holds_by_default_and_a_takeover_says_its_attempt,

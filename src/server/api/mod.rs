@@ -96,7 +96,7 @@ impl Deref for AppState {
     // type: named here, so that its `$ref` resolves.
     components(schemas(crate::server::operations::list::StateFilter)),
     tags(
-        (name = "reservations", description = "Reserve, commit, release, extend, checkpoint"),
+        (name = "reservations", description = "Reserve, commit, release, extend, checkpoint, mark unknown"),
         (name = "operations", description = "Health, readiness, metrics and the published policy"),
         (name = "admin", description = "Operators: list, show and resolve stuck keys (unknown, or in flight past their lease). Bearer tokens of IDEMGATE_ADMIN_TOKENS; with none set, only on a loopback listener."),
     )
@@ -128,6 +128,7 @@ fn openapi_router() -> OpenApiRouter<AppState> {
         .routes(routes!(reservations::held::release_reservation))
         .routes(routes!(reservations::held::extend_reservation))
         .routes(routes!(reservations::held::checkpoint_reservation))
+        .routes(routes!(reservations::held::mark_reservation_unknown))
         .routes(routes!(ops::get_policy))
         .routes(routes!(ops::get_healthz))
         .routes(routes!(ops::get_readyz))

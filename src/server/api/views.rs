@@ -192,6 +192,36 @@ pub struct ExtendBody {
     pub lease_seconds: Option<u32>,
 }
 
+/// Body of `POST /v1/reservations/{id}/unknown`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UnknownBody {
+    /// Why the holder cannot tell whether its effect happened: what failed
+    /// (an exception's type, "the provider timed out after the request was
+    /// sent"), never a body or a secret. Kept with the record for the
+    /// operator who settles it (1 to 1000 characters).
+    #[schema(min_length = 1, max_length = 1000)]
+    pub reason: String,
+}
+
+/// Why and when a key's holder marked it unknown.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct MarkedUnknownView {
+    /// The holder's reason.
+    pub reason: String,
+    /// When it was marked.
+    pub at: DateTime<Utc>,
+}
+
+impl From<&store::MarkedUnknown> for MarkedUnknownView {
+    fn from(mark: &store::MarkedUnknown) -> MarkedUnknownView {
+        MarkedUnknownView {
+            reason: mark.reason.clone(),
+            at: mark.at,
+        }
+    }
+}
+
 /// `200` of extend.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ExtendedView {
@@ -229,6 +259,8 @@ pub struct RecordView {
     pub completed_at: Option<DateTime<Utc>>,
     /// When the key is forgotten.
     pub expires_at: DateTime<Utc>,
+    /// Why and when its holder marked it unknown, if it did.
+    pub marked_unknown: Option<MarkedUnknownView>,
 }
 
 // === views of records ===
@@ -279,6 +311,7 @@ pub(super) fn record_view(id: Uuid, record: &Record, live: bool, now: DateTime<U
         created_at: record.created_at,
         completed_at: record.completed_at,
         expires_at: record.expires_at,
+        marked_unknown: record.marked_unknown.as_ref().map(MarkedUnknownView::from),
     }
 }
 

@@ -18,7 +18,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::problem::ApiError;
-use crate::server::api::views::{LeaseExpiry, Recovery};
+use crate::server::api::views::{LeaseExpiry, MarkedUnknownView, Recovery};
 use crate::store::{self, KeyCursor, Record};
 
 pub use list::{KeyList, ListQuery, list};
@@ -54,6 +54,9 @@ pub struct KeyView {
     pub recovery: Option<Recovery>,
     /// The stored response's status, once completed.
     pub status: Option<u16>,
+    /// Why and when its holder marked it unknown, if it did (a key held
+    /// past its lease was not marked: it has none).
+    pub marked_unknown: Option<MarkedUnknownView>,
     /// How an operator settled it, if one did.
     pub resolution: Option<ResolutionView>,
 }
@@ -136,6 +139,7 @@ pub fn view(record: &Record, now: DateTime<Utc>) -> KeyView {
         completed_at: record.completed_at,
         recovery: record.recovery.clone().map(Recovery::from),
         status: record.response.as_ref().map(|r| r.status),
+        marked_unknown: record.marked_unknown.as_ref().map(MarkedUnknownView::from),
         resolution: record.resolution.as_ref().map(|r| ResolutionView {
             action: r.action.into(),
             reason: r.reason.clone(),

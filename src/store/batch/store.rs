@@ -69,8 +69,15 @@ impl Store for Batched {
         }
     }
 
-    async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
-        self.store.mark_unknown(tenant, reservation_id).await
+    async fn mark_unknown(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        reason: &str,
+    ) -> Result<Option<Vec<u8>>> {
+        self.store
+            .mark_unknown(tenant, reservation_id, reason)
+            .await
     }
 
     async fn extend(

@@ -8,7 +8,8 @@ use sqlx::FromRow;
 use uuid::Uuid;
 
 use crate::store::{
-    Found, KeyState, LeaseExpiry, Record, Recovery, Resolution, Result, StoreError, StoredResponse,
+    Found, KeyState, LeaseExpiry, MarkedUnknown, Record, Recovery, Resolution, Result, StoreError,
+    StoredResponse,
 };
 
 /// One row of `idempotency_keys`, as [`key_columns!`](crate::store::key_columns) lists it.
@@ -34,6 +35,9 @@ pub(super) struct KeyRow {
     pub(super) resolved_reason: Option<String>,
     pub(super) resolved_by: Option<String>,
     pub(super) resolved_at: Option<DateTime<Utc>>,
+    pub(super) unknown_reason: Option<String>,
+    pub(super) unknown_at: Option<DateTime<Utc>>,
+    pub(super) unknown_reservation_id: Option<Uuid>,
 }
 
 #[derive(FromRow)]
@@ -106,6 +110,12 @@ impl TryFrom<KeyRow> for Record {
             expires_at: r.expires_at,
             on_lease_expiry,
             resolution,
+            marked_unknown: MarkedUnknown::from_columns(
+                r.unknown_reason,
+                r.unknown_at,
+                r.unknown_reservation_id,
+                r.reservation_id,
+            ),
         })
     }
 }

@@ -12,6 +12,23 @@ use std::sync::LazyLock;
 use super::citus;
 use crate::store::key_columns;
 
+/// The columns of [`key_columns!`] as the claim functions return them: all
+/// but the holder's mark (`unknown_*`, migration
+/// `20261206000001_marked_unknown.sql`), which they do not return and which
+/// reads as none. A claim that finds its key unknown answers so without
+/// needing why; the operator's lookups read the mark from the table.
+macro_rules! claimed_columns {
+    () => {
+        concat!(
+            "tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt, \
+             recovery_point, recovery_data, response_status, response_headers, response_body, \
+             created_at, completed_at, expires_at, on_lease_expiry, resolved_action, \
+             resolved_reason, resolved_by, resolved_at, NULL::text AS unknown_reason, \
+             NULL::timestamptz AS unknown_at, NULL::uuid AS unknown_reservation_id"
+        )
+    };
+}
+
 // The claim (migration `20261204000001_outcome_unknown.sql`): insert a new
 // record, or, under the row lock that ON CONFLICT takes, reset an expired one
 // or take over an in-flight one whose lease ended under 'takeover'; else read
@@ -20,7 +37,7 @@ use crate::store::key_columns;
 // it is one router call on Citus too: see the migration.
 pub(super) const RESERVE: &str = concat!(
     "SELECT claimed, db_now, ",
-    key_columns!(),
+    claimed_columns!(),
     " FROM idemgate_reserve($1, $2, $3, $4, $5, $6, $7, $8)"
 );
 
@@ -28,7 +45,7 @@ pub(super) const RESERVE: &str = concat!(
 // hold one item per write, NULL where a kind of write has no such argument.
 pub(super) const WRITE_BATCH: &str = concat!(
     "SELECT ord, claimed, db_now, ",
-    key_columns!(),
+    claimed_columns!(),
     " FROM idemgate_write_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
 );
 
@@ -75,9 +92,17 @@ pub(super) const RELEASE: &str = concat!(
     " RETURNING k.key_hash"
 );
 
+// `$3` the holder's reason. A key this holder marked already keeps its first
+// reason and time; a mark an earlier holder left is overwritten.
 pub(super) const MARK_UNKNOWN: &str = concat!(
-    "UPDATE idempotency_keys k SET state = 'unknown' WHERE ",
-    current_holder!("'in_flight'"),
+    "UPDATE idempotency_keys k SET state = 'unknown',
+            unknown_reason = CASE WHEN k.unknown_reservation_id IS NOT DISTINCT FROM $2
+                                  AND k.state = 'unknown' THEN k.unknown_reason ELSE $3 END,
+            unknown_at = CASE WHEN k.unknown_reservation_id IS NOT DISTINCT FROM $2
+                              AND k.state = 'unknown' THEN k.unknown_at ELSE now() END,
+            unknown_reservation_id = $2
+      WHERE ",
+    current_holder!("'in_flight', 'unknown'"),
     " RETURNING k.key_hash"
 );
 

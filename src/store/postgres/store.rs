@@ -85,11 +85,17 @@ impl Store for PgStore {
         .await
     }
 
-    async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+    async fn mark_unknown(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        reason: &str,
+    ) -> Result<Option<Vec<u8>>> {
         self.fetch_scalar(
             sqlx::query_scalar(MARK_UNKNOWN)
                 .bind(tenant)
-                .bind(reservation_id),
+                .bind(reservation_id)
+                .bind(reason),
         )
         .await
     }

@@ -8,7 +8,8 @@ use uuid::Uuid;
 use uuid::fmt::Hyphenated;
 
 use crate::store::{
-    KeyState, LeaseExpiry, Record, Recovery, Resolution, Result, StoreError, StoredResponse,
+    KeyState, LeaseExpiry, MarkedUnknown, Record, Recovery, Resolution, Result, StoreError,
+    StoredResponse,
 };
 
 /// This process's clock in whole milliseconds, the stored precision, so that
@@ -54,6 +55,9 @@ pub(super) struct KeyRow {
     pub(super) resolved_reason: Option<String>,
     pub(super) resolved_by: Option<String>,
     pub(super) resolved_at: Option<i64>,
+    pub(super) unknown_reason: Option<String>,
+    pub(super) unknown_at: Option<i64>,
+    pub(super) unknown_reservation_id: Option<String>,
 }
 
 impl KeyRow {
@@ -87,6 +91,9 @@ impl KeyRow {
             resolved_reason: text_opt(r, 17)?,
             resolved_by: text_opt(r, 18)?,
             resolved_at: r.get(19)?,
+            unknown_reason: text_opt(r, 20)?,
+            unknown_at: r.get(21)?,
+            unknown_reservation_id: text_opt(r, 22)?,
         })
     }
 }
@@ -181,6 +188,14 @@ impl TryFrom<KeyRow> for Record {
                 r.resolved_by,
                 ts_opt(r.resolved_at)?,
             )?,
+            marked_unknown: MarkedUnknown::from_columns(
+                r.unknown_reason,
+                ts_opt(r.unknown_at)?,
+                r.unknown_reservation_id
+                    .as_deref()
+                    .and_then(|id| Uuid::parse_str(id).ok()),
+                r.reservation_id.into_uuid(),
+            ),
         })
     }
 }

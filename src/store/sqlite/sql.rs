@@ -92,9 +92,17 @@ pub(super) const RELEASE: &str = concat!(
     " RETURNING key_hash"
 );
 
+// ?4 the holder's reason. A key this holder marked already keeps its first
+// reason and time; a mark an earlier holder left is overwritten.
 pub(super) const MARK_UNKNOWN: &str = concat!(
-    "UPDATE idempotency_keys SET state = 'unknown' WHERE ",
-    current_holder!("'in_flight'"),
+    "UPDATE idempotency_keys SET state = 'unknown',
+            unknown_reason = CASE WHEN unknown_reservation_id IS ?2 AND state = 'unknown'
+                                  THEN unknown_reason ELSE ?4 END,
+            unknown_at = CASE WHEN unknown_reservation_id IS ?2 AND state = 'unknown'
+                              THEN unknown_at ELSE ?3 END,
+            unknown_reservation_id = ?2
+      WHERE ",
+    current_holder!("'in_flight', 'unknown'"),
     " RETURNING key_hash"
 );
 

@@ -52,13 +52,19 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn mark_unknown(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+    async fn mark_unknown(
+        &self,
+        tenant: &str,
+        reservation_id: Uuid,
+        reason: &str,
+    ) -> Result<Option<Vec<u8>>> {
         let tenant = tenant.to_owned();
+        let reason = reason.to_owned();
         self.writer
             .write(move |conn| {
                 let mut buf = Uuid::encode_buffer();
                 let id = uuid_text(reservation_id, &mut buf);
-                value_row(conn, MARK_UNKNOWN, params![tenant, id, now_ms()])
+                value_row(conn, MARK_UNKNOWN, params![tenant, id, now_ms(), reason])
             })
             .await
     }

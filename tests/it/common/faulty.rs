@@ -110,8 +110,13 @@ impl Store for Faulty {
         self.inner.checkpoint(tenant, id, recovery).await
     }
 
-    async fn mark_unknown(&self, tenant: &str, id: Uuid) -> Result<Option<Vec<u8>>, StoreError> {
-        self.inner.mark_unknown(tenant, id).await
+    async fn mark_unknown(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        reason: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.mark_unknown(tenant, id, reason).await
     }
 
     async fn find_by_reservation(

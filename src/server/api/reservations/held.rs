@@ -1,5 +1,6 @@
 //! What a reservation's holder calls after reserving: commit, release,
-//! extend, checkpoint, and the lookup of a reservation by its id.
+//! extend, checkpoint, mark unknown, and the lookup of a reservation by its
+//! id.
 
 use std::time::Instant;
 
@@ -19,8 +20,8 @@ use crate::server::api::problems::{
 };
 use crate::server::api::views::Recovery;
 use crate::server::api::views::{
-    CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, completed_response,
-    record_view,
+    CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, UnknownBody,
+    completed_response, record_view,
 };
 use crate::store::StoredResponse;
 use crate::telemetry::{self, Outcome};
@@ -186,6 +187,65 @@ pub async fn checkpoint_reservation(
         true,
         chrono::Utc::now(),
     )))
+}
+
+/// The longest reason a holder's mark keeps, as an operator's resolve.
+const MAX_UNKNOWN_REASON: usize = 1000;
+
+/// Mark the key unknown: the holder cannot tell whether its effect happened
+/// (its call to a provider timed out after sending). The key is held for an
+/// operator at once, whatever its `on_lease_expiry`, instead of waiting out
+/// its lease: every request with it gets `409 outcome-unknown` until this
+/// holder's own late commit or release, or an operator, settles it. Marking
+/// a key this id marked already is `200` again (its first reason stays).
+#[utoipa::path(
+    post,
+    path = "/v1/reservations/{id}/unknown",
+    tag = "reservations",
+    params(("id" = Uuid, Path, description = "The reservation id")),
+    request_body(content = UnknownBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Marked unknown: the record, with the reason.", body = RecordView),
+        InvalidRequest,
+        Unauthorized,
+        NotFound,
+        LeaseLost,
+        StoreUnavailable,
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn mark_reservation_unknown(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<UnknownBody>,
+) -> Result<axum::Json<RecordView>> {
+    let id = reservation_id(&id)?;
+    let reason = body.reason.trim();
+    if reason.is_empty() || reason.chars().count() > MAX_UNKNOWN_REASON {
+        return Err(ApiError::InvalidRequest(format!(
+            "reason must hold 1 to {MAX_UNKNOWN_REASON} characters: what failed, so that an \
+             operator can settle the key"
+        )));
+    }
+    state
+        .engine
+        .mark_unknown(&tenant, id, reason)
+        .await?
+        .map_err(ApiError::from)?;
+    tracing::warn!(
+        tenant.id = %tenant,
+        reservation.id = %id,
+        "marked unknown by its holder: every request with the key gets 409 outcome-unknown until \
+         it is settled"
+    );
+    match state.engine.get(&tenant, id).await? {
+        Some(Lookup::Record { record, live, now }) => {
+            Ok(axum::Json(record_view(id, &record, live, now)))
+        }
+        // Settled (released, or its key expired) between the two calls.
+        None | Some(Lookup::Gone) => Err(ApiError::from(Refusal::Expired)),
+    }
 }
 
 /// The public view of the record a reservation belongs to.
