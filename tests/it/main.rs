@@ -50,6 +50,7 @@ mod tenants;
 mod tls_upstream;
 mod traces;
 mod unknown;
+mod upstream_pool;
 mod waiting;
 mod websocket;
 mod zero_setup;

@@ -85,6 +85,21 @@ pub struct ProxyArgs {
     )]
     pub upstream_connect_timeout: Duration,
 
+    /// Seconds an idle connection to the upstream is kept for the next
+    /// request. Keep it below the upstream's own keep-alive timeout
+    /// (uvicorn's and Node's are 5 s): a request sent on a connection the
+    /// upstream is closing at that moment may have reached it or not, and
+    /// its key is then held outcome-unknown. 0 opens a new connection for
+    /// every request.
+    #[arg(
+        long,
+        env = "IDEMGATE_UPSTREAM_IDLE_TIMEOUT",
+        value_name = "SECONDS",
+        default_value = "4",
+        value_parser = seconds
+    )]
+    pub upstream_idle_timeout: Duration,
+
     /// Send the client's Host header to the upstream (true), so that the
     /// origin builds its absolute URLs (Location, links) with the name its
     /// clients use; false sends the upstream URL's host:port instead, for an

@@ -4,6 +4,17 @@
 //! request was sent its own `502` (marked [`OutcomeUnknown`]). It waits for
 //! the upstream as long as its caller polls it: the layer answers the
 //! client at the upstream timeout and decides how long a call runs on.
+//!
+//! An idle connection is kept `--upstream-idle-timeout` seconds, less than
+//! the upstream's own keep-alive should be, so that no request is written
+//! into a connection the upstream is closing at that moment. A request that
+//! meets a pooled connection already closed (hyper found its end of stream
+//! before writing a byte of the request, and handed the request back whole,
+//! its body unread) is sent on another connection by the pool itself
+//! (`retry_canceled_requests`); one that met a connection closed without
+//! having been reused was never sent either, and is a `502` marked
+//! [`NotExecuted`]. Anything else that ends a request without an answer may
+//! have reached the upstream, and is never sent again.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -18,7 +29,7 @@ use futures::future::BoxFuture;
 use http::uri::{Authority, Scheme};
 use http::{Request, StatusCode, Uri, Version, header};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tower::Service;
 use tracing::Instrument as _;
 
@@ -28,9 +39,6 @@ use super::upgrade;
 use crate::layer::{NotExecuted, OutcomeUnknown, strip_connection_headers};
 use crate::problem::ApiError;
 use crate::server::config::ConfigError;
-
-/// How long an idle upstream connection stays in the pool.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Forwards requests to one upstream.
 #[derive(Clone)]
@@ -57,7 +65,8 @@ impl ProxyClient {
     /// A client for `upstream` (an `http://` or `https://` URL, checked by
     /// [`ProxyArgs::upstream_uri`](crate::server::config::ProxyArgs::upstream_uri)),
     /// whose certificate, for `https`, is checked against `trust`.
-    /// `connect_timeout` bounds the TCP connect and TLS handshake together.
+    /// `connect_timeout` bounds the TCP connect and TLS handshake together;
+    /// an idle connection is kept for `idle_timeout` (zero: none is kept).
     /// With `preserve_host`, the upstream gets the `Host` the client sent;
     /// without, the upstream's own authority.
     ///
@@ -68,6 +77,7 @@ impl ProxyClient {
         upstream: &Uri,
         trust: Trust<'_>,
         connect_timeout: Duration,
+        idle_timeout: Duration,
         preserve_host: bool,
     ) -> Result<ProxyClient, ConfigError> {
         let bad_upstream = |problem: &str| ConfigError {
@@ -89,9 +99,20 @@ impl ProxyClient {
                     problem,
                 }
             })?;
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .build(connector);
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder
+            // Closes idle connections as they expire, not only when a
+            // request finds them expired.
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(idle_timeout)
+            // A request hyper hands back unwritten, from a pooled
+            // connection found closed, goes on another connection: the
+            // only request ever sent again, since no byte of it left.
+            .retry_canceled_requests(true);
+        if idle_timeout.is_zero() {
+            builder.pool_max_idle_per_host(0);
+        }
+        let client = builder.build(connector);
         Ok(ProxyClient {
             client,
             upstream: Arc::new(Upstream {
@@ -127,6 +148,17 @@ impl ProxyClient {
                 tracing::warn!(upstream = %self.upstream.authority, error = %chain(&e), "upstream unreachable");
                 let mut res = ApiError::UpstreamUnavailable(
                     "the upstream could not be reached; the request was not sent".into(),
+                )
+                .into_response();
+                res.extensions_mut().insert(NotExecuted);
+                res
+            }
+            Err(e) if never_sent(&e) => {
+                tracing::warn!(upstream = %self.upstream.authority, error = %chain(&e), "the upstream closed the connection before the request was written");
+                let mut res = ApiError::UpstreamUnavailable(
+                    "the upstream closed the connection before the request was sent; the request \
+                     was not sent"
+                        .into(),
                 )
                 .into_response();
                 res.extensions_mut().insert(NotExecuted);
@@ -204,6 +236,20 @@ fn response_filter(mut res: Response) -> Response {
     res
 }
 
+/// Whether hyper handed the request back unwritten: it canceled the request
+/// because the connection was closed (or not ready) before it took a byte of
+/// it. hyper says so with a canceled error, and only then.
+fn never_sent(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(hyper) = s.downcast_ref::<hyper::Error>() {
+            return hyper.is_canceled();
+        }
+        source = s.source();
+    }
+    false
+}
+
 /// An error with its sources, for the log.
 fn chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
@@ -262,7 +308,14 @@ mod tests {
 
     fn client(upstream: &str) -> ProxyClient {
         let uri: Uri = upstream.parse().unwrap();
-        ProxyClient::new(&uri, Trust::System, Duration::from_secs(1), false).unwrap()
+        ProxyClient::new(
+            &uri,
+            Trust::System,
+            Duration::from_secs(1),
+            Duration::from_secs(4),
+            false,
+        )
+        .unwrap()
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod client;
 pub mod headers;
 pub mod mcp;
 pub mod routes;
+pub mod tcp;
 pub mod tls;
 mod upgrade;
 
@@ -75,6 +76,7 @@ impl Proxy {
             &upstream,
             trust,
             args.upstream_connect_timeout,
+            args.upstream_idle_timeout,
             args.preserve_host,
         )?;
         let mcp = args.protocol == "mcp";

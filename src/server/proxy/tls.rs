@@ -2,7 +2,8 @@
 //! (rustls) for `https://`, with the upstream's certificate always checked
 //! — against the system's roots, or exactly the certificates of
 //! `--upstream-ca-file` — and the connect timeout bounding the TCP connect
-//! and the TLS handshake together.
+//! and the TLS handshake together. Under TLS or not, each connection's TCP
+//! stream is a [`TcpIo`], which learns of the upstream's close at once.
 
 use std::error::Error as StdError;
 use std::future::Future;
@@ -19,8 +20,9 @@ use hyper_util::rt::TokioIo;
 use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
-use tokio::net::TcpStream;
 use tower::Service;
+
+use super::tcp::{TcpConnector, TcpIo};
 
 /// Where the upstream's certificate is checked against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +66,7 @@ pub fn connector(
         .with_tls_config(config)
         .https_or_http()
         .enable_http1()
-        .wrap_connector(tcp);
+        .wrap_connector(TcpConnector::new(tcp));
     Ok(Connector {
         inner: tls,
         timeout: connect_timeout,
@@ -116,14 +118,14 @@ fn roots(trust: Trust<'_>) -> Result<RootCertStore, String> {
 /// connect only).
 #[derive(Debug, Clone)]
 pub struct Connector {
-    inner: HttpsConnector<HttpConnector>,
+    inner: HttpsConnector<TcpConnector>,
     timeout: Duration,
 }
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
 impl Service<Uri> for Connector {
-    type Response = MaybeHttpsStream<TokioIo<TcpStream>>;
+    type Response = MaybeHttpsStream<TokioIo<TcpIo>>;
     type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
