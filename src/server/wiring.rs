@@ -141,26 +141,44 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
             tracing::info!(database = %url, "embedded SQLite store: one idemgate process per file");
             Ok(Arc::new(store))
         }
+        _ => Err(unsupported(scheme).into()),
+    }
+}
+
+/// Refuses a `DATABASE_URL` this build cannot open, before anything is bound
+/// or opened: a start refused for its URL names the URL, not a port in use.
+pub fn check_database_url(args: &StoreArgs) -> Result<(), ConfigError> {
+    let url = args.database_url.trim();
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    match scheme {
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(()),
+        #[cfg(feature = "sqlite")]
+        "sqlite" => Ok(()),
+        _ => Err(unsupported(scheme)),
+    }
+}
+
+/// Why `scheme` names no store of this build.
+fn unsupported(scheme: &str) -> ConfigError {
+    match scheme {
         #[cfg(not(feature = "postgres"))]
-        "postgres" | "postgresql" => Err(ConfigError {
+        "postgres" | "postgresql" => ConfigError {
             setting: "database_url",
             problem: "this idemgate was built without PostgreSQL (its `postgres` feature)".into(),
-        }
-        .into()),
+        },
         #[cfg(not(feature = "sqlite"))]
-        "sqlite" => Err(ConfigError {
+        "sqlite" => ConfigError {
             setting: "database_url",
             problem: "this idemgate was built without SQLite (its `sqlite` feature)".into(),
-        }
-        .into()),
-        _ => Err(ConfigError {
+        },
+        _ => ConfigError {
             setting: "database_url",
             problem: format!(
                 "expected a postgres://… URL, or a SQLite one (sqlite://PATH, sqlite:PATH, \
                  sqlite::memory:), got scheme {scheme:?}"
             ),
-        }
-        .into()),
+        },
     }
 }
 
@@ -199,6 +217,7 @@ pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate()?;
+    check_database_url(&args.store)?;
     // The listener before the store: a start that fails for its address
     // leaves no new database behind.
     let listener = TcpListener::bind(args.listen).await.context(ConfigError {

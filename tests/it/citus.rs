@@ -228,7 +228,8 @@ fn bound<'q>(
             .bind(201_i32)
             .bind(serde_json::json!([]))
             .bind(b"done".to_vec()),
-        "release" | "find" | "mark_unknown" => query.bind(id),
+        "release" | "find" => query.bind(id),
+        "mark_unknown" => query.bind(id).bind("the provider timed out after sending"),
         "find_key" => query.bind(vec![7_u8; 32]),
         "extend" => query.bind(id).bind(30.0_f64),
         "checkpoint" => query.bind(id).bind("step").bind(serde_json::json!({})),

@@ -117,12 +117,14 @@ async fn bad_settings_fail_fast_naming_the_setting() {
         assert!(named, "{var}: {stderr}");
     }
     let out = idemgate(&db)
-        .args(["serve", "--default-lease", "7200"])
+        .args(["serve", "--default-lease", "7200", "--max-lease", "3600"])
         .output()
         .unwrap();
     assert!(!out.status.success());
-    // Named as it was set: the flag, with its value.
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--default-lease 7200"));
+    // Two values set at odds: named as they were set, the flags with their values.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--default-lease 7200"), "{stderr}");
+    assert!(stderr.contains("--max-lease 3600"), "{stderr}");
 }
 
 #[tokio::test]

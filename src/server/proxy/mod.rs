@@ -164,6 +164,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     };
     // The listeners before the store: a start that fails for an address
     // leaves no new database behind.
+    wiring::check_database_url(&args.store)?;
     let listener = TcpListener::bind(args.listen).await.context(ConfigError {
         setting: "listen",
         problem: "cannot listen there".into(),
