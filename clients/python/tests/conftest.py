@@ -15,6 +15,7 @@ import pytest
 
 TOKEN = "client-tests-token-acme"
 OTHER_TOKEN = "client-tests-token-globex"
+ADMIN_TOKEN = "client-tests-token-operator"
 #: The tenant TOKEN names: the one the operators' endpoints file its keys under.
 TENANT = "acme"
 
@@ -82,6 +83,7 @@ def _serve(binary: str, database_url: str, work: Path) -> Server:
         "DATABASE_URL": database_url,
         "IDEMGATE_LISTEN": f"127.0.0.1:{port}",
         "IDEMGATE_TOKENS": f"acme:{TOKEN},globex:{OTHER_TOKEN}",
+        "IDEMGATE_ADMIN_TOKENS": f"ops:{ADMIN_TOKEN}",
         "IDEMGATE_PRUNE_INTERVAL": "0",
         "RUST_LOG": "warn",
     }
@@ -95,12 +97,17 @@ def _serve(binary: str, database_url: str, work: Path) -> Server:
 
 def settle(base_url: str, key: str, body: dict[str, object], tenant: str = TENANT) -> dict[str, object]:
     """An operator settles a stuck key through ``POST /v1/admin/keys/{tenant}/{key_hash}/resolve``
-    (open on loopback without IDEMGATE_ADMIN_TOKENS): the key goes by its
-    SHA-256, never in the clear."""
+    (with a token of IDEMGATE_ADMIN_TOKENS: a tenant's token is never an
+    operator's): the key goes by its SHA-256, never in the clear."""
     import hashlib
 
     key_hash = hashlib.sha256(key.encode("utf-8")).hexdigest()
-    answer = httpx.post(f"{base_url}/v1/admin/keys/{tenant}/{key_hash}/resolve", json=body, timeout=10)
+    answer = httpx.post(
+        f"{base_url}/v1/admin/keys/{tenant}/{key_hash}/resolve",
+        json=body,
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=10,
+    )
     assert answer.status_code == 200, answer.text
     view: dict[str, object] = answer.json()
     return view

@@ -9,6 +9,7 @@ import { join } from "node:path";
 
 export const TOKEN = "client-tests-token-acme";
 export const OTHER_TOKEN = "client-tests-token-globex";
+export const ADMIN_TOKEN = "client-tests-token-operator";
 /** The tenant TOKEN names: the one the operators' endpoints file its keys under. */
 export const TENANT = "acme";
 
@@ -88,6 +89,7 @@ export async function startServer(store: Store = "sqlite"): Promise<Server> {
     DATABASE_URL: databaseUrl,
     IDEMGATE_LISTEN: `127.0.0.1:${port}`,
     IDEMGATE_TOKENS: `acme:${TOKEN},globex:${OTHER_TOKEN}`,
+    IDEMGATE_ADMIN_TOKENS: `ops:${ADMIN_TOKEN}`,
     IDEMGATE_PRUNE_INTERVAL: "0",
     RUST_LOG: "warn",
   };
@@ -112,14 +114,14 @@ export async function startServer(store: Store = "sqlite"): Promise<Server> {
 
 /**
  * An operator settles a stuck key through `POST /v1/admin/keys/{tenant}/{key_hash}/resolve`
- * (open on loopback without IDEMGATE_ADMIN_TOKENS): the key goes by its
- * SHA-256, never in the clear.
+ * (with a token of IDEMGATE_ADMIN_TOKENS: a tenant's token is never an
+ * operator's): the key goes by its SHA-256, never in the clear.
  */
 export async function settle(baseUrl: string, key: string, body: Record<string, unknown>, tenant = TENANT): Promise<Record<string, unknown>> {
   const keyHash = createHash("sha256").update(key, "utf8").digest("hex");
   const answer = await fetch(`${baseUrl}/v1/admin/keys/${tenant}/${keyHash}/resolve`, {
     method: "POST",
-    headers: { "content-type": "application/json" },
+    headers: { "content-type": "application/json", authorization: `Bearer ${ADMIN_TOKEN}` },
     body: JSON.stringify(body),
   });
   const text = await answer.text();
