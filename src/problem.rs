@@ -101,6 +101,12 @@ pub enum ApiError {
     #[cfg_attr(not(feature = "server"), allow(dead_code))]
     #[error("{0}")]
     Forbidden(&'static str),
+    /// 403 admin-disabled: the operators' endpoints are closed on this
+    /// listener (tenant tokens and no admin tokens, or no loopback), whoever
+    /// asks.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))]
+    #[error("{0}")]
+    AdminDisabled(&'static str),
     /// 412 first-sent-too-old: the request's first attempt is older than
     /// the window keys are remembered for, so it may have executed and been
     /// forgotten; it is not executed.
@@ -168,7 +174,7 @@ impl ApiError {
             | ApiError::OutcomeUnknown
             | ApiError::LeaseLost(_)
             | ApiError::NotStuck(_) => StatusCode::CONFLICT,
-            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Forbidden(_) | ApiError::AdminDisabled(_) => StatusCode::FORBIDDEN,
             ApiError::FirstSentTooOld(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -196,6 +202,7 @@ impl ApiError {
             ApiError::LeaseLost(_) => "lease-lost",
             ApiError::NotStuck(_) => "key-not-stuck",
             ApiError::Forbidden(_) => "forbidden",
+            ApiError::AdminDisabled(_) => "admin-disabled",
             ApiError::FirstSentTooOld(_) => "first-sent-too-old",
             ApiError::KeyReused => "key-reused",
             ApiError::PayloadTooLarge(_) => "payload-too-large",
@@ -222,6 +229,7 @@ impl ApiError {
             ApiError::LeaseLost(_) => "Lease lost",
             ApiError::NotStuck(_) => "Key not stuck",
             ApiError::Forbidden(_) => "Forbidden",
+            ApiError::AdminDisabled(_) => "Admin endpoints disabled",
             ApiError::FirstSentTooOld(_) => "First attempt too old",
             ApiError::KeyReused => "Idempotency-Key reused",
             ApiError::PayloadTooLarge(_) => "Payload too large",

@@ -206,12 +206,9 @@ pub fn spawn_pruner(run: &RunArgs, store: Arc<dyn Store>) -> Option<tokio::task:
 pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
     let engine = engine(&args.run, store, args.policy.limits())
         .expect("seal settings are checked by ServeArgs::validate");
-    AppState::new(
-        Arc::new(engine),
-        args.tokens.clone().unwrap_or_default(),
-        args.admin.access(args.listen),
-        &args.policy,
-    )
+    let tokens = args.tokens.clone().unwrap_or_default();
+    let admin = args.admin.access(args.listen, &tokens);
+    AppState::new(Arc::new(engine), tokens, admin, &args.policy)
 }
 
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
@@ -237,6 +234,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
              IDEMGATE_TENANT_MAX_STORED_BYTES keep one tenant from exhausting it"
         );
     }
+    state.admin.log("serve");
     let pruner = spawn_pruner(&args.run, store);
     // Make the metric visible before the first pass.
     crate::telemetry::record_pruned(0);

@@ -10,6 +10,7 @@
 #[macro_use]
 mod common;
 
+mod admin_access;
 mod api;
 mod batching;
 mod citus;

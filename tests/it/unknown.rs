@@ -343,8 +343,9 @@ async fn operators_list_show_and_resolve_stuck_keys(b: Backend) {
 
 /// With `IDEMGATE_ADMIN_TOKENS`, the operators' endpoints need one of them:
 /// none is `401`, a tenant's token `403`; the name of the token used is
-/// recorded with the resolution. Without any, on a listener that is not on
-/// loopback, they answer `403`.
+/// recorded with the resolution. Without any, on a server with tenant
+/// tokens, they answer `403 admin-disabled` (tests/it/admin_access.rs walks
+/// every route and caller).
 async fn the_admin_endpoints_need_an_admin_token(b: Backend) {
     let app = TestApp::new(
         &b.url(),
@@ -414,7 +415,7 @@ async fn the_admin_endpoints_need_an_admin_token(b: Backend) {
     .await;
     admin(&exposed, "GET", "/v1/admin/keys", None, None)
         .await
-        .assert_problem(403, "forbidden");
+        .assert_problem(403, "admin-disabled");
 }
 
 // === the layer ===

@@ -17,44 +17,25 @@ use crate::server::operations::{self, KeyList, KeyView, ListQuery, ResolveBody};
 #[derive(Debug, Clone)]
 pub struct Operator(pub String);
 
-/// Who resolves on a loopback listener without admin tokens.
-const LOOPBACK_OPERATOR: &str = "loopback";
-
 impl FromRequestParts<AppState> for Operator {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let access = &state.admin;
-        if access.tokens.is_empty() {
-            return if access.loopback {
-                Ok(Operator(LOOPBACK_OPERATOR.to_owned()))
-            } else {
-                Err(ApiError::Forbidden(
-                    "the admin endpoints need a token of IDEMGATE_ADMIN_TOKENS on a listener \
-                     that is not on a loopback address, and none is set",
-                ))
-            };
-        }
-        let token = bearer_token(
-            parts,
-            "send one Authorization: Bearer <token> header, with a token of IDEMGATE_ADMIN_TOKENS",
-        )?;
-        if let Some(name) = access.tokens.tenant_for(token) {
-            return Ok(Operator(name.to_owned()));
-        }
-        if state.tokens.tenant_for(token).is_some() {
-            return Err(ApiError::Forbidden(
-                "a tenant's token cannot use the admin endpoints: they need a token of \
-                 IDEMGATE_ADMIN_TOKENS",
-            ));
-        }
-        Err(ApiError::Unauthorized(
-            "the bearer token is not an admin token",
-        ))
+        state
+            .admin
+            .authorize(|| {
+                bearer_token(
+                    parts,
+                    "send one Authorization: Bearer <token> header, with a token of \
+                     IDEMGATE_ADMIN_TOKENS",
+                )
+            })
+            .map(Operator)
     }
 }
 
-/// `401 unauthorized` or `403 forbidden`: no admin token, or not one.
+/// `401 unauthorized`, `403 forbidden` or `403 admin-disabled`: no admin
+/// token, a tenant's, or endpoints closed on this listener.
 #[derive(utoipa::IntoResponses)]
 #[allow(dead_code)]
 enum Refused {
@@ -66,7 +47,7 @@ enum Refused {
     Unauthorized(Problem),
     #[response(
         status = 403,
-        description = "forbidden: a tenant's token, or no admin tokens set on a listener that is not on loopback",
+        description = "forbidden: a tenant's token (always); admin-disabled: no IDEMGATE_ADMIN_TOKENS set on a server with tenant tokens, or on a listener that is not on loopback",
         content_type = "application/problem+json"
     )]
     Forbidden(Problem),

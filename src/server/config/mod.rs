@@ -19,7 +19,7 @@ pub mod source;
 mod store;
 mod tokens;
 
-pub use admin::{AdminAccess, AdminArgs};
+pub use admin::{AdminAccess, AdminArgs, AdminMode, LOOPBACK_OPERATOR};
 pub use policy::PolicyArgs;
 pub use proxy::{Header, ProxyArgs};
 pub use run::{RunArgs, SealArgs};

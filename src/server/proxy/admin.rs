@@ -25,7 +25,7 @@ pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Ro
     let state = AppState::new(
         engine,
         Tokens::default(),
-        args.admin.access(args.admin_listen),
+        args.admin.access(args.admin_listen, &Tokens::default()),
         &args.policy,
     );
     let patch = Arc::new(policy_patch(args, policy, sealed));

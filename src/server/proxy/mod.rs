@@ -185,6 +185,9 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         upstream = args.upstream.as_deref().unwrap_or_default(),
         "idemgate proxy is listening"
     );
+    args.admin
+        .access(args.admin_listen, &crate::server::auth::Tokens::default())
+        .log("proxy");
 
     // One signal stops both listeners.
     let (stop, stopped) = tokio::sync::watch::channel(false);
