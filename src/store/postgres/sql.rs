@@ -93,13 +93,16 @@ pub(super) const RELEASE: &str = concat!(
 );
 
 // `$3` the holder's reason. A key this holder marked already keeps its first
-// reason and time; a mark an earlier holder left is overwritten.
+// reason and time; a mark an earlier holder left is overwritten. LEAST, not a
+// CASE around now(): Citus refuses a function that is not immutable inside a
+// CASE or COALESCE of a distributed UPDATE, and a first mark is never later
+// than now().
 pub(super) const MARK_UNKNOWN: &str = concat!(
     "UPDATE idempotency_keys k SET state = 'unknown',
             unknown_reason = CASE WHEN k.unknown_reservation_id IS NOT DISTINCT FROM $2
                                   AND k.state = 'unknown' THEN k.unknown_reason ELSE $3 END,
-            unknown_at = CASE WHEN k.unknown_reservation_id IS NOT DISTINCT FROM $2
-                              AND k.state = 'unknown' THEN k.unknown_at ELSE now() END,
+            unknown_at = LEAST(CASE WHEN k.unknown_reservation_id IS NOT DISTINCT FROM $2
+                                    AND k.state = 'unknown' THEN k.unknown_at END, now()),
             unknown_reservation_id = $2
       WHERE ",
     current_holder!("'in_flight', 'unknown'"),
