@@ -322,7 +322,7 @@ class _Heartbeat:
         while not self._stop.wait(self._every):
             try:
                 self._client.extend(self._id, lease_seconds=self._lease)
-            except IdemgateError:
+            except (IdemgateError, httpx.HTTPError):
                 # Lost or unreachable: the commit will say so; keep trying
                 # while the store is away.
                 continue
@@ -571,7 +571,7 @@ class AsyncGuard:
                 await asyncio.sleep(every)
                 try:
                     await self.client.extend(reserved.reservation_id, lease_seconds=self.lease_seconds)
-                except IdemgateError:
+                except (IdemgateError, httpx.HTTPError):
                     continue
 
         heartbeat = asyncio.create_task(beat())
