@@ -6,6 +6,12 @@ that generates a client which cannot make a call, or cannot read an answer,
 fails here. Each step checks the status, the body, and the headers a client
 relies on.
 
+Then a key its holder marks unknown through the generated
+`mark_reservation_unknown`: the record comes back `unknown` with the reason,
+a duplicate is `409 outcome-unknown` at once (no Retry-After), an empty
+reason is `400`, an unknown id `404`, and the holder's late commit settles
+it into a replay.
+
 Then one stuck key settled through the generated admin operations: a key
 reserved under `on_lease_expiry: hold` with a one-second lease and left
 alone is `409 outcome-unknown`; `list_keys` (state=unknown, with the admin
@@ -31,6 +37,7 @@ from idemgate_client.api.reservations import (
     commit_reservation,
     create_reservation,
     extend_reservation,
+    mark_reservation_unknown,
     release_reservation,
 )
 from idemgate_client.models import (
@@ -40,9 +47,11 @@ from idemgate_client.models import (
     CompletedView,
     ExtendedView,
     KeyList,
+    KeyState,
     KeyView,
     LeaseExpiry,
     Problem,
+    RecordView,
     ReserveBody,
     ReservedState,
     ReservedView,
@@ -50,6 +59,7 @@ from idemgate_client.models import (
     ResolveBody,
     ShownState,
     StateFilter,
+    UnknownBody,
 )
 from idemgate_client.types import UNSET, Response
 
@@ -215,10 +225,71 @@ def run(base_url: str, token: str, admin_token: str, tenant: str) -> int:
     check(again.attempt == 1, step, "expected attempt 1: the key is new again", res)
     steps += 1
 
+    steps += mark_unknown_one(client)
     steps += resolve_one(client, admin, tenant)
 
-    print(f"python client (openapi-python-client): {steps} steps passed, a resolve included")
+    print(f"python client (openapi-python-client): {steps} steps passed, an unknown mark and a resolve included")
     return 0
+
+
+def mark_unknown_one(client: AuthenticatedClient) -> int:
+    """A key its holder marks unknown (the provider timed out after the
+    request was sent), then settles with its own late commit; the steps it
+    took."""
+    key = f"python-{uuid.uuid4()}"
+    charge = ReserveBody(fingerprint="POST /payouts amount=900")
+    reason = "the provider timed out after the request was sent"
+    steps = 0
+
+    step = current["step"] = "reserve a key (under takeover, the default)"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
+    first = reserved(step, res)
+    steps += 1
+
+    step = current["step"] = "mark it unknown"
+    res = mark_reservation_unknown.sync_detailed(first.reservation_id, client=client, body=UnknownBody(reason=reason))
+    check(res.status_code == HTTPStatus.OK, step, "expected 200", res)
+    record = res.parsed
+    check(isinstance(record, RecordView), step, "expected a RecordView", res)
+    assert isinstance(record, RecordView)
+    check(record.state == KeyState.UNKNOWN, step, "expected state unknown", res)
+    check(record.reservation_id == first.reservation_id, step, "expected the same reservation id", res)
+    marked = record.marked_unknown
+    check(marked not in (None, UNSET) and getattr(marked, "reason", None) == reason, step,
+          "expected marked_unknown with the reason", res)
+    steps += 1
+
+    step = current["step"] = "reserve the marked key again"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
+    unknown = problem(step, res, 409, "outcome-unknown")
+    check("retry-after" not in res.headers, step, "expected no Retry-After: waiting will not settle it", res)
+    check(unknown.retry_after_seconds in (None, UNSET), step, "expected no retry_after_seconds", res)
+    steps += 1
+
+    step = current["step"] = "mark it with an empty reason"
+    res = mark_reservation_unknown.sync_detailed(first.reservation_id, client=client, body=UnknownBody(reason=""))
+    problem(step, res, 400, "invalid-request")
+    steps += 1
+
+    step = current["step"] = "mark an unknown reservation id"
+    res = mark_reservation_unknown.sync_detailed(uuid.uuid4(), client=client, body=UnknownBody(reason=reason))
+    problem(step, res, 404, "not-found")
+    steps += 1
+
+    step = current["step"] = "commit the marked key late (its holder still can)"
+    res = commit_reservation.sync_detailed(
+        first.reservation_id, client=client, body=CommitBody(status=201, headers=[], body='{"id":"po_1"}')
+    )
+    completed(step, res)
+    steps += 1
+
+    step = current["step"] = "reserve the settled key again"
+    res = create_reservation.sync_detailed(client=client, idempotency_key=key, body=charge)
+    check(res.headers.get("idempotent-replayed") == "true", step, "expected Idempotent-Replayed: true", res)
+    replay = completed(step, res)
+    check(replay.response.body == '{"id":"po_1"}', step, "expected the late commit's body", res)
+    steps += 1
+    return steps
 
 
 def resolve_one(client: AuthenticatedClient, admin: AuthenticatedClient, tenant: str) -> int:

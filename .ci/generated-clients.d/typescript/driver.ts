@@ -7,6 +7,11 @@
 // a reserve's 201 and 200 must narrow on `state`, a header line must be
 // `[string, string]`), and the server's answers must match them at run time.
 //
+// Then a key its holder marks unknown (`POST /v1/reservations/{id}/unknown`):
+// the record comes back `unknown` with the reason, a duplicate is `409
+// outcome-unknown` at once (no Retry-After), an empty reason is `400`, an
+// unknown id `404`, and the holder's late commit settles it into a replay.
+//
 // Then one stuck key settled through the admin operations: a key reserved
 // under `on_lease_expiry: "hold"` with a one-second lease and left alone is
 // `409 outcome-unknown`; `GET /v1/admin/keys?state=unknown` (the admin token)
@@ -191,9 +196,61 @@ async function run(): Promise<void> {
     check(again.attempt === 1, step, "expected attempt 1: the key is new again");
     steps++;
 
+    steps += await markUnknownOne();
     steps += await resolveOne(ownTenant);
 
-    console.log(`typescript client (openapi-typescript + openapi-fetch): ${steps} steps passed, a resolve included`);
+    console.log(`typescript client (openapi-typescript + openapi-fetch): ${steps} steps passed, an unknown mark and a resolve included`);
+}
+
+/** A key its holder marks unknown, then settles with its own late commit; the steps it took. */
+async function markUnknownOne(): Promise<number> {
+    const key = `typescript-${crypto.randomUUID()}`;
+    const charge: Schemas["ReserveBody"] = { fingerprint: "POST /payouts amount=900" };
+    const reason = "the provider timed out after the request was sent";
+    const mark = (id: string, body: Schemas["UnknownBody"]) =>
+        client.POST("/v1/reservations/{id}/unknown", { params: { path: { id } }, body });
+    let steps = 0;
+
+    step = "reserve a key (under takeover, the default)";
+    const first = reserved(step, await reserve(key, charge));
+    steps++;
+
+    step = "mark it unknown";
+    const marked = await mark(first.reservation_id, { reason });
+    check(marked.response.status === 200, step, "expected 200", marked.response, marked.error);
+    check(marked.data, step, "expected a body", marked.response, marked.error);
+    const record = marked.data;
+    check(record.state === "unknown", step, "expected state unknown", marked.response, record);
+    check(record.reservation_id === first.reservation_id, step, "expected the same reservation id", marked.response, record);
+    check(record.marked_unknown?.reason === reason, step, "expected marked_unknown with the reason", marked.response, record);
+    steps++;
+
+    step = "reserve the marked key again";
+    let answer = await reserve(key, charge);
+    const unknown = problem(step, answer, 409, "outcome-unknown");
+    check(!answer.response.headers.has("retry-after"), step, "expected no Retry-After: waiting will not settle it", answer.response, unknown);
+    check(unknown.retry_after_seconds == null, step, "expected no retry_after_seconds", answer.response, unknown);
+    steps++;
+
+    step = "mark it with an empty reason";
+    problem(step, await mark(first.reservation_id, { reason: "" }), 400, "invalid-request");
+    steps++;
+
+    step = "mark an unknown reservation id";
+    problem(step, await mark(crypto.randomUUID(), { reason }), 404, "not-found");
+    steps++;
+
+    step = "commit the marked key late (its holder still can)";
+    completed(step, await commit(first.reservation_id, { status: 201, headers: [], body: '{"id":"po_1"}' }));
+    steps++;
+
+    step = "reserve the settled key again";
+    answer = await reserve(key, charge);
+    check(answer.response.headers.get("idempotent-replayed") === "true", step, "expected Idempotent-Replayed: true", answer.response, answer.data);
+    const replay = completed(step, answer);
+    check(replay.response.body === '{"id":"po_1"}', step, "expected the late commit's body");
+    steps++;
+    return steps;
 }
 
 /** A key whose outcome is unknown, settled by an operator through the admin operations; the steps it took. */

@@ -95,6 +95,16 @@ def _serve(binary: str, database_url: str, work: Path) -> Server:
     return Server(base_url, process, log)
 
 
+def start_server(database_url: str, work: Path) -> Server:
+    """An `idemgate serve` of a test's own on ``database_url`` (a test that
+    stops it and starts another on the same store); the caller terminates it."""
+    binary = os.environ.get("IDEMGATE_BIN")
+    if not binary:
+        raise RuntimeError("set IDEMGATE_BIN to an idemgate binary (cargo build)")
+    work.mkdir(parents=True, exist_ok=True)
+    return _serve(binary, database_url, work)
+
+
 def settle(base_url: str, key: str, body: dict[str, object], tenant: str = TENANT) -> dict[str, object]:
     """An operator settles a stuck key through ``POST /v1/admin/keys/{tenant}/{key_hash}/resolve``
     (with a token of IDEMGATE_ADMIN_TOKENS: a tenant's token is never an
@@ -111,6 +121,26 @@ def settle(base_url: str, key: str, body: dict[str, object], tenant: str = TENAN
     assert answer.status_code == 200, answer.text
     view: dict[str, object] = answer.json()
     return view
+
+
+def admin_view(base_url: str, key: str, tenant: str = TENANT) -> dict[str, object]:
+    """The operators' view of a key (``GET /v1/admin/keys/{tenant}/{key_hash}``)."""
+    import hashlib
+
+    key_hash = hashlib.sha256(key.encode("utf-8")).hexdigest()
+    answer = httpx.get(
+        f"{base_url}/v1/admin/keys/{tenant}/{key_hash}",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=10,
+    )
+    assert answer.status_code == 200, answer.text
+    view: dict[str, object] = answer.json()
+    return view
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: a connect to it is refused."""
+    return _free_port()
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgres"])
@@ -144,8 +174,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 class Origin:
     """A payments API that counts its charges, per idempotency key: ``/slow/MS``
     takes that long, ``/flaky`` answers 503 to a key's first call, ``/hangup``
-    charges and then closes the connection without answering, ``/events``
-    streams; ``GET /charges`` with the key finds the key's last charge (404:
+    charges and then closes the connection without answering, ``/stall/MS``
+    charges and then takes that long to answer, ``/events`` streams; ``GET /charges`` with the key finds the key's last charge (404:
     none), as a reconcile asks a payments API."""
 
     def __init__(self) -> None:
@@ -193,6 +223,19 @@ class Origin:
                         origin.charges[key] = origin.charges.get(key, 0) + 1
                         origin.answers[key] = f'{{"charge":"ch_{sum(origin.charges.values())}"}}'.encode()
                     self.close_connection = True
+                    return
+                if self.path.startswith("/stall/"):
+                    # The charge is made at once; the answer comes late (past
+                    # the caller's read timeout): it acted, the caller cannot tell.
+                    with origin.lock:
+                        origin.charges[key] = origin.charges.get(key, 0) + 1
+                        n = sum(origin.charges.values())
+                        origin.answers[key] = f'{{"charge":"ch_{n}"}}'.encode()
+                    time.sleep(int(self.path.rsplit("/", 1)[-1]) / 1000)
+                    try:
+                        self._answer(201, origin.answers[key])
+                    except OSError:  # the caller gave up and closed its end
+                        pass
                     return
                 if self.path.startswith("/flaky") and call == 1:
                     self._answer(503, b'{"error":"busy"}', {"retry-after": "1"})

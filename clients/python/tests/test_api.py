@@ -14,7 +14,10 @@ from idemgate_client import (
     AsyncClient,
     Client,
     Completed,
+    InvalidRequest,
     KeyReused,
+    LeaseLost,
+    NotFound,
     OutcomeUnknown,
     RequestInFlight,
     Reserved,
@@ -139,6 +142,51 @@ def test_a_held_key_past_its_lease_is_outcome_unknown(idem):
     assert isinstance(replay, Completed) and replay.response.text() == "late"
 
 
+def test_mark_unknown_holds_the_key_for_an_operator_at_once(idem):
+    key = fresh_key()
+    # Under takeover, the reservation API's default: marked, it is unknown all the same.
+    held = idem.reserve(key, request=CHARGE, lease_seconds=60)
+    assert isinstance(held, Reserved)
+    reason = "the provider timed out after the request was sent"
+    record = idem.mark_unknown(held.reservation_id, reason)
+    assert record.state == "unknown" and record.reservation_id == held.reservation_id
+    assert record.marked_unknown is not None and record.marked_unknown.reason == reason
+    for wait in (None, 5):  # at once, 59 s before the lease ends, and waiting does not help
+        started = time.monotonic()
+        with pytest.raises(OutcomeUnknown) as unknown:
+            idem.reserve(key, request=CHARGE, wait=wait)
+        assert time.monotonic() - started < 2
+        assert unknown.value.status == 409 and unknown.value.type.endswith("/outcome-unknown")
+        assert unknown.value.retry_after is None
+        assert "retry_after_seconds" not in unknown.value.body
+    # Marked again: 200, the first reason stays.
+    again = idem.mark_unknown(held.reservation_id, "another reason")
+    assert again.marked_unknown is not None and again.marked_unknown.reason == reason
+    assert idem.get(held.reservation_id).state == "unknown"
+    # The holder's late commit still settles it: every request replays it.
+    idem.commit(held.reservation_id, status=201, body="late but real")
+    replay = idem.reserve(key, request=CHARGE)
+    assert isinstance(replay, Completed) and replay.response.text() == "late but real"
+
+
+def test_mark_unknown_wants_a_reason_and_a_live_reservation(idem):
+    held = idem.reserve(fresh_key(), request=CHARGE)
+    assert isinstance(held, Reserved)
+    with pytest.raises(InvalidRequest) as empty:
+        idem.mark_unknown(held.reservation_id, "")
+    assert empty.value.status == 400
+    with pytest.raises(InvalidRequest):
+        idem.mark_unknown(held.reservation_id, "x" * 1001)
+    assert idem.get(held.reservation_id).state == "in_flight"  # a refused mark marks nothing
+    with pytest.raises(NotFound) as missing:
+        idem.mark_unknown(uuid.uuid4(), "the provider timed out")
+    assert missing.value.status == 404
+    idem.release(held.reservation_id)
+    with pytest.raises(LeaseLost) as dead:  # released: the key is new again, nothing to mark
+        idem.mark_unknown(held.reservation_id, "the provider timed out")
+    assert dead.value.status == 409
+
+
 def test_a_key_under_takeover_is_taken_over_not_unknown(idem):
     key = fresh_key()
     idem.reserve(key, request=CHARGE, lease_seconds=1, on_lease_expiry="takeover")
@@ -179,5 +227,18 @@ def test_the_async_client(server):
             with pytest.raises(OutcomeUnknown) as refused:
                 await idem.reserve(unknown, request=CHARGE)
             assert refused.value.retry_after is None
+
+            marked = fresh_key()
+            held = await idem.reserve(marked, request=CHARGE)
+            assert isinstance(held, Reserved)
+            record = await idem.mark_unknown(held.reservation_id, "the provider timed out")
+            assert record.state == "unknown"
+            assert record.marked_unknown is not None and record.marked_unknown.reason == "the provider timed out"
+            with pytest.raises(OutcomeUnknown):
+                await idem.reserve(marked, request=CHARGE)
+            with pytest.raises(InvalidRequest):
+                await idem.mark_unknown(held.reservation_id, "")
+            with pytest.raises(NotFound):
+                await idem.mark_unknown(uuid.uuid4(), "the provider timed out")
 
     asyncio.run(flow())

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import uuid
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
+import httpx
 import pytest
 
 from idemgate_client import (
@@ -16,6 +18,7 @@ from idemgate_client import (
     AsyncGuard,
     AsyncHolding,
     Client,
+    Failure,
     Guard,
     Holding,
     InFlight,
@@ -23,11 +26,13 @@ from idemgate_client import (
     NotExecuted,
     OutcomeUnknown,
     Reconciled,
+    RequestInFlight,
     Reserved,
+    classify_failure,
     derive_key,
 )
 
-from conftest import TOKEN, settle
+from conftest import TOKEN, Origin, admin_view, closed_port, settle, start_server
 
 CHARGE = {"method": "POST", "path": "/charges", "body": {"amount": 500}}
 
@@ -121,18 +126,216 @@ def test_an_effect_that_did_not_act_releases_the_key(client):
     assert guard.run(key, charge, request=CHARGE) == {"charge": "ch_1", "attempt": 1}
 
 
-def test_an_effect_that_failed_after_it_may_have_acted_keeps_the_key(client):
-    guard, key = Guard(client, wait_budget=1.0, lease_seconds=30), fresh_key()
+def test_an_effect_that_failed_after_it_may_have_acted_is_unknown_at_once(client):
+    guard, key = Guard(client, wait_budget=10.0, lease_seconds=30), fresh_key()
 
     def broke(_: Holding) -> object:
-        raise ConnectionError("the payment API hung up after the request was sent")
+        raise ConnectionResetError("the payment API hung up after the request was sent")
 
-    with pytest.raises(ConnectionError):
+    with pytest.raises(ConnectionResetError):
         guard.run(key, broke, request=CHARGE)
     charge = Charges()
-    with pytest.raises(InFlight):
+    started = time.monotonic()
+    with pytest.raises(OutcomeUnknown):  # not in flight for 30 s: unknown, for an operator
         guard.run(key, charge, request=CHARGE)
+    assert time.monotonic() - started < 2
     assert charge.runs == 0
+
+
+@pytest.fixture
+def origin() -> Iterator[Origin]:
+    payments = Origin()
+    yield payments
+    payments.close()
+
+
+def pay(url: str, key: str, path: str = "/charges", read_timeout: float = 5.0) -> dict[str, object]:
+    """One charge at a payments API, over real HTTP."""
+    answer = httpx.post(f"{url}{path}", json={"amount": 500}, headers={"idempotency-key": key},
+                        timeout=httpx.Timeout(5.0, read=read_timeout))
+    answer.raise_for_status()
+    charge: dict[str, object] = answer.json()
+    return charge
+
+
+def test_a_read_timeout_after_the_origin_acted_makes_the_key_unknown_at_once(client, server, origin):
+    guard, key = Guard(client, lease_seconds=30, wait_budget=30), fresh_key()
+    with pytest.raises(httpx.ReadTimeout) as lost:  # the guard raises the effect's own exception
+        # The origin charges at once and answers 3 s later; the effect gives up after 0.5 s.
+        guard.run(key, lambda _: pay(origin.url, key, "/stall/3000", read_timeout=0.5), request=CHARGE)
+    other = Charges()
+    started = time.monotonic()
+    with pytest.raises(OutcomeUnknown) as unknown:  # not InFlight after a 30 s wait: unknown now
+        guard.run(key, other, request=CHARGE)
+    assert time.monotonic() - started < 2
+    assert unknown.value.retry_after is None and unknown.value.dead_letter_reason == "outcome_unknown"
+    with pytest.raises(OutcomeUnknown) as duplicate:  # any duplicate, through the API too
+        client.reserve(key, request=CHARGE, wait=5)
+    assert duplicate.value.retry_after is None
+    view = admin_view(server.base_url, key)
+    assert view["state"] == "unknown"
+    marked = view["marked_unknown"]
+    assert isinstance(marked, dict)
+    # The reason names the exception's type, never its message.
+    assert marked["reason"] == "the guarded effect raised httpx.ReadTimeout: it may have acted"
+    assert str(lost.value) not in marked["reason"]
+    assert origin.charges == {key: 1} and other.runs == 0
+
+
+def test_a_refused_connection_releases_the_key_and_the_retry_runs(client, origin):
+    guard, key = Guard(client), fresh_key()
+    nobody = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(httpx.ConnectError):  # nothing listens there: the request never went out
+        guard.run(key, lambda _: pay(nobody, key), request=CHARGE)
+    assert guard.run(key, lambda _: pay(origin.url, key), request=CHARGE) == {"charge": "ch_1"}
+    assert guard.run(key, lambda _: pay(origin.url, key), request=CHARGE) == {"charge": "ch_1"}
+    assert origin.charges == {key: 1}
+
+
+def test_the_default_classifier_releases_only_what_proves_nothing_was_sent():
+    request = httpx.Request("POST", "http://127.0.0.1/charges")
+    released = [
+        NotExecuted("declined"),
+        httpx.ConnectError("refused", request=request),
+        httpx.ConnectTimeout("connect timed out", request=request),
+        ConnectionRefusedError(),
+        socket.gaierror(socket.EAI_NONAME, "name or service not known"),
+    ]
+    unknown = [
+        httpx.ReadTimeout("timed out", request=request),
+        httpx.WriteTimeout("timed out", request=request),
+        httpx.PoolTimeout("timed out", request=request),
+        httpx.ReadError("reset", request=request),
+        httpx.RemoteProtocolError("server disconnected", request=request),
+        ConnectionResetError(),
+        TimeoutError(),
+        RuntimeError("the answer could not be parsed"),
+        NotExecutedLookalike(),
+    ]
+    assert [classify_failure(e) for e in released] == ["release"] * len(released)
+    assert [classify_failure(e) for e in unknown] == ["unknown"] * len(unknown)
+
+
+class NotExecutedLookalike(Exception):
+    """Not a NotExecuted, whatever its name says."""
+
+
+class CardDeclined(Exception):
+    """The provider refused before charging: this application knows nothing happened."""
+
+
+def test_a_custom_classifier_is_honoured(client, origin):
+    def lenient(error: Exception) -> Failure:
+        return "release" if isinstance(error, CardDeclined) else classify_failure(error)
+
+    guard, key = Guard(client, classify_failure=lenient), fresh_key()
+
+    def declined(_: Holding) -> object:
+        raise CardDeclined("card_declined")
+
+    with pytest.raises(CardDeclined):
+        guard.run(key, declined, request=CHARGE)
+    assert guard.run(key, lambda _: pay(origin.url, key), request=CHARGE) == {"charge": "ch_1"}
+
+    # Stricter than the default: even a refused connection is unknown
+    # (NotExecuted, the effect's own word, still releases).
+    strict = Guard(client, classify_failure=lambda error: "unknown")
+    refused, nobody = fresh_key(), f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(httpx.ConnectError):
+        strict.run(refused, lambda _: pay(nobody, refused), request=CHARGE)
+    with pytest.raises(OutcomeUnknown):
+        strict.run(refused, lambda _: pay(origin.url, refused), request=CHARGE)
+    said, other = fresh_key(), Charges()
+
+    def not_executed(_: Holding) -> object:
+        raise NotExecuted("validation failed")
+
+    with pytest.raises(NotExecuted):
+        strict.run(said, not_executed, request=CHARGE)
+    assert strict.run(said, other, request=CHARGE) == {"charge": "ch_1", "attempt": 1}
+
+    # A classifier that raises is taken as unknown; the caller still gets the effect's exception.
+    def broken(error: Exception) -> Failure:
+        raise ValueError("a bug in the classifier")
+
+    odd = fresh_key()
+    with pytest.raises(CardDeclined):
+        Guard(client, classify_failure=broken).run(odd, declined, request=CHARGE)
+    with pytest.raises(OutcomeUnknown):
+        guard.run(odd, other, request=CHARGE)
+    assert origin.charges == {key: 1} and other.runs == 1
+
+
+def test_when_the_mark_fails_the_caller_gets_the_effects_exception_and_the_key_stays_held(tmp_path):
+    database_url = f"sqlite://{tmp_path / 'keys.db'}"
+    first = start_server(database_url, tmp_path / "first")
+    key, lost = fresh_key(), TimeoutError("the provider did not answer")
+
+    def effect(_: Holding) -> object:
+        first.process.terminate()  # the store goes away while the effect runs
+        first.process.wait(timeout=20)
+        raise lost
+
+    with Client(first.base_url, token=TOKEN, timeout=5) as c:
+        with pytest.raises(TimeoutError) as raised:
+            Guard(c, lease_seconds=30).run(key, effect, request=CHARGE)
+    assert raised.value is lost
+    notes = getattr(raised.value, "__notes__", None)
+    if notes is not None:  # Python 3.11+
+        assert any("marking the key unknown failed too (httpx.ConnectError)" in note for note in notes)
+    second = start_server(database_url, tmp_path / "second")
+    try:
+        with Client(second.base_url, token=TOKEN) as c:
+            # Neither released nor marked: in flight until its lease ends (then, under hold, unknown).
+            with pytest.raises(RequestInFlight):
+                c.reserve(key, request=CHARGE)
+    finally:
+        second.process.terminate()
+        second.process.wait(timeout=20)
+
+
+def test_the_async_guard_judges_a_failure_as_the_sync_one_does(server, origin):
+    async def apay(http: httpx.AsyncClient, url: str, key: str, path: str = "/charges") -> dict[str, object]:
+        answer = await http.post(f"{url}{path}", json={"amount": 500}, headers={"idempotency-key": key})
+        answer.raise_for_status()
+        charge: dict[str, object] = answer.json()
+        return charge
+
+    async def flow(a: AsyncClient) -> None:
+        guard = AsyncGuard(a, lease_seconds=30)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=0.5)) as http:
+            timed_out = fresh_key()
+            with pytest.raises(httpx.ReadTimeout):
+                await guard.run(timed_out, lambda _: apay(http, origin.url, timed_out, "/stall/3000"), request=CHARGE)
+            started = time.monotonic()
+            with pytest.raises(OutcomeUnknown):
+                await guard.run(timed_out, lambda _: apay(http, origin.url, timed_out), request=CHARGE)
+            assert time.monotonic() - started < 2
+            view = admin_view(server.base_url, timed_out)
+            assert view["marked_unknown"] == {
+                "reason": "the guarded effect raised httpx.ReadTimeout: it may have acted",
+                "at": view["marked_unknown"]["at"],  # type: ignore[index]
+            }
+
+            refused, nobody = fresh_key(), f"http://127.0.0.1:{closed_port()}"
+            with pytest.raises(httpx.ConnectError):
+                await guard.run(refused, lambda _: apay(http, nobody, refused), request=CHARGE)
+            assert await guard.run(refused, lambda _: apay(http, origin.url, refused), request=CHARGE) == {
+                "charge": "ch_2"
+            }
+
+            declined = fresh_key()
+
+            async def refuses(_: AsyncHolding) -> object:
+                raise CardDeclined("card_declined")
+
+            lenient = AsyncGuard(a, classify_failure=lambda e: "release" if isinstance(e, CardDeclined) else "unknown")
+            with pytest.raises(CardDeclined):
+                await lenient.run(declined, refuses, request=CHARGE)
+            assert isinstance(await a.reserve(declined, request=CHARGE), Reserved)
+
+    _run_async(server, flow)
+    assert origin.charges == {k: 1 for k in origin.charges} and len(origin.charges) == 2
 
 
 def test_an_unknown_outcome_is_not_run_and_goes_to_the_dead_letter_queue(client, server):
@@ -144,7 +347,9 @@ def test_an_unknown_outcome_is_not_run_and_goes_to_the_dead_letter_queue(client,
 
     with pytest.raises(ConnectionError):
         guard.run(key, broke, request=CHARGE)
-    time.sleep(1.5)  # the lease ends: nobody knows whether the charge went out
+    # Marked unknown at once (the exception does not prove nothing was
+    # charged); past the lease it would be unknown all the same.
+    time.sleep(1.5)
     charge = Charges()
     # Whoever retries, whatever it would choose.
     for retry in (guard, Guard(client), Guard(client, on_lease_expiry="takeover")):
@@ -231,10 +436,10 @@ class Payments:
 
 def test_by_default_an_effect_that_raised_after_acting_is_never_run_again(client):
     payments, key = Payments(crash="after"), fresh_key()
-    guard = Guard(client, lease_seconds=1)
+    guard = Guard(client, lease_seconds=30)
     with pytest.raises(ConnectionError):
         guard.run(key, lambda h: payments.charge(key, h), request=CHARGE)
-    time.sleep(1.5)  # the lease ends: under hold, the outcome is unknown
+    # Under hold the key is marked unknown at once: no waiting out the lease.
     for _ in range(2):
         with pytest.raises(OutcomeUnknown) as unknown:
             guard.run(key, lambda h: payments.charge(key, h), request=CHARGE)
@@ -403,10 +608,10 @@ def test_the_async_guard_by_default_never_runs_again_an_effect_that_raised_after
     payments, key = AsyncPayments(crash="after"), fresh_key()
 
     async def flow(a: AsyncClient) -> None:
-        guard = AsyncGuard(a, lease_seconds=1)
+        guard = AsyncGuard(a, lease_seconds=30)
         with pytest.raises(ConnectionError):
             await guard.run(key, lambda h: payments.acharge(key, h), request=CHARGE)
-        await asyncio.sleep(1.5)
+        # Marked unknown at once, as by the sync guard.
         for _ in range(2):
             with pytest.raises(OutcomeUnknown) as unknown:
                 await guard.run(key, lambda h: payments.acharge(key, h), request=CHARGE)

@@ -55,7 +55,7 @@ from idemgate_client.langgraph import (
     task_key,
 )
 
-from conftest import TOKEN, Origin, settle
+from conftest import TOKEN, Origin, closed_port, settle
 
 sqlite_only = pytest.mark.parametrize("server", ["sqlite"], indirect=True)
 
@@ -313,6 +313,58 @@ def test_the_retry_policy_retries_a_refused_charge_and_it_charges_once(client, o
     assert len(attempts) == 2 and total(origin) == 1
 
 
+@sqlite_only
+def test_the_retry_policy_retries_a_refused_connection_and_it_charges_once(client, origin):
+    # A connection refused proves the charge never went out: the guard
+    # releases the key, and the retry of the same task runs the effect.
+    attempts: list[int] = []
+    nobody = f"http://127.0.0.1:{closed_port()}"
+
+    @guarded_node(Guard(client), tenant="acme", tool="charge", request=lambda state: charge_request(state["amount"]))
+    def charge(holding: Holding, state: State, config: RunnableConfig) -> State:
+        attempts.append(1)
+        key = task_key(config, tenant="acme", tool="charge")
+        answer = httpx.post(f"{nobody if len(attempts) == 1 else origin.url}/charges",
+                            json={"amount": state["amount"]}, headers={"idempotency-key": key}, timeout=5)
+        return {"charge": answer.json()["charge"]}
+
+    graph = StateGraph(State)
+    graph.add_node("charge", charge, retry_policy=retry_policy(initial_interval=0.05))
+    graph.add_edge(START, "charge")
+    graph.add_edge("charge", END)
+    done = graph.compile(checkpointer=InMemorySaver()).invoke({"amount": 500}, thread())
+    assert done["charge"].startswith("ch_")
+    assert len(attempts) == 2 and total(origin) == 1
+
+
+@sqlite_only
+def test_a_read_timeout_after_the_charge_is_outcome_unknown_on_the_retry_at_once(client, origin):
+    # No reconcile: the guard marks the key unknown when the effect's read
+    # times out, so the retry RetryPolicy makes gets OutcomeUnknown at once
+    # (never retried) instead of waiting 30 s for a key nobody will commit.
+    attempts: list[int] = []
+
+    @guarded_node(Guard(client, lease_seconds=30, wait_budget=30), tenant="acme", tool="charge",
+                  request=lambda state: charge_request(state["amount"]))
+    def charge(holding: Holding, state: State, config: RunnableConfig) -> State:
+        attempts.append(1)
+        key = task_key(config, tenant="acme", tool="charge")
+        answer = httpx.post(f"{origin.url}/stall/3000", json={"amount": state["amount"]},
+                            headers={"idempotency-key": key}, timeout=httpx.Timeout(5.0, read=0.5))
+        return {"charge": answer.json()["charge"]}
+
+    graph = StateGraph(State)
+    graph.add_node("charge", charge, retry_policy=retry_policy(initial_interval=0.05))
+    graph.add_edge(START, "charge")
+    graph.add_edge("charge", END)
+    started = time.monotonic()
+    with pytest.raises(OutcomeUnknown) as unknown:
+        graph.compile(checkpointer=InMemorySaver()).invoke({"amount": 500}, thread())
+    assert time.monotonic() - started < 5
+    assert unknown.value.dead_letter_reason == "outcome_unknown"
+    assert len(attempts) == 1 and total(origin) == 1
+
+
 def lost_answer_graph(guard: Guard, origin: Origin, key_of: Any, attempts: list[int], retry: RetryPolicy):
     """The charge goes through, its answer is lost (the connection drops): the retry must not charge again."""
 
@@ -415,16 +467,18 @@ def crash_in_effect_graph(guard: Guard, origin: Origin, crashes: dict[str, int],
 @sqlite_only
 def test_an_effect_that_raised_after_charging_is_outcome_unknown_on_resume_until_settled(client, origin, server):
     # The default guard (hold): the resume never runs the effect again by itself.
-    guard = Guard(client, lease_seconds=1, wait_budget=10)
+    guard = Guard(client, lease_seconds=30, wait_budget=10)
     app = crash_in_effect_graph(guard, origin, {"left": 1}, reconcile=False)
     config = thread()
     with pytest.raises(RuntimeError):
         app.invoke({"amount": 500}, config)  # RuntimeError is not retried: not in the table
     started = time.monotonic()
     with pytest.raises(OutcomeUnknown) as unknown:
-        app.invoke(None, config)  # waits out the lease; then unknown, and not retried
+        # The guard marked the key unknown when the effect raised: no waiting
+        # out the 30 s lease, and not retried.
+        app.invoke(None, config)
     assert unknown.value.dead_letter_reason == "outcome_unknown"
-    assert time.monotonic() - started < 8 and total(origin) == 1
+    assert time.monotonic() - started < 3 and total(origin) == 1
 
     # An operator looks the charge up and completes the key with it; the resume gets it.
     (key,) = origin.charges

@@ -51,7 +51,13 @@ export interface Extended {
   leaseExpiresAt: Date;
 }
 
-/** What a reservation id shows (`get`, `checkpoint`). */
+/** Why and when the key's holder marked it unknown (`markUnknown`). */
+export interface MarkedUnknown {
+  reason: string;
+  at: Date;
+}
+
+/** What a reservation id shows (`get`, `checkpoint`, `markUnknown`). */
 export interface ReservationRecord {
   reservationId: string;
   live: boolean;
@@ -66,6 +72,8 @@ export interface ReservationRecord {
   createdAt: Date;
   completedAt: Date | null;
   expiresAt: Date;
+  /** Set once the holder marked the key unknown (`markUnknown`). */
+  markedUnknown: MarkedUnknown | null;
 }
 
 /** The request a reservation fingerprints. */
@@ -158,7 +166,14 @@ function reservationRecord(value: Json): ReservationRecord {
     createdAt: date(value["created_at"]) as Date,
     completedAt: date(value["completed_at"]),
     expiresAt: date(value["expires_at"]) as Date,
+    markedUnknown: markedUnknown(value["marked_unknown"]),
   };
+}
+
+function markedUnknown(value: unknown): MarkedUnknown | null {
+  if (value === null || typeof value !== "object") return null;
+  const v = value as Json;
+  return { reason: String(v["reason"]), at: date(v["at"]) as Date };
 }
 
 /** The reservation API of one idemgate server. */
@@ -230,6 +245,21 @@ export class Client {
   /** Gives the key up: the effect did not happen, a retry may run it. */
   async release(reservationId: string): Promise<void> {
     await this.#call("POST", `/v1/reservations/${reservationId}/release`);
+  }
+
+  /**
+   * Says that the holder cannot tell whether its effect happened (its call
+   * timed out after the request went out): the key turns `unknown` at once,
+   * whatever its `onLeaseExpiry`, and every reserve of it throws
+   * `OutcomeUnknown` until this holder's late commit or release, or an
+   * operator, settles it. `reason` (1 to 1000 characters) is kept for that
+   * operator: what failed, never a body or a secret. Marking a key this id
+   * marked already resolves to the record again (its first reason stays); a
+   * dead id throws `LeaseLost`.
+   */
+  async markUnknown(reservationId: string, reason: string): Promise<ReservationRecord> {
+    const response = await this.#call("POST", `/v1/reservations/${reservationId}/unknown`, { reason });
+    return reservationRecord((await response.json()) as Json);
   }
 
   /** Keeps holding the key while a long effect runs. */

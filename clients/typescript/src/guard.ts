@@ -15,14 +15,31 @@
  *   (completed: the next call resolves to that result; released: it runs);
  * - a key reused with another payload throws `KeyReused`, never retried;
  * - the lease is extended while the effect runs;
- * - an effect that throws `NotExecuted` (it failed before acting) releases
- *   the key; any other error (or a process that dies) leaves it in flight
- *   until its lease ends, because the effect may have acted.
+ * - an effect that throws is judged by `classifyFailure` (default
+ *   `classifyFailure`): an error that proves the effect never acted
+ *   (`NotExecuted`, always; a fetch whose connection was refused, whose host
+ *   did not resolve or whose connect timed out) releases the key, so a retry
+ *   runs it; any other (a timeout after the request went out, a socket
+ *   closed mid-answer, anything unknown) marks the key unknown at once
+ *   (`markUnknown`, the reason naming the error's type, never its message),
+ *   so its duplicates get `OutcomeUnknown` at once instead of waiting out the
+ *   lease, and an operator settles it. Either way the call rejects with the
+ *   effect's own error. A process that dies leaves the key in flight until
+ *   its lease ends.
+ *
+ * ```ts
+ * await guard(idem, key, charge, {
+ *   request,
+ *   classifyFailure: (e) => (e instanceof CardDeclined ? "release" : classifyFailure(e)),
+ * });
+ * ```
  *
  * What the lease's end means is `onLeaseExpiry`:
  *
  * - by default `"hold"`: a crashed effect is never run again by itself. Its
- *   key's outcome becomes unknown when the lease ends, the next call throws
+ *   key's outcome becomes unknown when the lease ends (at once, for an
+ *   effect that threw something other than a proof that it never acted),
+ *   the next call throws
  *   `OutcomeUnknown` without running the effect, and an operator settles it;
  * - with a `reconcile` option, `"takeover"`: the next call after the lease
  *   takes the key over (`holding.attempt > 1`, with `holding.recovery`, what
@@ -31,7 +48,9 @@
  *   attempt did and resolves to `{ found: true, result }` if the effect
  *   happened (that result is committed as the key's and returned; the effect
  *   does not run) or `{ found: false }` if it did not (the effect runs, with
- *   `holding.attempt > 1`):
+ *   `holding.attempt > 1`). An effect that threw is then not marked unknown
+ *   (unless it proved it never acted: released), since the next call's
+ *   `reconcile` finds out what it did:
  *
  * ```ts
  * await guard(idem, key, charge, {
@@ -46,7 +65,8 @@
  * - `onLeaseExpiry: "takeover"` without a `reconcile`: the effect itself is
  *   taken over, with `holding.attempt > 1`. That is the caller's promise that
  *   the effect reconciles by itself (it is idempotent on the key, as a call
- *   to an API that dedupes on it is); the guard cannot check.
+ *   to an API that dedupes on it is); the guard cannot check. Here too an
+ *   effect that threw is left in flight for that takeover.
  *
  * A call that would not take over (`"hold"`, no `reconcile`) and still gets
  * a key taken over from an earlier holder that chose `"takeover"` does not
@@ -93,6 +113,106 @@ export class NotExecuted extends Error {
   override name = "NotExecuted";
 }
 
+/**
+ * What an error thrown by a guarded effect says about the effect:
+ * `"release"`, it proves the effect never acted (the key is released, a
+ * retry runs it); `"unknown"`, it does not (the key is marked unknown at once
+ * under `hold`, for an operator).
+ */
+export type Failure = "release" | "unknown";
+
+/** Error codes of a connection that was never made: nothing reached the other side. */
+const NEVER_SENT: ReadonlySet<string> = new Set(["ECONNREFUSED", "ENOTFOUND", "EAI_AGAIN", "UND_ERR_CONNECT_TIMEOUT"]);
+
+function codeOf(error: unknown): string | undefined {
+  if (error === null || typeof error !== "object") return undefined;
+  const code = (error as { code?: unknown }).code;
+  return typeof code === "string" ? code : undefined;
+}
+
+/** Whether `error` is a connect that failed (an AggregateError: every address tried failed so). */
+function neverSent(error: unknown): boolean {
+  if (error instanceof AggregateError && error.errors.length > 0) return error.errors.every(neverSent);
+  const code = codeOf(error);
+  return code !== undefined && NEVER_SENT.has(code);
+}
+
+/**
+ * The guard's default judgement of an error thrown by an effect.
+ *
+ * `"release"` only for what proves the effect never acted: `NotExecuted`
+ * (the effect says so), and a connection that was never made — a `fetch`
+ * that failed (`TypeError`) with a `cause` whose `code` is `ECONNREFUSED`,
+ * `ENOTFOUND`, `EAI_AGAIN` or `UND_ERR_CONNECT_TIMEOUT`, or an error with
+ * such a `code` itself (`node:http`, `node:net`). `"unknown"` for everything
+ * else: a timeout after the request went out (`AbortSignal.timeout`,
+ * `UND_ERR_HEADERS_TIMEOUT`), a socket reset or closed mid-answer
+ * (`ECONNRESET`, `UND_ERR_SOCKET`), anything it does not know.
+ *
+ * It looks at the error alone: an effect that makes another call after the
+ * one that acts (a receipt, a webhook) must not let that call's connection
+ * error escape, or pass a `classifyFailure` of its own.
+ */
+export function classifyFailure(error: unknown): Failure {
+  if (error instanceof NotExecuted) return "release";
+  if (neverSent(error)) return "release";
+  if (error instanceof TypeError && neverSent(error.cause)) return "release";
+  return "unknown";
+}
+
+/** A type's name as a reason may give it: a constructor's name, never a message. */
+function typeName(value: unknown): string {
+  if (value === null || typeof value !== "object") return `a thrown ${value === null ? "null" : typeof value}`;
+  const name: unknown = (value as { constructor?: { name?: unknown } }).constructor?.name;
+  return typeof name === "string" && /^[A-Za-z_$][\w$]{0,99}$/.test(name) ? name : "an object";
+}
+
+/**
+ * The reason a key is marked unknown with: the error's type (and, for a
+ * `fetch` error, its cause's type and code); its message or a body could
+ * carry a secret, and never leaves.
+ */
+function unknownReason(error: unknown): string {
+  let what = typeName(error);
+  if (error instanceof Error && error.cause !== undefined) {
+    const code = codeOf(error.cause);
+    const shown = code !== undefined && /^[A-Z][A-Z0-9_]{1,63}$/.test(code) ? ` ${code}` : "";
+    what += ` (cause ${typeName(error.cause)}${shown})`;
+  }
+  return `the guarded effect threw ${what}: it may have acted`.slice(0, 1000);
+}
+
+/**
+ * Releases the key or marks it unknown, as `classify` judges `error`
+ * (`NotExecuted` always releases; a classifier that throws, or answers
+ * anything but `"release"`, means unknown). Whatever happens here, the call
+ * rejects with `error`: if the release or the mark fails (the store is away,
+ * the lease was lost meanwhile) the key is not released instead; left in
+ * flight, its lease ending makes it unknown anyway under `hold` (a takeover
+ * under `takeover`).
+ */
+async function settleFailure(
+  client: Client, reservationId: string, expiry: LeaseExpiry, error: unknown, classify: (error: unknown) => Failure,
+): Promise<void> {
+  let verdict: Failure = "unknown";
+  if (error instanceof NotExecuted) verdict = "release";
+  else {
+    try {
+      verdict = classify(error) === "release" ? "release" : "unknown";
+    } catch {
+      verdict = "unknown";
+    }
+  }
+  try {
+    if (verdict === "release") await client.release(reservationId);
+    else if (expiry === "hold") await client.markUnknown(reservationId, unknownReason(error));
+    // Under takeover the key stays in flight: the next call after the lease
+    // takes it over and reconciles.
+  } catch {
+    // See above: the effect's error is what the caller gets.
+  }
+}
+
 /** What the effect gets: its reservation, and how to record progress. */
 export interface Holding {
   reservationId: string;
@@ -133,6 +253,14 @@ export interface GuardOptions<T> {
    * runs the effect. Given, the key is reserved under `takeover`.
    */
   reconcile?: (holding: Holding) => Promise<Reconciliation<T>> | Reconciliation<T>;
+  /**
+   * Judges an error the effect throws (default `classifyFailure`):
+   * `"release"` releases the key, `"unknown"` marks it unknown at once under
+   * `hold` (under `takeover` it is left in flight for the next call to
+   * reconcile). The call rejects with the effect's error either way.
+   * `NotExecuted` releases without asking it.
+   */
+  classifyFailure?: (error: unknown) => Failure;
   /** How a result is stored and read back (default JSON). */
   encode?: (result: T) => string;
   decode?: (stored: string) => T;
@@ -225,9 +353,10 @@ export async function guard<T>(
     const found = reconcile !== undefined && answer.attempt > 1 ? await reconcile(holding) : { found: false as const };
     if (found.found === true) result = found.result;
     else if (found.found === false) result = await effect(holding);
-    else throw new TypeError("reconcile must resolve to { found: true, result } or { found: false }; the key is left in flight");
+    else throw new TypeError("reconcile must resolve to { found: true, result } or { found: false }; the key is not committed");
   } catch (e) {
-    if (e instanceof NotExecuted) await client.release(answer.reservationId);
+    clearInterval(heartbeat);
+    await settleFailure(client, answer.reservationId, leaseExpiry(options), e, options.classifyFailure ?? classifyFailure);
     throw e;
   } finally {
     clearInterval(heartbeat);

@@ -2,14 +2,14 @@
 export { DERIVE_KEY_TAG, derive_key } from "./keys.js";
 export type { Attempt } from "./keys.js";
 export { Client } from "./api.js";
-export { guard, InFlight, MAX_WAIT_SECONDS, NotExecuted } from "./guard.js";
-export type { GuardOptions, Holding, Reconciliation } from "./guard.js";
+export { classifyFailure, guard, InFlight, MAX_WAIT_SECONDS, NotExecuted } from "./guard.js";
+export type { Failure, GuardOptions, Holding, Reconciliation } from "./guard.js";
 export { callToolOnce, IDEMPOTENCY_KEY_ARGUMENT, toolCallKey, toolRefusal, withIdempotencyKey } from "./mcp.js";
 export type { CallToolOnceOptions, ToolCaller, ToolCallParams, ToolStep } from "./mcp.js";
 export { classify, isNetworkError, RELEASED, retryingFetch, UNKNOWN } from "./retry.js";
 export type { Decision, RetryOptions, Verdict } from "./retry.js";
 export type {
-  ClientOptions, CommitOptions, Completed, Extended, LeaseExpiry, RecoveryPoint, RequestDescription,
+  ClientOptions, CommitOptions, Completed, Extended, LeaseExpiry, MarkedUnknown, RecoveryPoint, RequestDescription,
   ReservationRecord, Reserved, ReserveOptions, StoredResponse,
 } from "./api.js";
 export {

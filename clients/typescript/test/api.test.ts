@@ -3,7 +3,9 @@ import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import { after, before, describe, test } from "node:test";
 
-import { Client, KeyReused, OutcomeUnknown, RequestInFlight, Unauthorized, derive_key } from "../src/index.js";
+import {
+  Client, InvalidRequest, KeyReused, LeaseLost, NotFound, OutcomeUnknown, RequestInFlight, Unauthorized, derive_key,
+} from "../src/index.js";
 import { OTHER_TOKEN, TOKEN, postgresWanted, startServer, type Server, type Store } from "./server.js";
 
 const CHARGE = { method: "POST", path: "/charges", body: { amount: 500, currency: "EUR" } };
@@ -107,6 +109,49 @@ for (const store of stores) describe(store, () => {
     assert.equal(replay.kind, "completed");
     if (replay.kind !== "completed") return;
     assert.equal(replay.response.text(), "late");
+  });
+
+  test("markUnknown holds the key for an operator at once; the late commit settles it", async () => {
+    const key = freshKey();
+    // Under takeover, the reservation API's default: marked, it is unknown all the same.
+    const held = await idem.reserve(key, { request: CHARGE, leaseSeconds: 60 });
+    if (held.kind !== "reserved") throw new Error("not reserved");
+    const reason = "the provider timed out after the request was sent";
+    const record = await idem.markUnknown(held.reservationId, reason);
+    assert.equal(record.state, "unknown");
+    assert.equal(record.reservationId, held.reservationId);
+    assert.equal(record.markedUnknown?.reason, reason);
+    assert.ok(record.markedUnknown?.at instanceof Date);
+    for (const wait of [undefined, 5]) { // at once, 59 s before the lease ends; waiting does not help
+      const started = Date.now();
+      await assert.rejects(idem.reserve(key, { request: CHARGE, ...(wait === undefined ? {} : { wait }) }), (e: unknown) => {
+        assert.ok(e instanceof OutcomeUnknown);
+        assert.equal(e.status, 409);
+        assert.ok(e.type.endsWith("/outcome-unknown"));
+        assert.equal(e.retryAfter, undefined);
+        assert.equal(e.body["retry_after_seconds"], undefined);
+        return true;
+      });
+      assert.ok(Date.now() - started < 2000);
+    }
+    // Marked again: the record again, the first reason kept.
+    assert.equal((await idem.markUnknown(held.reservationId, "another reason")).markedUnknown?.reason, reason);
+    await idem.commit(held.reservationId, { status: 201, body: "late but real" });
+    const replay = await idem.reserve(key, { request: CHARGE });
+    assert.equal(replay.kind, "completed");
+    if (replay.kind !== "completed") return;
+    assert.equal(replay.response.text(), "late but real");
+  });
+
+  test("markUnknown wants a reason and a live reservation", async () => {
+    const held = await idem.reserve(freshKey(), { request: CHARGE });
+    if (held.kind !== "reserved") throw new Error("not reserved");
+    await assert.rejects(idem.markUnknown(held.reservationId, ""), (e: unknown) => e instanceof InvalidRequest && e.status === 400);
+    await assert.rejects(idem.markUnknown(held.reservationId, "x".repeat(1001)), InvalidRequest);
+    assert.equal((await idem.get(held.reservationId)).state, "in_flight"); // a refused mark marks nothing
+    await assert.rejects(idem.markUnknown(randomUUID(), "the provider timed out"), (e: unknown) => e instanceof NotFound && e.status === 404);
+    await idem.release(held.reservationId);
+    await assert.rejects(idem.markUnknown(held.reservationId, "the provider timed out"), (e: unknown) => e instanceof LeaseLost && e.status === 409);
   });
 
   test("a key under takeover is taken over, not unknown", async () => {

@@ -4,9 +4,12 @@ import { randomUUID } from "node:crypto";
 import { after, before, describe, test } from "node:test";
 
 import {
-  Client, InFlight, KeyReused, NotExecuted, OutcomeUnknown, derive_key, guard, type Holding, type Reconciliation,
+  Client, InFlight, KeyReused, NotExecuted, OutcomeUnknown, classifyFailure, derive_key, guard,
+  type Failure, type Holding, type Reconciliation,
 } from "../src/index.js";
-import { TOKEN, postgresWanted, settle, startServer, type Server, type Store } from "./server.js";
+import {
+  TOKEN, adminView, closedPort, postgresWanted, settle, startOrigin, startServer, type Origin, type Server, type Store,
+} from "./server.js";
 
 const CHARGE = { method: "POST", path: "/charges", body: { amount: 500 } };
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
@@ -109,7 +112,7 @@ for (const store of stores) describe(store, () => {
     assert.equal(state.runs, 1);
   });
 
-  test("NotExecuted releases the key; another failure keeps it", async () => {
+  test("NotExecuted releases the key; another failure makes it unknown at once", async () => {
     const key = freshKey();
     await assert.rejects(
       guard(idem, key, async () => {
@@ -125,12 +128,110 @@ for (const store of stores) describe(store, () => {
     await assert.rejects(
       guard(idem, kept, async () => {
         throw new Error("the payment API hung up after the request was sent");
-      }, { request: CHARGE }),
+      }, { request: CHARGE, leaseSeconds: 30 }),
       /hung up/,
     );
     const after = charges();
-    await assert.rejects(guard(idem, kept, after.effect, { request: CHARGE, waitBudgetMs: 500 }), InFlight);
+    const started = Date.now();
+    // Not in flight for 30 s: unknown, for an operator.
+    await assert.rejects(guard(idem, kept, after.effect, { request: CHARGE, waitBudgetMs: 10_000 }), OutcomeUnknown);
+    assert.ok(Date.now() - started < 2000);
     assert.equal(after.state.runs, 0);
+  });
+
+  describe("an effect's failure, over real HTTP", () => {
+    let origin: Origin;
+    before(async () => {
+      origin = await startOrigin();
+    });
+    after(async () => origin.close());
+
+    /** One charge at a payments API, over real HTTP. */
+    const pay = async (url: string, key: string, path = "/charges", timeoutMs = 5000) => {
+      const answer = await fetch(`${url}${path}`, {
+        method: "POST",
+        headers: { "content-type": "application/json", "idempotency-key": key },
+        body: JSON.stringify({ amount: 500 }),
+        signal: AbortSignal.timeout(timeoutMs),
+      });
+      if (!answer.ok) throw new Error(`the payments API answered ${answer.status}`);
+      return (await answer.json()) as Record<string, unknown>;
+    };
+
+    test("a timeout after the origin acted makes the key unknown at once", async () => {
+      const key = freshKey();
+      const options = { request: CHARGE, leaseSeconds: 30, waitBudgetMs: 30_000 };
+      // The origin charges at once and answers 3 s later; the effect gives up after 0.5 s.
+      await assert.rejects(guard(idem, key, () => pay(origin.url, key, "/stall/3000", 500), options), (e: unknown) => {
+        assert.ok(e instanceof DOMException); // the effect's own error
+        assert.equal(e.name, "TimeoutError");
+        return true;
+      });
+      const other = charges();
+      const started = Date.now();
+      await assert.rejects(guard(idem, key, other.effect, options), (e: unknown) => {
+        assert.ok(e instanceof OutcomeUnknown); // not InFlight after a 30 s wait
+        assert.equal(e.retryAfter, undefined);
+        assert.equal(e.deadLetterReason, "outcome_unknown");
+        return true;
+      });
+      assert.ok(Date.now() - started < 2000);
+      await assert.rejects(idem.reserve(key, { request: CHARGE, wait: 5 }), (e: unknown) => e instanceof OutcomeUnknown && e.retryAfter === undefined);
+      const view = await adminView(server.baseUrl, key);
+      assert.equal(view["state"], "unknown");
+      // The reason names the error's type, never its message.
+      assert.equal((view["marked_unknown"] as { reason: string }).reason, "the guarded effect threw DOMException: it may have acted");
+      assert.equal(origin.charges.get(key), 1);
+      assert.equal(other.state.runs, 0);
+    });
+
+    test("a refused connection releases the key and the retry runs", async () => {
+      const key = freshKey();
+      const nobody = `http://127.0.0.1:${await closedPort()}`;
+      await assert.rejects(guard(idem, key, () => pay(nobody, key), { request: CHARGE }), (e: unknown) => {
+        assert.ok(e instanceof TypeError); // fetch failed, its cause ECONNREFUSED: never sent
+        assert.equal((e.cause as { code?: string }).code, "ECONNREFUSED");
+        return true;
+      });
+      const first = await guard(idem, key, () => pay(origin.url, key), { request: CHARGE });
+      assert.deepEqual(await guard(idem, key, () => pay(origin.url, key), { request: CHARGE }), first);
+      assert.equal(origin.charges.get(key), 1);
+    });
+
+    test("a custom classifier is honoured", async () => {
+      class CardDeclined extends Error {}
+      const lenient = (e: unknown): Failure => (e instanceof CardDeclined ? "release" : classifyFailure(e));
+      const key = freshKey();
+      await assert.rejects(guard(idem, key, async () => {
+        throw new CardDeclined("card_declined");
+      }, { request: CHARGE, classifyFailure: lenient }), CardDeclined);
+      await guard(idem, key, () => pay(origin.url, key), { request: CHARGE, classifyFailure: lenient });
+      assert.equal(origin.charges.get(key), 1);
+
+      // Stricter than the default: even a refused connection is unknown;
+      // NotExecuted, the effect's own word, still releases.
+      const strict = { request: CHARGE, classifyFailure: (): Failure => "unknown" };
+      const refused = freshKey();
+      const nobody = `http://127.0.0.1:${await closedPort()}`;
+      await assert.rejects(guard(idem, refused, () => pay(nobody, refused), strict), TypeError);
+      await assert.rejects(guard(idem, refused, () => pay(origin.url, refused), strict), OutcomeUnknown);
+      const said = freshKey();
+      await assert.rejects(guard(idem, said, async () => {
+        throw new NotExecuted("validation failed");
+      }, strict), NotExecuted);
+      const { state, effect } = charges();
+      assert.deepEqual(await guard(idem, said, effect, strict), { charge: "ch_1", attempt: 1 });
+
+      // A classifier that throws is taken as unknown; the caller still gets the effect's error.
+      const odd = freshKey();
+      const declined = new CardDeclined("card_declined");
+      await assert.rejects(guard(idem, odd, async () => {
+        throw declined;
+      }, { request: CHARGE, classifyFailure: () => { throw new Error("a bug in the classifier"); } }), (e: unknown) => e === declined);
+      await assert.rejects(guard(idem, odd, effect, { request: CHARGE }), OutcomeUnknown);
+      assert.equal(state.runs, 1);
+      assert.equal(origin.charges.get(refused), undefined);
+    });
   });
 
   test("an unknown outcome is not run and goes to the dead-letter queue; an operator settles it", async () => {
@@ -217,10 +318,10 @@ for (const store of stores) describe(store, () => {
     const payments = new Payments("after");
     const key = freshKey();
     const charge = (h: Holding) => payments.charge(key, h);
-    await assert.rejects(guard(idem, key, charge, { request: CHARGE, leaseSeconds: 1 }), /hung up after charging/);
-    await sleep(1500); // the lease ends: under hold, the outcome is unknown
+    await assert.rejects(guard(idem, key, charge, { request: CHARGE, leaseSeconds: 30 }), /hung up after charging/);
+    // Under hold the key is marked unknown at once: no waiting out the lease.
     for (const _ of [1, 2]) {
-      await assert.rejects(guard(idem, key, charge, { request: CHARGE, leaseSeconds: 1 }), (e: unknown) => {
+      await assert.rejects(guard(idem, key, charge, { request: CHARGE, leaseSeconds: 30 }), (e: unknown) => {
         assert.ok(e instanceof OutcomeUnknown);
         assert.equal(e.deadLetterReason, "outcome_unknown");
         return true;
@@ -293,4 +394,47 @@ for (const store of stores) describe(store, () => {
     assert.equal(seen[0]?.recovery?.recoveryPoint, "validated");
     assert.deepEqual(seen[0]?.recovery?.data, { amount: 500 });
   });
+});
+
+test("when the mark fails, the caller gets the effect's error", async () => {
+  const own = await startServer("sqlite");
+  const lost = new Error("the provider did not answer");
+  let stopped = false;
+  try {
+    const client = new Client(own.baseUrl, { token: TOKEN, timeoutMs: 5000 });
+    await assert.rejects(guard(client, freshKey(), async () => {
+      await own.stop(); // the store goes away while the effect runs
+      stopped = true;
+      throw lost;
+    }, { request: CHARGE, leaseSeconds: 30 }), (e: unknown) => e === lost);
+  } finally {
+    if (!stopped) await own.stop();
+  }
+});
+
+test("the default classifier releases only what proves nothing was sent", () => {
+  const fetchFailed = (cause: unknown) => new TypeError("fetch failed", { cause });
+  const coded = (code: string) => Object.assign(new Error(`connect ${code}`), { code });
+  const released = [
+    new NotExecuted("declined"),
+    fetchFailed(coded("ECONNREFUSED")),
+    fetchFailed(coded("ENOTFOUND")),
+    fetchFailed(coded("EAI_AGAIN")),
+    fetchFailed(coded("UND_ERR_CONNECT_TIMEOUT")),
+    fetchFailed(new AggregateError([coded("ECONNREFUSED"), coded("ECONNREFUSED")])), // every address refused
+    coded("ECONNREFUSED"), // node:http, node:net
+  ];
+  const unknown = [
+    fetchFailed(coded("ECONNRESET")),
+    fetchFailed(coded("UND_ERR_SOCKET")),
+    fetchFailed(coded("UND_ERR_HEADERS_TIMEOUT")),
+    fetchFailed(new AggregateError([coded("ECONNREFUSED"), coded("ECONNRESET")])),
+    fetchFailed(undefined),
+    new DOMException("The operation was aborted due to timeout", "TimeoutError"),
+    new Error("the answer could not be parsed", { cause: coded("ECONNREFUSED") }), // not a fetch error
+    "a thrown string",
+    undefined,
+  ];
+  assert.deepEqual(released.map(classifyFailure), released.map(() => "release"));
+  assert.deepEqual(unknown.map(classifyFailure), unknown.map(() => "unknown"));
 });

@@ -112,6 +112,20 @@ export async function startServer(store: Store = "sqlite"): Promise<Server> {
   };
 }
 
+/** A loopback port nothing listens on: a connect to it is refused. */
+export const closedPort = freePort;
+
+/** The operators' view of a key (`GET /v1/admin/keys/{tenant}/{key_hash}`). */
+export async function adminView(baseUrl: string, key: string, tenant = TENANT): Promise<Record<string, unknown>> {
+  const keyHash = createHash("sha256").update(key, "utf8").digest("hex");
+  const answer = await fetch(`${baseUrl}/v1/admin/keys/${tenant}/${keyHash}`, {
+    headers: { authorization: `Bearer ${ADMIN_TOKEN}` },
+  });
+  const text = await answer.text();
+  if (answer.status !== 200) throw new Error(`the admin view answered ${answer.status}: ${text}`);
+  return JSON.parse(text) as Record<string, unknown>;
+}
+
 /**
  * An operator settles a stuck key through `POST /v1/admin/keys/{tenant}/{key_hash}/resolve`
  * (with a token of IDEMGATE_ADMIN_TOKENS: a tenant's token is never an
@@ -132,7 +146,8 @@ export async function settle(baseUrl: string, key: string, body: Record<string, 
 /**
  * A payments API that counts its charges, per idempotency key: `/slow/MS`
  * takes that long, `/flaky` answers 503 to a key's first call, `/hangup`
- * charges and then closes the connection without answering.
+ * charges and then closes the connection without answering, `/stall/MS`
+ * charges at once and answers that much later.
  */
 export interface Origin {
   url: string;
@@ -158,6 +173,19 @@ export async function startOrigin(): Promise<Origin> {
         // whether it happened, the caller cannot tell.
         charges.set(key, (charges.get(key) ?? 0) + 1);
         req.socket.destroy();
+        return;
+      }
+      if (path.startsWith("/stall/")) {
+        // The charge is made at once; the answer comes late (past the
+        // caller's timeout): it acted, and the caller cannot tell.
+        charges.set(key, (charges.get(key) ?? 0) + 1);
+        total += 1;
+        const body = JSON.stringify({ charge: `ch_${total}` });
+        setTimeout(() => {
+          if (res.destroyed) return;
+          res.writeHead(201, { "content-type": "application/json" });
+          res.end(body);
+        }, Number(path.split("/").pop()));
         return;
       }
       if (path.startsWith("/flaky") && call === 1) {

@@ -7,6 +7,7 @@ from .api import (
     Completed,
     Extended,
     LeaseExpiry,
+    MarkedUnknown,
     Record,
     RecoveryPoint,
     Reserved,
@@ -29,7 +30,17 @@ from .errors import (
     TenantLimit,
     Unauthorized,
 )
-from .guard import AsyncGuard, AsyncHolding, Guard, Holding, InFlight, NotExecuted, Reconciled
+from .guard import (
+    AsyncGuard,
+    AsyncHolding,
+    Failure,
+    Guard,
+    Holding,
+    InFlight,
+    NotExecuted,
+    Reconciled,
+    classify_failure,
+)
 from .keys import DERIVE_KEY_TAG, derive_key
 from .retry import AsyncRetryTransport, Decision, RetryTransport, classify
 
@@ -41,10 +52,12 @@ __all__ = [
     "Decision",
     "RetryTransport",
     "classify",
+    "classify_failure",
     "Client",
     "Completed",
     "DERIVE_KEY_TAG",
     "Extended",
+    "Failure",
     "Guard",
     "Holding",
     "IdemgateError",
@@ -55,6 +68,7 @@ __all__ = [
     "KeyReused",
     "LeaseExpiry",
     "LeaseLost",
+    "MarkedUnknown",
     "NotExecuted",
     "NotFound",
     "OutcomeUnknown",

@@ -36,6 +36,7 @@ __all__ = [
     "Extended",
     "LeaseExpiry",
     "Record",
+    "MarkedUnknown",
 ]
 
 #: What a lease that ends without a commit, release or extend means:
@@ -94,6 +95,14 @@ class Extended:
 
 
 @dataclass(frozen=True)
+class MarkedUnknown:
+    """Why and when the key's holder marked it unknown (``mark_unknown``)."""
+
+    reason: str
+    at: datetime
+
+
+@dataclass(frozen=True)
 class Record:
     """What a reservation id shows (``get``, ``checkpoint``)."""
 
@@ -110,6 +119,8 @@ class Record:
     created_at: datetime
     completed_at: datetime | None
     expires_at: datetime
+    marked_unknown: MarkedUnknown | None = None
+    """Set once the holder marked the key unknown (:meth:`Client.mark_unknown`)."""
 
 
 Reservation = Union[Reserved, Completed]
@@ -143,6 +154,12 @@ def _completed(value: Mapping[str, Any], replayed: bool) -> Completed:
     )
 
 
+def _marked(value: Any) -> MarkedUnknown | None:
+    if not value:
+        return None
+    return MarkedUnknown(reason=str(value["reason"]), at=_dt(value["at"]))  # type: ignore[arg-type]
+
+
 def _record(value: Mapping[str, Any]) -> Record:
     return Record(
         reservation_id=UUID(value["reservation_id"]),
@@ -157,6 +174,7 @@ def _record(value: Mapping[str, Any]) -> Record:
         created_at=_dt(value["created_at"]),  # type: ignore[arg-type]
         completed_at=_dt(value.get("completed_at")),
         expires_at=_dt(value["expires_at"]),  # type: ignore[arg-type]
+        marked_unknown=_marked(value.get("marked_unknown")),
     )
 
 
@@ -267,6 +285,15 @@ def _release_call(reservation_id: UUID | str) -> _Call[None]:
     return _Call("POST", f"/v1/reservations/{reservation_id}/release", _no_content)
 
 
+def _unknown_call(reservation_id: UUID | str, reason: str) -> _Call[Record]:
+    return _Call(
+        "POST",
+        f"/v1/reservations/{reservation_id}/unknown",
+        lambda r: _record(_ok(r).json()),
+        json={"reason": reason},
+    )
+
+
 def _extended(response: httpx.Response) -> Extended:
     value = _ok(response).json()
     return Extended(UUID(value["reservation_id"]), _dt(value["lease_expires_at"]))  # type: ignore[arg-type]
@@ -365,6 +392,17 @@ class Client:
         """Gives the key up: the effect did not happen, a retry may run it."""
         self._do(_release_call(reservation_id))
 
+    def mark_unknown(self, reservation_id: UUID | str, reason: str) -> Record:
+        """Says that the holder cannot tell whether its effect happened (its
+        call timed out after the request went out): the key turns ``unknown``
+        at once, whatever its ``on_lease_expiry``, and every reserve of it
+        raises ``OutcomeUnknown`` until this holder's late commit or release,
+        or an operator, settles it. ``reason`` (1 to 1000 characters) is kept
+        for that operator: what failed, never a body or a secret. Marking a
+        key this id marked already returns the record again (its first reason
+        stays); a dead id raises ``LeaseLost``."""
+        return self._do(_unknown_call(reservation_id, reason))
+
     def extend(self, reservation_id: UUID | str, *, lease_seconds: int | None = None) -> Extended:
         """Keeps holding the key while a long effect runs."""
         return self._do(_extend_call(reservation_id, lease_seconds))
@@ -436,6 +474,9 @@ class AsyncClient:
 
     async def release(self, reservation_id: UUID | str) -> None:
         await self._do(_release_call(reservation_id))
+
+    async def mark_unknown(self, reservation_id: UUID | str, reason: str) -> Record:
+        return await self._do(_unknown_call(reservation_id, reason))
 
     async def extend(self, reservation_id: UUID | str, *, lease_seconds: int | None = None) -> Extended:
         return await self._do(_extend_call(reservation_id, lease_seconds))

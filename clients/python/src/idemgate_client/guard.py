@@ -18,15 +18,34 @@
 - a key reused with another payload raises :class:`~idemgate_client.KeyReused`
   and is never retried;
 - the effect's lease is extended while it runs;
-- an effect that raises :class:`NotExecuted` (it failed before acting)
-  releases the key, so a retry runs it; any other exception (or a process
-  that dies) leaves the key in flight until its lease ends, because the
-  effect may have acted.
+- an effect that raises is judged by the guard's ``classify_failure``
+  (default :func:`classify_failure`): an exception that proves the effect
+  never acted (:class:`NotExecuted`, always; a connection refused, a name
+  that does not resolve, a connect timeout) releases the key, so a retry
+  runs it; any other (a read timeout, a connection reset after the request
+  went out, a protocol error, anything unknown) marks the key unknown at
+  once (``mark_unknown``, the reason naming the exception's type, never its
+  message), so its duplicates get ``OutcomeUnknown`` at once instead of
+  waiting out the lease, and an operator settles it. Either way the caller
+  gets the effect's own exception. A process that dies leaves the key in
+  flight until its lease ends.
+
+A guard with its own classifier (which :class:`NotExecuted` still
+bypasses)::
+
+    def classify(error: Exception) -> Failure:
+        if isinstance(error, CardDeclined):   # the provider refused: nothing was charged
+            return "release"
+        return classify_failure(error)
+
+    guard = Guard(client, classify_failure=classify)
 
 What the lease's end means is the guard's ``on_lease_expiry``:
 
 - by default ``"hold"``: a crashed effect is never run again by itself. Its
-  key's outcome becomes unknown when the lease ends, the next run raises
+  key's outcome becomes unknown when the lease ends (at once, for an effect
+  that raised something other than a proof that it never acted), the next
+  run raises
   :class:`~idemgate_client.OutcomeUnknown` without running the effect, and
   an operator settles the key;
 - with a ``reconcile`` function (``run(..., reconcile=...)``), ``"takeover"``:
@@ -36,7 +55,9 @@ What the lease's end means is the guard's ``on_lease_expiry``:
   anything else. It looks for what the earlier attempt did and returns
   ``Reconciled(result)`` if the effect happened (that result is committed as
   the key's and returned; the effect does not run) or ``None`` if it did not
-  (the effect runs, with ``holding.attempt > 1``)::
+  (the effect runs, with ``holding.attempt > 1``). An effect that raised
+  is then not marked unknown (unless it proved it never acted: released),
+  since the next run's ``reconcile`` finds out what it did::
 
       def find_charge(holding: Holding) -> Reconciled[Charge] | None:
           charge = payments.find(idempotency_key=key)
@@ -48,6 +69,7 @@ What the lease's end means is the guard's ``on_lease_expiry``:
   effect itself is taken over, with ``holding.attempt > 1``. That is the
   caller's promise that the effect reconciles by itself (it is idempotent on
   the key, as a call to an API that dedupes on it is); the guard cannot check.
+  Here too an effect that raised is left in flight for that takeover.
 
 A guard that would not take over (``"hold"``, no ``reconcile``) and still
 gets a key taken over from an earlier holder that chose ``"takeover"`` does
@@ -70,17 +92,30 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable, Generic, Mapping, TypeVar, overload
+from typing import Any, Awaitable, Callable, Generic, Literal, Mapping, TypeVar, overload
 from uuid import UUID
+
+import httpx
 
 from .api import AsyncClient, Client, Completed, LeaseExpiry, RecoveryPoint, Reserved
 from .errors import IdemgateError, OutcomeUnknown, RequestInFlight
 
-__all__ = ["AsyncGuard", "AsyncHolding", "Guard", "Holding", "InFlight", "NotExecuted", "Reconciled"]
+__all__ = [
+    "AsyncGuard",
+    "AsyncHolding",
+    "Failure",
+    "Guard",
+    "Holding",
+    "InFlight",
+    "NotExecuted",
+    "Reconciled",
+    "classify_failure",
+]
 
 T = TypeVar("T")
 
@@ -106,6 +141,93 @@ class InFlight(IdemgateError):
 
 class NotExecuted(Exception):
     """Raised by an effect that failed before it acted: the key is released."""
+
+
+#: What an exception raised by a guarded effect says about the effect:
+#: ``"release"``, it proves the effect never acted (the key is released, a
+#: retry runs it); ``"unknown"``, it does not (the key is marked unknown at
+#: once under ``hold``, for an operator).
+Failure = Literal["release", "unknown"]
+
+#: Raised before a request was sent: nothing reached the other side.
+_NEVER_SENT: tuple[type[BaseException], ...] = (
+    httpx.ConnectError,  # refused, the name did not resolve, the TLS handshake failed
+    httpx.ConnectTimeout,
+    ConnectionRefusedError,
+    socket.gaierror,
+)
+
+
+def classify_failure(error: Exception) -> Failure:
+    """The guards' default judgement of an exception raised by an effect.
+
+    ``"release"`` only for what proves the effect never acted:
+    :class:`NotExecuted` (the effect says so), and a connection that was
+    never made — ``httpx.ConnectError`` (refused, the name did not resolve),
+    ``httpx.ConnectTimeout``, ``ConnectionRefusedError``, ``socket.gaierror``.
+    ``"unknown"`` for everything else: a read or write timeout, a connection
+    reset or closed after the request went out, a remote protocol error, any
+    exception it does not know.
+
+    It looks at the exception alone: an effect that makes another call after
+    the one that acts (a receipt, a webhook) must not let that call's
+    connection error escape, or pass a classifier of its own.
+    """
+    if isinstance(error, NotExecuted):
+        return "release"
+    if isinstance(error, _NEVER_SENT):
+        return "release"
+    return "unknown"
+
+
+def _type_name(error: BaseException) -> str:
+    """The exception's type, as a reason may name it: ``httpx.ReadTimeout``,
+    ``TimeoutError`` (its public module, never its message)."""
+    kind = type(error)
+    module = kind.__module__
+    if module == "builtins":
+        return kind.__qualname__
+    public = []
+    for part in module.split("."):
+        if part.startswith("_"):
+            break
+        public.append(part)
+    return ".".join([*public, kind.__qualname__]) if public else kind.__qualname__
+
+
+def _unknown_reason(error: BaseException) -> str:
+    """The reason a key is marked unknown with: the exception's type only;
+    its message or a body could carry a secret, and never leaves."""
+    return f"the guarded effect raised {_type_name(error)}: it may have acted"[:1000]
+
+
+def _verdict(classify: Callable[[Exception], Failure], error: Exception) -> Failure:
+    """``classify``'s judgement of ``error``; :class:`NotExecuted` is always a
+    release, and a classifier that raises or answers anything but
+    ``"release"`` means unknown."""
+    if isinstance(error, NotExecuted):
+        return "release"
+    try:
+        return "release" if classify(error) == "release" else "unknown"
+    except Exception as failed:
+        _note(error, f"idemgate: the guard's classify_failure raised {_type_name(failed)}; taken as unknown")
+        return "unknown"
+
+
+def _note(error: BaseException, text: str) -> None:
+    """Adds ``text`` to the traceback of ``error`` (Python 3.11+; dropped before)."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(text)
+
+
+def _settle_failed(error: Exception, failed: Exception, verdict: Failure) -> None:
+    """The release or the unknown mark failed (the store is away, or the lease
+    was lost meanwhile). The caller still gets the effect's exception, with a
+    note. The key is not released instead: left in flight, its lease ending
+    makes it unknown anyway under ``hold`` (a takeover under ``takeover``)."""
+    what = "releasing the key" if verdict == "release" else "marking the key unknown"
+    _note(error, f"idemgate: {what} failed too ({_type_name(failed)}); the key stays in flight until its lease ends")
 
 
 @dataclass(frozen=True)
@@ -151,7 +273,7 @@ def _reconciled(found: object) -> Reconciled[Any] | None:
         return found
     raise TypeError(
         f"reconcile must return Reconciled(result) or None, not {type(found).__name__}; "
-        "the key is left in flight"
+        "the key is not committed"
     )
 
 
@@ -200,7 +322,7 @@ class _Heartbeat:
         while not self._stop.wait(self._every):
             try:
                 self._client.extend(self._id, lease_seconds=self._lease)
-            except IdemgateError:
+            except (IdemgateError, httpx.HTTPError):
                 # Lost or unreachable: the commit will say so; keep trying
                 # while the store is away.
                 continue
@@ -231,6 +353,12 @@ class Guard:
     run given a ``reconcile`` function, which the next run calls first.
     ``"takeover"`` chosen here without a ``reconcile`` hands the key to the
     effect itself: the caller's promise that the effect reconciles by itself.
+
+    ``classify_failure`` judges an exception the effect raises (see
+    :func:`classify_failure`, the default): ``"release"`` releases the key;
+    ``"unknown"`` marks it unknown at once under ``hold`` (under
+    ``takeover`` it is left in flight for the next run to reconcile). The
+    effect's exception is raised to the caller either way.
     """
 
     def __init__(
@@ -242,6 +370,7 @@ class Guard:
         on_lease_expiry: LeaseExpiry | None = None,
         encode: Callable[[Any], str] = json.dumps,
         decode: Callable[[str], Any] = json.loads,
+        classify_failure: Callable[[Exception], Failure] = classify_failure,
     ) -> None:
         self.client = client
         self.wait_budget = wait_budget
@@ -249,6 +378,7 @@ class Guard:
         self.on_lease_expiry: LeaseExpiry | None = on_lease_expiry
         self.encode = encode
         self.decode = decode
+        self.classify_failure = classify_failure
 
     def run(
         self,
@@ -284,11 +414,27 @@ class Guard:
                 if reconcile is not None and reserved.attempt > 1:
                     found = _reconciled(reconcile(holding))
                 result: T = found.result if found is not None else effect(holding)
-        except NotExecuted:
-            self.client.release(reserved.reservation_id)
+        except Exception as error:
+            # (A BaseException — KeyboardInterrupt, SystemExit — is a crash:
+            # the key stays in flight until its lease ends.)
+            self._failed(reserved.reservation_id, expiry, error)
             raise
         self.client.commit(reserved.reservation_id, status=200, body=self.encode(result))
         return result
+
+    def _failed(self, reservation_id: UUID, expiry: LeaseExpiry, error: Exception) -> None:
+        """Releases the key or marks it unknown, as ``classify_failure`` judges
+        ``error``; whatever happens here, the caller gets ``error``."""
+        verdict = _verdict(self.classify_failure, error)
+        try:
+            if verdict == "release":
+                self.client.release(reservation_id)
+            elif expiry == "hold":
+                self.client.mark_unknown(reservation_id, _unknown_reason(error))
+            # Under takeover the key stays in flight: the next run after the
+            # lease takes it over and reconciles.
+        except Exception as failed:
+            _settle_failed(error, failed, verdict)
 
     @overload
     def effect(
@@ -374,7 +520,8 @@ class AsyncHolding:
 class AsyncGuard:
     """As :class:`Guard`, over an :class:`AsyncClient`, for async effects
     (and an async ``reconcile``). ``on_lease_expiry`` unset: ``"hold"``, or
-    ``"takeover"`` for a run given a ``reconcile``."""
+    ``"takeover"`` for a run given a ``reconcile``; ``classify_failure`` as
+    in :class:`Guard` (a plain function, not awaited)."""
 
     def __init__(
         self,
@@ -385,6 +532,7 @@ class AsyncGuard:
         on_lease_expiry: LeaseExpiry | None = None,
         encode: Callable[[Any], str] = json.dumps,
         decode: Callable[[str], Any] = json.loads,
+        classify_failure: Callable[[Exception], Failure] = classify_failure,
     ) -> None:
         self.client = client
         self.wait_budget = wait_budget
@@ -392,6 +540,7 @@ class AsyncGuard:
         self.on_lease_expiry: LeaseExpiry | None = on_lease_expiry
         self.encode = encode
         self.decode = decode
+        self.classify_failure = classify_failure
 
     async def run(
         self,
@@ -422,7 +571,7 @@ class AsyncGuard:
                 await asyncio.sleep(every)
                 try:
                     await self.client.extend(reserved.reservation_id, lease_seconds=self.lease_seconds)
-                except IdemgateError:
+                except (IdemgateError, httpx.HTTPError):
                     continue
 
         heartbeat = asyncio.create_task(beat())
@@ -431,13 +580,27 @@ class AsyncGuard:
             if reconcile is not None and reserved.attempt > 1:
                 found = _reconciled(await reconcile(holding))
             result: T = found.result if found is not None else await effect(holding)
-        except NotExecuted:
-            await self.client.release(reserved.reservation_id)
+        except Exception as error:
+            # (A cancellation or another BaseException is a crash: the key
+            # stays in flight until its lease ends.)
+            heartbeat.cancel()
+            await self._failed(reserved.reservation_id, expiry, error)
             raise
         finally:
             heartbeat.cancel()
         await self.client.commit(reserved.reservation_id, status=200, body=self.encode(result))
         return result
+
+    async def _failed(self, reservation_id: UUID, expiry: LeaseExpiry, error: Exception) -> None:
+        """As :meth:`Guard._failed`."""
+        verdict = _verdict(self.classify_failure, error)
+        try:
+            if verdict == "release":
+                await self.client.release(reservation_id)
+            elif expiry == "hold":
+                await self.client.mark_unknown(reservation_id, _unknown_reason(error))
+        except Exception as failed:
+            _settle_failed(error, failed, verdict)
 
     async def _reserve(
         self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None, expiry: LeaseExpiry

@@ -56,7 +56,15 @@ Or, inside a node of your own, :func:`run_in_node` (:func:`arun_in_node`
 for an async node) around the one call that acts. ``interrupt()`` goes
 outside the guarded effect (before it, after it, or in a node of its own):
 raised from inside, the guard cannot tell whether the effect acted first, so
-it leaves the key in flight, never to run again by itself.
+it marks the key unknown (under the default ``hold``), never to run again
+by itself.
+
+An effect that raises is judged by the guard's ``classify_failure``
+(:func:`idemgate_client.classify_failure` by default): a connection never
+made releases the key, and the node's retry (:func:`retry_on` retries
+``httpx.ConnectError``) runs the effect; anything else marks the key unknown
+at once, and the retry or the resume gets ``OutcomeUnknown``, which is never
+retried, instead of waiting out the lease.
 """
 
 from __future__ import annotations

@@ -55,7 +55,11 @@ off that way leaves its key to the guard's ``hold``). Past the wait budget
 A ``ModelRetry`` that the tool raises says it did not act (pydantic-ai's
 "call me again with other arguments"): the key is released and the model's
 corrected call runs. Raise it only before the effect acted (as
-``NotExecuted``). What the tool returns is stored as JSON and is what a
+``NotExecuted``). Any other exception is judged by the guard's
+``classify_failure``: a connection never made releases the key; anything
+else (a read timeout after the request went out) marks it unknown at once,
+so the model's next call gets ``OutcomeUnknown``, raised out of the run for
+the dead-letter queue. What the tool returns is stored as JSON and is what a
 repeated call returns; a sync tool needs a :class:`Guard`, an async one an
 :class:`AsyncGuard`.
 """
