@@ -28,8 +28,10 @@ real ones do:
 Run it with an idemgate binary (IDEMGATE_BIN, else `idemgate` on PATH) and
 the client package on PYTHONPATH (clients/python/src):
 
-    IDEMGATE_BIN=target/debug/idemgate PYTHONPATH=clients/python/src \\
-        python3 examples/agent-retry/agent_retry.py
+    cargo build --release                                   # target/release/idemgate
+    python3 -m venv .venv && .venv/bin/pip install httpx    # PEP 668: not the system's pip
+    IDEMGATE_BIN=target/release/idemgate PYTHONPATH=clients/python/src \\
+        .venv/bin/python examples/agent-retry/agent_retry.py
 
 It prints the charges the API made per step, and exits 1 unless every step
 charged exactly once.

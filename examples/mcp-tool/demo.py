@@ -8,8 +8,10 @@ counts its charges:
   3. the same key with another amount: 422 key-reused, nothing charged;
   4. another key: a second charge.
 
-    IDEMGATE_BIN=target/debug/idemgate PYTHONPATH=clients/python/src \\
-        python3 examples/mcp-tool/demo.py
+    cargo build --release                                      # target/release/idemgate
+    python3 -m venv .venv && .venv/bin/pip install httpx mcp   # PEP 668: not the system's pip
+    IDEMGATE_BIN=target/release/idemgate PYTHONPATH=clients/python/src \\
+        .venv/bin/python examples/mcp-tool/demo.py
 
 Exits 1 unless the API charged exactly twice.
 """

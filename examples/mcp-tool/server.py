@@ -7,7 +7,7 @@ The model never needs to understand the key: the agent runtime (or the
 model, told to) passes the same key when it calls the tool again for the
 same step, and the proxy answers a retry with the first charge.
 
-    PAYMENTS_API=http://127.0.0.1:8081 python3 examples/mcp-tool/server.py   # stdio
+    PAYMENTS_API=http://127.0.0.1:8081 .venv/bin/python examples/mcp-tool/server.py   # stdio (the venv of demo.py)
 """
 
 from __future__ import annotations

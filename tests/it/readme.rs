@@ -71,3 +71,84 @@ async fn the_walkthrough_works_as_written_on_the_default_store() {
     run_walkthrough(&Served::spawn(cmd, &[]).await).await;
     assert!(dir.path().join("idemgate.db").exists());
 }
+
+/// The ```sh blocks of the section under `heading`, up to the next `## `.
+fn sh_blocks_in(heading: &str) -> Vec<&'static str> {
+    let from = README.find(heading).expect("heading in README") + heading.len();
+    let section = &README[from..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    section
+        .split("```sh\n")
+        .skip(1)
+        .map(|b| &b[..b.find("```").expect("the block ends")])
+        .collect()
+}
+
+/// The demo origin (`idemgate-demo-origin`), killed on drop.
+struct Origin(std::process::Child);
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn the_proxy_quick_start_pasted_twice_shows_one_charge_per_run() {
+    // As a newcomer runs it: the demo origin, and the proxy in front of it
+    // on a SQLite file of its own (on free ports here, not 3000 and 8081).
+    let blocks = sh_blocks_in("## Reverse proxy");
+    assert!(
+        blocks[0].contains("--bin idemgate-demo-origin"),
+        "{}",
+        blocks[0]
+    );
+    assert!(
+        blocks[0].contains("DATABASE_URL=sqlite://proxy.db")
+            && blocks[0].contains("proxy --upstream http://127.0.0.1:3000"),
+        "{}",
+        blocks[0]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let origin_addr = format!("127.0.0.1:{}", common::free_port());
+    let _origin = Origin(
+        std::process::Command::new(env!("CARGO_BIN_EXE_idemgate-demo-origin"))
+            .env("LISTEN", &origin_addr)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let started = std::time::Instant::now();
+    while std::net::TcpStream::connect(&origin_addr).is_err() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "the demo origin did not come up on {origin_addr}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let db = format!("sqlite://{}", dir.path().join("proxy.db").display());
+    let proxy =
+        common::proxy::ProxyProcess::start_at(&db, &format!("http://{origin_addr}"), &[]).await;
+
+    let script = blocks[1]
+        .replace("localhost:8081", &format!("127.0.0.1:{}", proxy.port))
+        .replace("localhost:3000", &origin_addr);
+    for n in 1..=2 {
+        let charge = format!(r#""charge":"ch_{n}""#);
+        common::bin::run_script_expecting(
+            &script,
+            &[
+                "HTTP/1.1 201 Created",
+                charge.as_str(),
+                "idempotent-replayed: true",
+                charge.as_str(),
+                "HTTP/1.1 422 Unprocessable Entity",
+                "\ncharges this run: 1\n",
+            ],
+        );
+    }
+    assert!(README.contains("# charges this run: 1\n"));
+}
