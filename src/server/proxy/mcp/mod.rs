@@ -281,6 +281,18 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: 
         .headers()
         .get("idempotent-replayed")
         .is_some_and(|v| v == "true");
+    let status = res.status();
+    // The official clients read no HTTP error status as an answer (the
+    // Python SDK turns one into -32603 "Server returned an error response",
+    // the problem lost): whatever the MCP server answered with one, first
+    // time or replayed, goes back as a JSON-RPC message. A first 404 stays
+    // as it is: it is how a server says the session is gone (the call was
+    // not run, and its key released).
+    if (status.is_client_error() || status.is_server_error())
+        && (replayed || status != StatusCode::NOT_FOUND)
+    {
+        return error_status(res, id, request, replayed).await;
+    }
     if !replayed {
         return res;
     }
@@ -334,7 +346,72 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: 
     };
     let mut headers = parts.headers;
     headers.remove(http::header::ETAG);
+    // The first caller's session is not the repeat's.
+    headers.remove(MCP_SESSION_ID);
     messages::answer(Form::for_request(request, stored_form), &message, headers)
+}
+
+/// The session header, never handed from one session's answer to another.
+const MCP_SESSION_ID: &str = "mcp-session-id";
+
+/// An answer with an HTTP error status, as a JSON-RPC message at 200: the
+/// server's own JSON-RPC message where the body holds one (with the call's
+/// `id`), else a JSON-RPC error that names the status.
+async fn error_status(res: Response, id: &Value, request: &HeaderMap, replayed: bool) -> Response {
+    let (parts, body) = res.into_parts();
+    let status = parts.status;
+    let bytes = body
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .unwrap_or_default();
+    let form = Form::of(&parts.headers);
+    let found = match form {
+        Some(form) => messages::read(form, &bytes)
+            .await
+            .into_iter()
+            .rev()
+            .find(|m| m.get("result").is_some() || m.get("error").is_some()),
+        None => None,
+    };
+    let message = match found {
+        Some(mut message) => {
+            message["id"] = id.clone();
+            message
+        }
+        None => {
+            let text = String::from_utf8_lossy(&bytes);
+            let mut excerpt: String = text.chars().take(1_000).collect();
+            if excerpt.len() < text.len() {
+                excerpt.push('…');
+            }
+            let when = if replayed {
+                "the tool's first call under this key was answered with it, and that answer is \
+                 what every repeat gets"
+            } else {
+                "the tool may have run"
+            };
+            messages::error(
+                id,
+                UNAVAILABLE,
+                &format!("idemgate: the MCP server answered HTTP {status} to this call ({when})"),
+                Some(json!({
+                    "upstream_status": status.as_u16(),
+                    "replayed": replayed,
+                    "body": excerpt,
+                })),
+            )
+        }
+    };
+    let mut headers = HeaderMap::new();
+    if replayed {
+        headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    messages::answer(
+        Form::for_request(request, form.unwrap_or(Form::Json)),
+        &message,
+        headers,
+    )
 }
 
 /// A refusal of the door's own.
