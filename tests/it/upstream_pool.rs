@@ -84,3 +84,62 @@ async fn calls_across_the_upstreams_keep_alive_are_never_unknown() {
         began.elapsed()
     );
 }
+
+/// The same on the MCP door: guarded tool calls spaced across the MCP
+/// server's keep-alive are each answered with the tool's result and run
+/// once, none held unknown.
+#[tokio::test]
+async fn tool_calls_across_the_servers_keep_alive_are_never_unknown() {
+    use serde_json::{Value, json};
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    let dir = tempfile::tempdir().unwrap();
+    let runs: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
+    let counted = runs.clone();
+    let router = axum::Router::new().route(
+        "/mcp",
+        axum::routing::post(move |axum::Json(call): axum::Json<Value>| {
+            let amount = call["params"]["arguments"]["amount"].as_u64().unwrap_or(0);
+            *counted.lock().unwrap().entry(amount).or_default() += 1;
+            async move {
+                axum::Json(json!({ "jsonrpc": "2.0", "id": call["id"],
+                    "result": { "content": [{ "type": "text", "text": format!("charged {amount}") }] } }))
+            }
+        }),
+    );
+    let (addr, _task) = closing_upstream(router, UPSTREAM_KEEP_ALIVE).await;
+    let proxy = TestProxy::start(
+        &Backend::sqlite_url(&dir),
+        &format!("http://{addr}"),
+        &["--protocol", "mcp"],
+        Vec::new(),
+    )
+    .await;
+    let mut bad = Vec::new();
+    for i in 0..15u64 {
+        let body = json!({ "jsonrpc": "2.0", "id": i, "method": "tools/call",
+            "params": { "name": "charge",
+                        "arguments": { "amount": i, "idempotency_key": fresh_key() } } });
+        let res = proxy
+            .http
+            .post(format!("{}/mcp", proxy.base))
+            .header("accept", "application/json, text/event-stream")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = res.status();
+        let answer: Value = res.json().await.unwrap_or(Value::Null);
+        if status != 200 || answer["result"]["content"][0]["text"] != format!("charged {i}") {
+            bad.push((i, status, answer));
+        }
+        assert_eq!(runs.lock().unwrap().get(&i), Some(&1), "call {i}");
+        let us = 950_000 + i * 4_000;
+        tokio::time::sleep(Duration::from_micros(us)).await;
+    }
+    assert!(
+        bad.is_empty(),
+        "calls not answered with their result: {bad:?}"
+    );
+}
