@@ -86,3 +86,11 @@ pub fn metrics_handle() -> &'static PrometheusHandle {
         handle
     })
 }
+
+/// `/metrics` in Prometheus text format: every series recorded so far, and,
+/// in a build that counts its allocations, the allocator's counts as of now.
+pub fn render() -> String {
+    #[cfg(feature = "count-alloc")]
+    super::alloc_count::record();
+    metrics_handle().render()
+}

@@ -6,6 +6,9 @@
 //! the binary and this crate's tests reach them: they are the doors'
 //! internals, hidden from the documentation and not an interface to build on.
 
+#[cfg(feature = "count-alloc")]
+#[doc(hidden)]
+pub mod alloc_count;
 #[doc(hidden)]
 pub mod api;
 #[doc(hidden)]

@@ -217,7 +217,7 @@ pub async fn get_metrics(State(state): State<AppState>) -> impl IntoResponse {
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        crate::server::exporter::metrics_handle().render(),
+        crate::server::exporter::render(),
     )
 }
 
