@@ -1,15 +1,25 @@
 //! A/B: two idemgate binaries (before and after a change) serving side by
-//! side on one database, loaded in turns, so that a change is measured under
-//! the same conditions as what it replaces. Reports throughput and the CPU
-//! time each process spent per operation, which the machine's noise disturbs
-//! far less than throughput.
+//! side, loaded in turns, so that a change is measured under the same
+//! conditions as what it replaces. On PostgreSQL both serve one database; on
+//! SQLite each has a fresh file of its own in a temporary directory. Reports
+//! throughput and, per operation, what each turn cost: the CPU time and the
+//! context switches of the idemgate process, the CPU of the store (the
+//! database's processes on PostgreSQL, the store's writer thread on
+//! SQLite), and, where the binary was built with the `count-alloc` feature,
+//! its allocations. The machine's noise disturbs these far less than
+//! throughput.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
 use crate::load::{self, Sample, median};
+use crate::metrics::{self, Allocations};
 use crate::procs::{self, Door, Proc};
+use crate::usage::{self, Usage};
 use crate::workers::{ApiPair, Keys, ProxyPost};
 
 /// What to compare.
@@ -24,6 +34,10 @@ pub struct AbArgs {
     /// `api-pair` (serve: reserve + commit) or `proxy-new` (proxy: a new key).
     #[arg(long, default_value = "api-pair")]
     pub kind: String,
+    /// The store: `postgres` (both sides on `--database-url`) or `sqlite`
+    /// (each side a fresh file of its own in a temporary directory).
+    #[arg(long, default_value = "postgres")]
+    pub store: String,
     /// Concurrent workers.
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
@@ -43,48 +57,110 @@ pub struct AbArgs {
     pub database_url: String,
 }
 
+/// The store both sides use.
+enum Store {
+    /// One database for both; a pool to find its server processes.
+    Postgres(PgPool),
+    /// A file each, in this directory.
+    Sqlite(PathBuf),
+}
+
+/// One turn's figures; NaN where not readable.
+#[derive(Clone, Copy)]
+struct Turn {
+    rate: f64,
+    p50_ms: f64,
+    cpu_us: f64,
+    switches: f64,
+    store_cpu_us: f64,
+    allocs: f64,
+    alloc_bytes: f64,
+}
+
 struct Side {
     name: &'static str,
     proc: Proc,
     addr: SocketAddr,
-    rates: Vec<f64>,
-    p50s: Vec<f64>,
-    cpu_us: Vec<f64>,
+    turns: Vec<Turn>,
+}
+
+impl Side {
+    /// The median over turns of one figure.
+    fn med(&self, f: fn(&Turn) -> f64) -> f64 {
+        median(&mut self.turns.iter().map(f).collect::<Vec<_>>())
+    }
 }
 
 async fn start(
     name: &'static str,
-    bin: &std::path::Path,
+    bin: &Path,
     args: &AbArgs,
+    store: &Store,
     origin: SocketAddr,
-    log: &std::path::Path,
+    work: &Path,
 ) -> anyhow::Result<Side> {
     let door = match args.kind.as_str() {
         "api-pair" => Door::Serve,
         "proxy-new" => Door::Proxy(origin),
         other => anyhow::bail!("--kind: expected api-pair or proxy-new, got {other:?}"),
     };
-    // The schema is the newer binary's (see `run`); the older one serves it
-    // as it is, as in a rolling upgrade.
-    let extra = [("IDEMGATE_NO_MIGRATE", "true".to_owned())];
-    let (proc, addr) = procs::idemgate(name, bin, &door, &args.database_url, &extra, log).await?;
+    let (url, extra) = match store {
+        // The schema is the newer binary's (see `run`); the older one serves
+        // it as it is, as in a rolling upgrade.
+        Store::Postgres(_) => (
+            args.database_url.clone(),
+            vec![("IDEMGATE_NO_MIGRATE", "true".to_owned())],
+        ),
+        // Each binary creates and migrates its own file.
+        Store::Sqlite(dir) => (
+            format!("sqlite://{}", dir.join(format!("{name}.db")).display()),
+            Vec::new(),
+        ),
+    };
+    let log = work.join(format!("{name}.log"));
+    let (proc, addr) = procs::idemgate(name, bin, &door, &url, &extra, &log).await?;
     Ok(Side {
         name,
         proc,
         addr,
-        rates: Vec::new(),
-        p50s: Vec::new(),
-        cpu_us: Vec::new(),
+        turns: Vec::new(),
     })
 }
 
-async fn turn(side: &mut Side, args: &AbArgs, round: usize) -> anyhow::Result<()> {
+/// What the side's process and its store have used so far, and its
+/// allocator's counts where its build has them.
+struct Reading {
+    proc: Option<Usage>,
+    store: Option<usage::Processes>,
+    allocs: Option<Allocations>,
+}
+
+async fn read(side: &Side, store: &Store) -> Reading {
+    let pid = side.proc.pid();
+    let store = match store {
+        Store::Postgres(pool) => procs::db_processes(pool).await,
+        Store::Sqlite(_) => pid
+            .and_then(|pid| usage::of_threads(Some(pid), procs::SQLITE_WRITER_THREAD))
+            .map(|u| [(0, u)].into()),
+    };
+    let allocs = match side.proc.metrics_addr() {
+        Some(addr) => metrics::allocations(addr).await,
+        None => None,
+    };
+    Reading {
+        proc: pid.and_then(usage::of_process),
+        store,
+        allocs,
+    }
+}
+
+async fn turn(side: &mut Side, args: &AbArgs, store: &Store, round: usize) -> anyhow::Result<()> {
     let prefix = format!("ab-{}-{}-{round}", uuid::Uuid::new_v4().simple(), side.name);
     let (warmup, measure) = (
         Duration::from_secs(1),
         Duration::from_secs_f64(args.seconds),
     );
-    let before = side.proc.cpu_ticks();
+    let before = read(side, store).await;
     let sample: Sample = if args.kind == "api-pair" {
         let w = (0..args.concurrency)
             .map(|w| ApiPair::new(side.addr, &prefix, w))
@@ -97,30 +173,88 @@ async fn turn(side: &mut Side, args: &AbArgs, round: usize) -> anyhow::Result<()
             .collect();
         load::run_for(w, warmup, measure).await?
     };
-    let after = side.proc.cpu_ticks();
-    let cpu = match (before, after) {
-        (Some(b), Some(a)) if sample.all_ops > 0 => {
-            (a - b) as f64 * 10_000.0 / sample.all_ops as f64
-        }
-        _ => f64::NAN,
+    let after = read(side, store).await;
+    let ops = sample.all_ops;
+    let used = before.proc.zip(after.proc).map(|(b, a)| a.since(b));
+    let store_used = before
+        .store
+        .zip(after.store)
+        .map(|(b, a)| usage::processes_since(&b, &a));
+    let allocs = before.allocs.zip(after.allocs).map(|(b, a)| a.since(b));
+    let per = |x: f64| if ops > 0 { x / ops as f64 } else { f64::NAN };
+    let t = Turn {
+        rate: sample.rate(),
+        p50_ms: sample.p50_us as f64 / 1000.0,
+        cpu_us: used.and_then(|u| u.cpu_us_per(ops)).unwrap_or(f64::NAN),
+        switches: used.and_then(|u| u.switches_per(ops)).unwrap_or(f64::NAN),
+        store_cpu_us: store_used
+            .and_then(|u| u.cpu_us_per(ops))
+            .unwrap_or(f64::NAN),
+        allocs: allocs.map_or(f64::NAN, |a| per(a.calls)),
+        alloc_bytes: allocs.map_or(f64::NAN, |a| per(a.bytes)),
     };
     println!(
-        "  {:6} {:.0}/s  p50 {:.2} ms  {cpu:.0} µs CPU/op  ({} errors)",
+        "  {:6} {:.0}/s  p50 {:.2} ms  {:.0} µs CPU/op  {:.1} switches/op  store {:.0} µs CPU/op{}  ({} errors)",
         side.name,
-        sample.rate(),
-        sample.p50_us as f64 / 1000.0,
+        t.rate,
+        t.p50_ms,
+        t.cpu_us,
+        t.switches,
+        t.store_cpu_us,
+        if t.allocs.is_nan() {
+            String::new()
+        } else {
+            format!("  {:.0} allocations/op ({:.0} B)", t.allocs, t.alloc_bytes)
+        },
         sample.errors
     );
-    side.rates.push(sample.rate());
-    side.p50s.push(sample.p50_us as f64 / 1000.0);
-    side.cpu_us.push(cpu);
+    side.turns.push(t);
     Ok(())
+}
+
+/// A figure of the summary: its name, how to read it from a turn, and the
+/// digits it is printed with.
+type Row = (&'static str, fn(&Turn) -> f64, usize);
+
+/// Median over rounds of after ÷ before of one figure, each pair from one
+/// round.
+fn ratio(a: &Side, b: &Side, f: fn(&Turn) -> f64) -> f64 {
+    let mut r: Vec<f64> = b
+        .turns
+        .iter()
+        .zip(&a.turns)
+        .map(|(b, a)| f(b) / f(a))
+        .filter(|r| r.is_finite())
+        .collect();
+    median(&mut r)
 }
 
 /// Runs the comparison and prints the medians.
 pub async fn run(args: AbArgs) -> anyhow::Result<()> {
     let work = std::env::temp_dir().join(format!("idemgate-ab-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
+    let store = match args.store.as_str() {
+        "postgres" => {
+            // The newer binary's migrations, once: the older one would
+            // refuse a database with a migration it does not know.
+            let migrated = std::process::Command::new(&args.after)
+                .arg("migrate")
+                .env("DATABASE_URL", &args.database_url)
+                .status()?;
+            anyhow::ensure!(
+                migrated.success(),
+                "`{} migrate` failed",
+                args.after.display()
+            );
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&args.database_url)
+                .await?;
+            Store::Postgres(pool)
+        }
+        "sqlite" => Store::Sqlite(work.clone()),
+        other => anyhow::bail!("--store: expected postgres or sqlite, got {other:?}"),
+    };
     let origin_addr = procs::free_addr()?;
     let mut origin = Proc::spawn(
         "origin",
@@ -131,60 +265,59 @@ pub async fn run(args: AbArgs) -> anyhow::Result<()> {
         &work.join("origin.log"),
     )?;
     origin.wait_ready(origin_addr, None).await?;
-    // The newer binary's migrations, once: the older one would refuse a
-    // database with a migration it does not know.
-    let migrated = std::process::Command::new(&args.after)
-        .arg("migrate")
-        .env("DATABASE_URL", &args.database_url)
-        .status()?;
-    anyhow::ensure!(
-        migrated.success(),
-        "`{} migrate` failed",
-        args.after.display()
-    );
-    let mut a = start(
-        "before",
-        &args.before,
-        &args,
-        origin_addr,
-        &work.join("before.log"),
-    )
-    .await?;
-    let mut b = start(
-        "after",
-        &args.after,
-        &args,
-        origin_addr,
-        &work.join("after.log"),
-    )
-    .await?;
+    let mut a = start("before", &args.before, &args, &store, origin_addr, &work).await?;
+    let mut b = start("after", &args.after, &args, &store, origin_addr, &work).await?;
     for round in 0..args.rounds {
         // Alternate who goes first, so neither always follows the other.
         if round % 2 == 0 {
-            turn(&mut a, &args, round).await?;
-            turn(&mut b, &args, round).await?;
+            turn(&mut a, &args, &store, round).await?;
+            turn(&mut b, &args, &store, round).await?;
         } else {
-            turn(&mut b, &args, round).await?;
-            turn(&mut a, &args, round).await?;
+            turn(&mut b, &args, &store, round).await?;
+            turn(&mut a, &args, &store, round).await?;
         }
     }
-    let mut ratio: Vec<f64> = b.rates.iter().zip(&a.rates).map(|(b, a)| b / a).collect();
-    let mut cpu_ratio: Vec<f64> = b.cpu_us.iter().zip(&a.cpu_us).map(|(b, a)| b / a).collect();
+    let store_name = match store {
+        Store::Postgres(_) => "PostgreSQL",
+        Store::Sqlite(_) => "SQLite",
+    };
     println!(
-        "{} c={}, {} rounds: before {:.0}/s p50 {:.2} ms {:.0} µs CPU/op; after {:.0}/s p50 {:.2} ms {:.0} µs CPU/op; \
-         throughput after ÷ before {:.2} ×, CPU/op after ÷ before {:.2} × (medians)",
-        args.kind,
-        args.concurrency,
-        args.rounds,
-        median(&mut a.rates),
-        median(&mut a.p50s),
-        median(&mut a.cpu_us),
-        median(&mut b.rates),
-        median(&mut b.p50s),
-        median(&mut b.cpu_us),
-        median(&mut ratio),
-        median(&mut cpu_ratio),
+        "{} on {store_name}, c={}, {} rounds (medians; per operation):",
+        args.kind, args.concurrency, args.rounds
     );
+    let rows: [Row; 7] = [
+        ("throughput, /s", |t| t.rate, 0),
+        ("p50, ms", |t| t.p50_ms, 2),
+        ("idemgate CPU, µs", |t| t.cpu_us, 0),
+        ("idemgate context switches", |t| t.switches, 1),
+        ("store CPU, µs", |t| t.store_cpu_us, 0),
+        ("allocations", |t| t.allocs, 0),
+        ("bytes allocated", |t| t.alloc_bytes, 0),
+    ];
+    for (name, f, digits) in rows {
+        let (before, after) = (a.med(f), b.med(f));
+        if before.is_nan() && after.is_nan() {
+            continue;
+        }
+        let cell = |x: f64| {
+            if x.is_nan() {
+                "—".to_owned()
+            } else {
+                format!("{x:.digits$}")
+            }
+        };
+        let r = ratio(&a, &b, f);
+        println!(
+            "  {name:28} before {:>10}  after {:>10}  after ÷ before {}",
+            cell(before),
+            cell(after),
+            if r.is_nan() {
+                "—".to_owned()
+            } else {
+                format!("{r:.2} ×")
+            }
+        );
+    }
     a.proc.stop().await;
     b.proc.stop().await;
     origin.stop().await;

@@ -12,6 +12,7 @@ mod procs;
 mod report;
 mod storm;
 mod suite;
+mod usage;
 mod workers;
 
 use std::net::SocketAddr;

@@ -31,8 +31,27 @@ impl Batches {
     }
 }
 
-/// GETs `/metrics` at `addr` and reads the batch counters from it.
-pub async fn batches(addr: SocketAddr) -> anyhow::Result<Batches> {
+/// The allocator's counts since the process started, in a build with the
+/// `count-alloc` feature.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Allocations {
+    /// Allocations and reallocations.
+    pub calls: f64,
+    /// Bytes allocated (and grown by reallocation).
+    pub bytes: f64,
+}
+
+impl Allocations {
+    /// What was allocated since `before`.
+    pub fn since(self, before: Allocations) -> Allocations {
+        Allocations {
+            calls: self.calls - before.calls,
+            bytes: self.bytes - before.bytes,
+        }
+    }
+}
+
+async fn scrape(addr: SocketAddr) -> anyhow::Result<String> {
     let answer = Conn::new(addr)
         .send(Method::GET, "/metrics", &[], Bytes::new())
         .await?;
@@ -41,8 +60,27 @@ pub async fn batches(addr: SocketAddr) -> anyhow::Result<Batches> {
         "GET /metrics on {addr}: {}",
         answer.status
     );
-    let text = String::from_utf8_lossy(&answer.body);
+    Ok(String::from_utf8_lossy(&answer.body).into_owned())
+}
+
+/// GETs `/metrics` at `addr` and reads the batch counters from it.
+pub async fn batches(addr: SocketAddr) -> anyhow::Result<Batches> {
+    let text = scrape(addr).await?;
     parse(&text).with_context(|| format!("GET /metrics on {addr}"))
+}
+
+/// GETs `/metrics` at `addr` and reads the allocator's counts: none from a
+/// build without the `count-alloc` feature, or if `/metrics` did not answer.
+pub async fn allocations(addr: SocketAddr) -> Option<Allocations> {
+    let text = scrape(addr).await.ok()?;
+    parse_allocations(&text)
+}
+
+fn parse_allocations(text: &str) -> Option<Allocations> {
+    Some(Allocations {
+        calls: value(text, "idemgate_alloc_total")?,
+        bytes: value(text, "idemgate_alloc_bytes_total")?,
+    })
 }
 
 fn parse(text: &str) -> anyhow::Result<Batches> {
@@ -89,5 +127,28 @@ idemgate_db_pool_connections{state=\"idle\"} 3
         assert_eq!(b.largest, 17.0);
         assert_eq!(b.mean(), Some(6.25));
         assert!(parse("idemgate_store_batches_total 1\n").is_err());
+    }
+
+    #[test]
+    fn reads_the_allocator_counts_only_where_the_build_has_them() {
+        let text = "\
+# TYPE idemgate_alloc_total counter
+idemgate_alloc_total 1500
+# TYPE idemgate_alloc_bytes_total counter
+idemgate_alloc_bytes_total 96000
+";
+        let before = parse_allocations(text).unwrap();
+        let after = Allocations {
+            calls: 2500.0,
+            bytes: 160_000.0,
+        };
+        assert_eq!(
+            after.since(before),
+            Allocations {
+                calls: 1000.0,
+                bytes: 64_000.0
+            }
+        );
+        assert_eq!(parse_allocations("idemgate_store_batches_total 1\n"), None);
     }
 }

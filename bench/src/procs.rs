@@ -194,24 +194,18 @@ pub async fn output(program: &str, args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-/// User + system CPU ticks (10 ms) of process `pid` so far, from `/proc`.
-pub fn ticks_of(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
-}
+/// The name of idemgate's SQLite writer thread (`src/store/sqlite`): on
+/// SQLite, the store's work inside idemgate's process.
+pub const SQLITE_WRITER_THREAD: &str = "idemgate-sqlite-writer";
 
-/// The CPU ticks of the PostgreSQL processes that work for `pool`'s
-/// database, by process id: the postmaster (the parent of this connection's
-/// backend), the background processes (checkpointer, WAL writer, …: no
-/// database in `pg_stat_activity`) and every backend connected to this
-/// database. Backends of other databases on a shared server are left out.
-/// None when the server's processes are not visible here (another host or
-/// container).
-pub async fn db_cpu(pool: &sqlx::PgPool) -> Option<std::collections::HashMap<u32, u64>> {
+/// The PostgreSQL processes that work for `pool`'s database, by process id,
+/// with what each has used so far: the postmaster (the parent of this
+/// connection's backend), the background processes (checkpointer, WAL
+/// writer, …: no database in `pg_stat_activity`) and every backend
+/// connected to this database. Backends of other databases on a shared
+/// server are left out. None when the server's processes are not visible
+/// here (another host or container).
+pub async fn db_processes(pool: &sqlx::PgPool) -> Option<crate::usage::Processes> {
     let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(pool)
         .await
@@ -225,28 +219,10 @@ pub async fn db_cpu(pool: &sqlx::PgPool) -> Option<std::collections::HashMap<u32
     let stat = std::fs::read_to_string(format!("/proc/{backend}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 2..];
     let postmaster: u32 = rest.split_whitespace().nth(1)?.parse().ok()?;
-    let mut ticks = std::collections::HashMap::new();
-    for pid in pids
+    let pids = pids
         .into_iter()
         .filter_map(|p| u32::try_from(p).ok())
-        .chain([postmaster])
-    {
-        if let Some(t) = ticks_of(pid) {
-            ticks.insert(pid, t);
-        }
-    }
-    (!ticks.is_empty()).then_some(ticks)
-}
-
-/// The database CPU used between two readings of [`db_cpu`], in ticks: a
-/// process that appeared in between counts whole; one that exited is lost
-/// (read the second before the process under test closes its connections).
-pub fn db_cpu_delta(
-    before: &std::collections::HashMap<u32, u64>,
-    after: &std::collections::HashMap<u32, u64>,
-) -> u64 {
-    after
-        .iter()
-        .map(|(pid, t)| t.saturating_sub(before.get(pid).copied().unwrap_or(0)))
-        .sum()
+        .chain([postmaster]);
+    let usage = crate::usage::of_processes(pids);
+    (!usage.is_empty()).then_some(usage)
 }

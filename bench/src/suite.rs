@@ -21,6 +21,7 @@ use crate::metrics::{self, Batches};
 use crate::origin;
 use crate::procs::{self, Door, Proc};
 use crate::storm;
+use crate::usage;
 use crate::workers::{self, ApiPair, ApiReplay, FloorPair, Keys, ProxyPost, RawPair, RawSelect};
 
 /// The concurrency levels of the proxy scenario: one client alone, then up to
@@ -190,19 +191,17 @@ impl Results {
     }
 
     /// Records the database CPU used between two readings of
-    /// [`procs::db_cpu`] per operation of `sample` (warm-up included).
+    /// [`procs::db_processes`] per operation of `sample` (warm-up included).
     fn record_db_cpu(
         &mut self,
         label: &str,
         sample: &Sample,
-        before: Option<std::collections::HashMap<u32, u64>>,
-        after: Option<std::collections::HashMap<u32, u64>>,
+        before: Option<usage::Processes>,
+        after: Option<usage::Processes>,
     ) {
         if let (Some(before), Some(after)) = (before, after)
-            && sample.all_ops > 0
+            && let Some(us) = usage::processes_since(&before, &after).cpu_us_per(sample.all_ops)
         {
-            let ticks = procs::db_cpu_delta(&before, &after);
-            let us = ticks as f64 * 10_000.0 / sample.all_ops as f64;
             println!("    {label}: {us:.0} µs of database CPU per operation");
             self.db_cpu_us.entry(label.to_owned()).or_default().push(us);
         }
@@ -490,9 +489,9 @@ async fn sql_and_api(env: &Env, run: usize, res: &mut Results) -> anyhow::Result
                     let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
                     let label = format!("api-pair c={c}");
                     let before = proc.cpu_ticks();
-                    let db_before = procs::db_cpu(&env.pool).await;
+                    let db_before = procs::db_processes(&env.pool).await;
                     let sample = measure(env, api_pairs(env, addr, c)).await?;
-                    let db_after = procs::db_cpu(&env.pool).await;
+                    let db_after = procs::db_processes(&env.pool).await;
                     res.record_db_cpu(&label, &sample, db_before, db_after);
                     res.record_with_cpu(&label, sample, &proc, before);
                     res.record_batches(&label, &proc).await?;
@@ -745,12 +744,12 @@ async fn proxy_door(
     let label = format!("{name}-new c={c}");
     let before = proc.cpu_ticks();
     let db_before = match db {
-        Some(pool) => procs::db_cpu(pool).await,
+        Some(pool) => procs::db_processes(pool).await,
         None => None,
     };
     let sample = measure(env, posts(addr, path, &fresh, c)).await?;
     if let Some(pool) = db {
-        let db_after = procs::db_cpu(pool).await;
+        let db_after = procs::db_processes(pool).await;
         res.record_db_cpu(&label, &sample, db_before, db_after);
     }
     res.record_with_cpu(&label, sample, &proc, before);
