@@ -35,6 +35,10 @@ pub const PG_FLOOR_TABLE: &[&str] = &[
     "ALTER TABLE bench_floor_keys ADD PRIMARY KEY (tenant, key_hash)",
 ];
 
+/// The name of the SQLite floor's writer thread: its CPU and switches are
+/// the floor's database work, as idemgate's writer thread is its store's.
+pub const WRITER_THREAD: &str = "sqlite-floor-writer";
+
 /// The idemgate SQLite store's busy timeout.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -85,7 +89,7 @@ impl SqliteFloor {
         )?;
         let (queue, jobs) = mpsc::unbounded_channel();
         let thread = std::thread::Builder::new()
-            .name("sqlite-floor-writer".into())
+            .name(WRITER_THREAD.into())
             .spawn(move || write_loop(conn, jobs))?;
         Ok(SqliteFloor { queue, thread })
     }
@@ -202,16 +206,22 @@ impl Worker for SqliteFloorKey {
     }
 }
 
-/// The pgbench binary: on the PATH, else in PostgreSQL's own bin directory
-/// (`pg_config --bindir`, or the newest of Debian's versioned directories).
+/// The pgbench binary: on the PATH, else in PostgreSQL's own bin directory.
 pub async fn find_pgbench() -> Option<PathBuf> {
-    if let Some(path) = crate::procs::output("sh", &["-c", "command -v pgbench"]).await
+    find_pg_program("pgbench").await
+}
+
+/// One of PostgreSQL's programs: on the PATH, else in PostgreSQL's own bin
+/// directory (`pg_config --bindir`, or the newest of Debian's versioned
+/// directories).
+pub async fn find_pg_program(name: &str) -> Option<PathBuf> {
+    if let Some(path) = crate::procs::output("sh", &["-c", &format!("command -v {name}")]).await
         && !path.is_empty()
     {
         return Some(PathBuf::from(path));
     }
     if let Some(dir) = crate::procs::output("pg_config", &["--bindir"]).await {
-        let bin = Path::new(&dir).join("pgbench");
+        let bin = Path::new(&dir).join(name);
         if bin.is_file() {
             return Some(bin);
         }
@@ -221,7 +231,7 @@ pub async fn find_pgbench() -> Option<PathBuf> {
         .filter_map(|e| {
             let e = e.ok()?;
             let v: u32 = e.file_name().to_str()?.parse().ok()?;
-            let bin = e.path().join("bin/pgbench");
+            let bin = e.path().join("bin").join(name);
             bin.is_file().then_some((v, bin))
         })
         .collect();

@@ -3,11 +3,15 @@
 //! scenario and writes BENCHMARKS.md. `bench/run` builds and runs it.
 
 mod ab;
+mod costs;
 mod floor;
 mod http;
 mod load;
 mod metrics;
 mod origin;
+mod pgcluster;
+mod pgstats;
+mod probe;
 mod procs;
 mod report;
 mod storm;
@@ -119,9 +123,14 @@ async fn main() -> anyhow::Result<()> {
             let out = args.out.clone();
             let smoke = args.smoke;
             let keep_work = args.work_dir.is_some() || !smoke;
-            let (env, results) = suite::run(args).await?;
+            let (mut env, results) = suite::run(args).await?;
             let markdown = report::render(&env, &results).await;
             report::write(&out, &markdown)?;
+            // Before the work directory (which holds its data) goes.
+            if let Some(mut cluster) = env.cluster.take() {
+                env.pool.close().await;
+                cluster.stop();
+            }
             println!("wrote {}", out.display());
             if keep_work {
                 println!("logs and SQLite files are in {}", env.work.display());

@@ -14,19 +14,24 @@ use bytes::Bytes;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
+use crate::costs::{self, Db, Meter, PerKey};
 use crate::floor::{self, SqliteFloor};
 use crate::http::Conn;
 use crate::load::{self, Sample, Worker};
 use crate::metrics::{self, Batches};
 use crate::origin;
+use crate::pgcluster::Cluster;
+use crate::probe;
 use crate::procs::{self, Door, Proc};
 use crate::storm;
-use crate::usage;
 use crate::workers::{self, ApiPair, ApiReplay, FloorPair, Keys, ProxyPost, RawPair, RawSelect};
 
+mod probes;
+use probes::probes;
+
 /// The concurrency levels of the proxy scenario: one client alone, then up to
-/// where group commit has writes to share.
-pub const PROXY_CONCURRENCY: [usize; 4] = [1, 8, 16, 32];
+/// where group commit has writes to share, and a fleet's many connections.
+pub const PROXY_CONCURRENCY: [usize; 5] = [1, 8, 16, 32, MANY];
 
 /// How the suite runs.
 #[derive(Debug, Clone, clap::Args)]
@@ -112,6 +117,31 @@ pub struct SuiteArgs {
     /// windows, few rows; fails if any operation failed.
     #[arg(long)]
     pub smoke: bool,
+
+    /// Runs the suite on a PostgreSQL cluster of its own, created in the work
+    /// directory with `pg_stat_statements` preloaded (fsync on), instead of
+    /// the server DATABASE_URL names; stopped and removed at the end.
+    /// `bench/run` asks for it when DATABASE_URL is not set.
+    #[arg(long)]
+    pub private_postgres: bool,
+
+    /// The idemgate build the probe windows run (allocations, syscalls,
+    /// flamegraphs): one built with `--features count-alloc`, with symbols
+    /// for perf (default: the `--idemgate` binary).
+    #[arg(long)]
+    pub probe_idemgate: Option<PathBuf>,
+
+    /// Skips the probe windows (allocations, `strace -c`, flamegraphs) at
+    /// c = 8 after the first run's scenarios.
+    #[arg(long)]
+    pub no_probes: bool,
+
+    /// Records a flamegraph of each idemgate door at c = 8 (`perf record`,
+    /// folded and drawn with inferno's `inferno-collapse-perf` and
+    /// `inferno-flamegraph`), written beside `--out` in
+    /// `<its name>.flamegraphs/`; skipped with a note without perf or inferno.
+    #[arg(long)]
+    pub flamegraphs: bool,
 }
 
 /// Every measurement by label, one entry per run.
@@ -126,9 +156,13 @@ pub struct Results {
     pub batches: BTreeMap<String, Vec<Batches>>,
     /// How each storm's iterations ended, and the deadlocks it caused.
     pub storm: BTreeMap<String, Vec<storm::Outcome>>,
-    /// CPU time of the PostgreSQL server's processes per operation,
-    /// microseconds.
-    pub db_cpu_us: BTreeMap<String, Vec<f64>>,
+    /// What each measurement of new keys cost per key: one entry per
+    /// reading (a measurement, or a probe window), each with what it read.
+    pub per_key: BTreeMap<String, Vec<PerKey>>,
+    /// Syscalls by name per key, from the `strace -c` window of each door.
+    pub syscalls: BTreeMap<String, Vec<(String, f64)>>,
+    /// Each door's flamegraph, by label: the file, relative to the report.
+    pub flamegraphs: BTreeMap<String, String>,
     pub notes: Vec<String>,
 }
 
@@ -190,21 +224,41 @@ impl Results {
         Ok(())
     }
 
-    /// Records the database CPU used between two readings of
-    /// [`procs::db_processes`] per operation of `sample` (warm-up included).
-    fn record_db_cpu(
+    /// Records what `label`'s keys cost, from two readings around the
+    /// `ops` operations it started.
+    fn record_costs(
         &mut self,
         label: &str,
-        sample: &Sample,
-        before: Option<usage::Processes>,
-        after: Option<usage::Processes>,
+        before: &costs::Reading,
+        after: &costs::Reading,
+        ops: u64,
     ) {
-        if let (Some(before), Some(after)) = (before, after)
-            && let Some(us) = usage::processes_since(&before, &after).cpu_us_per(sample.all_ops)
-        {
-            println!("    {label}: {us:.0} µs of database CPU per operation");
-            self.db_cpu_us.entry(label.to_owned()).or_default().push(us);
+        self.add_costs(label, costs::per_key(before, after, ops));
+    }
+
+    fn add_costs(&mut self, label: &str, k: PerKey) {
+        let show = |name: &str, v: Option<f64>, digits: usize| {
+            v.map(|v| format!(" {v:.digits$} {name}"))
+                .unwrap_or_default()
+        };
+        let line = [
+            show("µs CPU", k.proc_cpu_us, 0),
+            show("switches", k.proc_switches, 1),
+            show("µs database CPU", k.db_cpu_us, 0),
+            show("database switches", k.db_switches, 1),
+            show("allocations", k.allocs, 0),
+            show("bytes allocated", k.alloc_bytes, 0),
+            show("syscalls", k.syscalls, 1),
+            show("statements", k.statements, 2),
+            show("WAL bytes", k.wal_bytes, 0),
+            show("buffers dirtied", k.dirtied, 2),
+            show("transactions", k.xacts, 2),
+        ]
+        .concat();
+        if !line.is_empty() {
+            println!("    {label} per key:{line}");
         }
+        self.per_key.entry(label.to_owned()).or_default().push(k);
     }
 
     fn rss(&mut self, label: &str, proc: &Proc) {
@@ -231,6 +285,21 @@ pub struct Env {
     /// PostgreSQL's own log, where readable, and whether its lines name the
     /// database: the storm counts the deadlocks it reports.
     pg_log: Option<(PathBuf, bool)>,
+    /// Whether `pg_stat_statements` is readable in the benchmark's database.
+    pub statements: bool,
+    /// The server's WAL, where `pg_waldump` can read it here.
+    wal: Option<crate::pgstats::WalDump>,
+    /// The Redis server's process, for its CPU beside idempotent-proxy.
+    redis_pid: Option<u32>,
+    /// The idemgate build of the probe windows.
+    probe_idemgate: PathBuf,
+    /// Whether strace runs here, for the syscall windows.
+    strace: bool,
+    /// Where the flamegraphs go, when they are drawn.
+    pub flame_dir: Option<PathBuf>,
+    /// The private cluster, when the suite runs on one; stopped when the
+    /// environment is dropped.
+    pub cluster: Option<Cluster>,
 }
 
 impl Env {
@@ -291,10 +360,28 @@ impl Env {
         .await
     }
 
+    /// The benchmark database's processes, and with `counters` PostgreSQL's
+    /// own counts, for a [`Meter`].
+    fn pg_db(&self, counters: bool) -> Db<'_> {
+        Db::Postgres {
+            pool: &self.pool,
+            counters,
+            statements: self.statements,
+            wal: self.wal.as_ref(),
+        }
+    }
+
     /// The PostgreSQL floor (pgbench, [`floor::PGBENCH_SCRIPT`]) at `c`
-    /// clients on an emptied table, recorded as `label`; nothing without
-    /// pgbench.
-    async fn pg_floor(&self, label: &str, c: usize, res: &mut Results) -> anyhow::Result<()> {
+    /// clients on an emptied table, recorded as `label` with the database's
+    /// CPU and switches per key (and with `counters` PostgreSQL's own
+    /// counts); nothing without pgbench.
+    async fn pg_floor(
+        &self,
+        label: &str,
+        c: usize,
+        counters: bool,
+        res: &mut Results,
+    ) -> anyhow::Result<()> {
         let Some(bin) = &self.pgbench else {
             return Ok(());
         };
@@ -303,20 +390,42 @@ impl Env {
             .await?;
         let script = self.work.join("floor.sql");
         std::fs::write(&script, floor::PGBENCH_SCRIPT)?;
-        let sample = floor::pgbench(bin, &self.bench_url, &script, c, self.args.seconds).await?;
+        let meter = Meter {
+            proc: None,
+            metrics: None,
+            db: self.pg_db(counters),
+        };
+        let before = meter.before().await;
+        // pgbench's backends exit with it, before the reading after: their
+        // usage is sampled while it runs.
+        let pgbench = floor::pgbench(bin, &self.bench_url, &script, c, self.args.seconds);
+        let (sample, seen) = costs::sampling_db(&self.pool, pgbench).await;
+        let sample = sample?;
+        let mut after = meter.after(&before).await;
+        after.merge_db(seen);
+        res.record_costs(label, &before, &after, sample.all_ops);
         res.record(label, sample);
         Ok(())
     }
 
     /// The SQLite floor at `c` clients on a new file in the work directory
-    /// (the disk the SQLite scenarios use), recorded as `label`.
+    /// (the disk the SQLite scenarios use), recorded as `label` with its
+    /// writer thread's CPU and switches per key as the database's.
     async fn sqlite_floor(&self, label: &str, c: usize, res: &mut Results) -> anyhow::Result<()> {
         let path = self
             .work
             .join(format!("sqlite-floor-{}.db", self.fresh_prefix()));
         let writer = SqliteFloor::create(&path)?;
+        let meter = Meter {
+            proc: None,
+            metrics: None,
+            db: Db::Threads(None, floor::WRITER_THREAD),
+        };
+        let before = meter.before_thread_named().await;
         let sample = measure(self, writer.workers(&self.fresh_prefix(), c)).await?;
+        let after = meter.after(&before).await;
         writer.finish().await;
+        res.record_costs(label, &before, &after, sample.all_ops);
         res.record(label, sample);
         Ok(())
     }
@@ -484,22 +593,40 @@ async fn sql_and_api(env: &Env, run: usize, res: &mut Results) -> anyhow::Result
                     &format!("floor-pair c={c}"),
                     measure(env, floor_pairs(env, c)).await?,
                 ),
-                Pgbench => env.pg_floor(&format!("pg-floor-api c={c}"), c, res).await?,
-                Api => {
-                    let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
-                    let label = format!("api-pair c={c}");
-                    let before = proc.cpu_ticks();
-                    let db_before = procs::db_processes(&env.pool).await;
-                    let sample = measure(env, api_pairs(env, addr, c)).await?;
-                    let db_after = procs::db_processes(&env.pool).await;
-                    res.record_db_cpu(&label, &sample, db_before, db_after);
-                    res.record_with_cpu(&label, sample, &proc, before);
-                    res.record_batches(&label, &proc).await?;
-                    proc.stop().await;
+                Pgbench => {
+                    let label = format!("pg-floor-api c={c}");
+                    env.pg_floor(&label, c, true, res).await?;
                 }
+                Api => api_pair_costs(env, c, res).await?,
             }
         }
     }
+    // Many connections (an agents' fleet): the API alone, on every answer's
+    // status; the floors would need as many database connections.
+    env.truncate().await?;
+    api_pair_costs(env, MANY, res).await
+}
+
+/// The fleet's concurrency: many more connections than the store's pool.
+pub const MANY: usize = 256;
+
+/// The reservation API on PostgreSQL at `c`, with what each pair cost.
+async fn api_pair_costs(env: &Env, c: usize, res: &mut Results) -> anyhow::Result<()> {
+    let (proc, addr) = env.serve(&env.bench_url, &[]).await?;
+    let label = format!("api-pair c={c}");
+    let meter = Meter {
+        proc: proc.pid(),
+        metrics: proc.metrics_addr(),
+        db: env.pg_db(c != MANY),
+    };
+    let costs_before = meter.before().await;
+    let before = proc.cpu_ticks();
+    let sample = measure(env, api_pairs(env, addr, c)).await?;
+    res.record_with_cpu(&label, sample, &proc, before);
+    let costs_after = meter.after(&costs_before).await;
+    res.record_costs(&label, &costs_before, &costs_after, sample.all_ops);
+    res.record_batches(&label, &proc).await?;
+    proc.stop().await;
     Ok(())
 }
 
@@ -536,27 +663,30 @@ async fn proxy(env: &Env, origin: SocketAddr, res: &mut Results) -> anyhow::Resu
             measure(env, posts(origin, "/v1/charges", &fresh, c)).await?,
         );
 
-        // At c = 8, the measured floors of both stores beside the doors.
-        let db_cpu = c == 8;
+        // At c = 8, the measured floors of both stores beside the doors (and
+        // at c = 1 SQLite's, whose latency pgbench does not give).
         if c == 8 {
-            env.pg_floor("pg-floor-proxy c=8", c, res).await?;
+            env.pg_floor("pg-floor-proxy c=8", c, true, res).await?;
         }
         env.truncate().await?;
         // idempotent-proxy between the two idemgate doors, so that each
         // ratio to it is taken from neighbouring measurements.
         let (proc, addr) = env.proxy(origin, &env.bench_url).await?;
-        let db = db_cpu.then_some(&env.pool);
+        let db = env.pg_db(c == 8 || c == 32);
         proxy_door(env, "idemgate", proc, addr, "/v1/charges", c, db, res).await?;
         if let Some(bin) = &env.ipx {
             let (proc, addr) = env.ipx(bin, origin).await?;
-            proxy_door(env, "ipx", proc, addr, "/URL_ORIGIN", c, None, res).await?;
+            let db = env.redis_pid.map_or(Db::None, Db::Process);
+            proxy_door(env, "ipx", proc, addr, "/URL_ORIGIN", c, db, res).await?;
         }
-        if c == 8 {
-            env.sqlite_floor("sqlite-floor-proxy c=8", c, res).await?;
+        if c == 1 || c == 8 {
+            env.sqlite_floor(&format!("sqlite-floor-proxy c={c}"), c, res)
+                .await?;
         }
         let (proc, addr) = env.proxy(origin, &env.sqlite_url("proxy")).await?;
         let door = "idemgate-sqlite";
-        proxy_door(env, door, proc, addr, "/v1/charges", c, None, res).await?;
+        let db = Db::Threads(proc.pid(), procs::SQLITE_WRITER_THREAD);
+        proxy_door(env, door, proc, addr, "/v1/charges", c, db, res).await?;
     }
     Ok(())
 }
@@ -727,8 +857,9 @@ async fn first_bytes(env: &Env, probes: Vec<Probe>) -> anyhow::Result<Vec<Sample
 
 /// New keys, then replays, through one proxy process (`{name}-new`,
 /// `{name}-replay`); stops it after. An idemgate door's batch sizes are read
-/// between the two, while only new keys have written through it. With `db`,
-/// the CPU of that PostgreSQL database's processes per new key too.
+/// between the two, while only new keys have written through it. What each
+/// new key cost is read around its measurement, the store's work where `db`
+/// says.
 #[allow(clippy::too_many_arguments)]
 async fn proxy_door(
     env: &Env,
@@ -737,22 +868,22 @@ async fn proxy_door(
     addr: SocketAddr,
     path: &str,
     c: usize,
-    db: Option<&PgPool>,
+    db: Db<'_>,
     res: &mut Results,
 ) -> anyhow::Result<()> {
     let fresh = Keys::Fresh(env.fresh_prefix());
     let label = format!("{name}-new c={c}");
-    let before = proc.cpu_ticks();
-    let db_before = match db {
-        Some(pool) => procs::db_processes(pool).await,
-        None => None,
+    let meter = Meter {
+        proc: proc.pid(),
+        metrics: proc.metrics_addr(),
+        db,
     };
+    let costs_before = meter.before().await;
+    let before = proc.cpu_ticks();
     let sample = measure(env, posts(addr, path, &fresh, c)).await?;
-    if let Some(pool) = db {
-        let db_after = procs::db_processes(pool).await;
-        res.record_db_cpu(&label, &sample, db_before, db_after);
-    }
     res.record_with_cpu(&label, sample, &proc, before);
+    let costs_after = meter.after(&costs_before).await;
+    res.record_costs(&label, &costs_before, &costs_after, sample.all_ops);
     if proc.metrics_addr().is_some() {
         res.record_batches(&label, &proc).await?;
     }
@@ -878,13 +1009,7 @@ async fn sqlite(env: &Env, res: &mut Results) -> anyhow::Result<()> {
         // The measured floor on the same disk, right before.
         env.sqlite_floor(&format!("sqlite-floor-sqlite c={c}"), c, res)
             .await?;
-        let (proc, addr) = env.serve(&env.sqlite_url("pairs"), &[]).await?;
-        let label = format!("sqlite-pair c={c}");
-        let before = proc.cpu_ticks();
-        let sample = measure(env, api_pairs(env, addr, c)).await?;
-        res.record_with_cpu(&label, sample, &proc, before);
-        res.record_batches(&label, &proc).await?;
-        proc.stop().await;
+        sqlite_pair_costs(env, c, res).await?;
 
         let (proc, addr) = env.serve(&env.sqlite_url("replays"), &[]).await?;
         let keys = populate_api(addr, &env.fresh_prefix(), env.args.replay_keys).await?;
@@ -894,6 +1019,27 @@ async fn sqlite(env: &Env, res: &mut Results) -> anyhow::Result<()> {
         res.record_with_cpu(&label, sample, &proc, before);
         proc.stop().await;
     }
+    sqlite_pair_costs(env, MANY, res).await
+}
+
+/// The reservation API on a new SQLite file at `c`, with what each pair
+/// cost (the store's work: its writer thread).
+async fn sqlite_pair_costs(env: &Env, c: usize, res: &mut Results) -> anyhow::Result<()> {
+    let (proc, addr) = env.serve(&env.sqlite_url("pairs"), &[]).await?;
+    let label = format!("sqlite-pair c={c}");
+    let meter = Meter {
+        proc: proc.pid(),
+        metrics: proc.metrics_addr(),
+        db: Db::Threads(proc.pid(), procs::SQLITE_WRITER_THREAD),
+    };
+    let costs_before = meter.before_thread_named().await;
+    let before = proc.cpu_ticks();
+    let sample = measure(env, api_pairs(env, addr, c)).await?;
+    res.record_with_cpu(&label, sample, &proc, before);
+    let costs_after = meter.after(&costs_before).await;
+    res.record_costs(&label, &costs_before, &costs_after, sample.all_ops);
+    res.record_batches(&label, &proc).await?;
+    proc.stop().await;
     Ok(())
 }
 
@@ -1036,7 +1182,8 @@ async fn storms(env: &Env, res: &mut Results) -> anyhow::Result<()> {
 /// writes per key through one writer thread on SQLite.
 async fn floors(env: &Env, res: &mut Results) -> anyhow::Result<()> {
     for c in [1, 8, 32] {
-        env.pg_floor(&format!("pg-floor c={c}"), c, res).await?;
+        env.pg_floor(&format!("pg-floor c={c}"), c, false, res)
+            .await?;
         env.sqlite_floor(&format!("sqlite-floor c={c}"), c, res)
             .await?;
     }
@@ -1115,7 +1262,20 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         None => std::env::temp_dir().join(format!("idemgate-bench-{}", std::process::id())),
     };
     std::fs::create_dir_all(&work)?;
+    let probe_idemgate = match &args.probe_idemgate {
+        Some(p) => std::fs::canonicalize(p)
+            .with_context(|| format!("no --probe-idemgate binary at {}", p.display()))?,
+        None => idemgate.clone(),
+    };
 
+    let cluster = if args.private_postgres {
+        let cluster = Cluster::start(&work)?;
+        println!("a private PostgreSQL for the suite at {}", cluster.url());
+        args.database_url = cluster.url();
+        Some(cluster)
+    } else {
+        None
+    };
     let bench_url = create_database(&args.database_url, &args.bench_database).await?;
     let status = tokio::process::Command::new(&idemgate)
         .arg("migrate")
@@ -1158,8 +1318,35 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
     } else {
         None
     };
-    let pg_log = if wants("storm") {
-        storm::pg_log(&pool).await
+    let pg_log = match &cluster {
+        Some(c) => Some((c.log.clone(), true)),
+        None if wants("storm") => storm::pg_log(&pool).await,
+        None => None,
+    };
+    let statements = crate::pgstats::enable_statements(&pool).await;
+    let wal = crate::pgstats::WalDump::find(&pool).await;
+    let redis_pid = costs::redis_pid(&args.redis_url).await;
+    let strace = !args.no_probes && probe::available("strace").await;
+    let flame_dir = if args.flamegraphs && !args.no_probes {
+        let tools = [
+            ("perf", probe::available("perf").await),
+            (
+                "inferno-flamegraph",
+                probe::available("inferno-flamegraph").await,
+            ),
+            (
+                "inferno-collapse-perf",
+                probe::available("inferno-collapse-perf").await,
+            ),
+        ];
+        let missing: Vec<&str> = tools.iter().filter(|t| !t.1).map(|t| t.0).collect();
+        missing
+            .is_empty()
+            .then(|| probe::flamegraph_dir(&args.out))
+            .or_else(|| {
+                println!("note: no flamegraphs: {} not found", missing.join(", "));
+                None
+            })
     } else {
         None
     };
@@ -1167,6 +1354,13 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
     let env = Env {
         pgbench,
         pg_log,
+        statements,
+        wal,
+        redis_pid,
+        probe_idemgate,
+        strace,
+        flame_dir,
+        cluster,
         prefix: uuid::Uuid::new_v4().simple().to_string()[..12].to_owned(),
         args,
         idemgate,
@@ -1195,6 +1389,38 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
     if env.ipx.is_none() && env.wants("proxy") {
         res.notes.push(
             "idempotent-proxy-server was not available: its comparison was skipped".to_owned(),
+        );
+    }
+    if !env.statements {
+        res.notes.push(
+            "statements and shared buffers dirtied per key: n/a (pg_stat_statements not loaded: \
+             the server does not preload it; `--private-postgres` starts one that does)"
+                .to_owned(),
+        );
+    }
+    if env.cluster.is_none() {
+        res.notes.push(
+            "WAL and transactions per key are the whole server's (its WAL position and \
+             transaction ids): on a shared server, other databases' writes during a \
+             measurement count too"
+                .to_owned(),
+        );
+    }
+    if env.wal.is_none() {
+        res.notes.push(
+            "WAL records per key: n/a (pg_waldump cannot read the server's WAL directory here)"
+                .to_owned(),
+        );
+    }
+    if !env.args.no_probes && !env.strace {
+        res.notes
+            .push("syscalls per key: n/a (strace not found)".to_owned());
+    }
+    if env.args.flamegraphs && env.flame_dir.is_none() {
+        res.notes.push(
+            "no flamegraphs: perf or inferno (inferno-collapse-perf, inferno-flamegraph) not \
+             found"
+                .to_owned(),
         );
     }
 
@@ -1235,6 +1461,9 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         }
         if env.wants("floor") {
             floors(&env, &mut res).await?;
+        }
+        if run == 1 && !env.args.no_probes {
+            probes(&env, origin_addr, &mut res).await?;
         }
     }
     // Pruning writes and deletes a million rows: it runs after every other

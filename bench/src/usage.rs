@@ -154,8 +154,16 @@ voluntary_ctxt_switches:\t1200\nnonvoluntary_ctxt_switches:\t34\n";
                 let _ = wait.recv();
             })
             .unwrap();
-        // The kernel's copy of the name is cut to 15 bytes; the prefix is too.
-        let named = of_threads(None, "usage-test-thread-long-name");
+        // The kernel's copy of the name is cut to 15 bytes; the prefix is
+        // too. A thread names itself as it starts: wait for it.
+        let mut named = None;
+        for _ in 0..200 {
+            named = of_threads(None, "usage-test-thread-long-name");
+            if named.is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         go.send(()).unwrap();
         thread.join().unwrap();
         assert!(named.is_some());
