@@ -87,10 +87,11 @@ impl Attached {
     }
 }
 
-/// Whether `program` runs here (`program --version` succeeds).
-pub async fn available(program: &str) -> bool {
+/// Whether `program` runs here (`program ARG` succeeds: `--version`, or
+/// `--help` for a program without it).
+pub async fn available(program: &str, arg: &str) -> bool {
     Command::new(program)
-        .arg("--version")
+        .arg(arg)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -145,7 +146,8 @@ pub async fn strace<T>(
     Ok((out, counted))
 }
 
-/// Runs `window` under `perf record -F 999 -g` attached to process `pid`,
+/// Runs `window` under `perf record -e cpu-clock -F 999 -g` attached to
+/// process `pid`,
 /// then folds the stacks and draws them with inferno into `svg`.
 pub async fn flamegraph<T>(
     pid: u32,
@@ -156,8 +158,12 @@ pub async fn flamegraph<T>(
     window: impl Future<Output = anyhow::Result<T>>,
 ) -> anyhow::Result<T> {
     let data = dir.join(format!("{name}.perf.data"));
+    // cpu-clock everywhere (hardware counters are missing on many virtual
+    // machines), so that a sample's weight is nanoseconds of CPU.
     let args = [
         "record".to_owned(),
+        "-e".to_owned(),
+        "cpu-clock".to_owned(),
         "-F".to_owned(),
         "999".to_owned(),
         "-g".to_owned(),
@@ -204,7 +210,7 @@ async fn draw(data: &Path, title: &str, svg: &Path) -> anyhow::Result<()> {
         std::fs::create_dir_all(parent)?;
     }
     run_to_file(
-        Command::new("inferno-flamegraph").args(["--title", title]),
+        Command::new("inferno-flamegraph").args(["--title", title, "--countname", "ns of CPU"]),
         Some(&folded),
         svg,
     )
@@ -219,13 +225,16 @@ async fn run_to_file(cmd: &mut Command, input: Option<&Path>, out: &Path) -> any
         Some(path) => Stdio::from(std::fs::File::open(path)?),
         None => Stdio::null(),
     };
+    // Not `output()`, which would capture standard output in memory
+    // whatever it was set to.
     let output = cmd
         .stdin(stdin)
         .stdout(Stdio::from(std::fs::File::create(out)?))
         .stderr(Stdio::piped())
-        .output()
-        .await
-        .context("start")?;
+        .spawn()
+        .context("start")?
+        .wait_with_output()
+        .await?;
     anyhow::ensure!(
         output.status.success(),
         "{}",

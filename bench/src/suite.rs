@@ -1326,17 +1326,17 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
     let statements = crate::pgstats::enable_statements(&pool).await;
     let wal = crate::pgstats::WalDump::find(&pool).await;
     let redis_pid = costs::redis_pid(&args.redis_url).await;
-    let strace = !args.no_probes && probe::available("strace").await;
+    let strace = !args.no_probes && probe::available("strace", "--version").await;
     let flame_dir = if args.flamegraphs && !args.no_probes {
         let tools = [
-            ("perf", probe::available("perf").await),
+            ("perf", probe::available("perf", "--version").await),
             (
                 "inferno-flamegraph",
-                probe::available("inferno-flamegraph").await,
+                probe::available("inferno-flamegraph", "--help").await,
             ),
             (
                 "inferno-collapse-perf",
-                probe::available("inferno-collapse-perf").await,
+                probe::available("inferno-collapse-perf", "--help").await,
             ),
         ];
         let missing: Vec<&str> = tools.iter().filter(|t| !t.1).map(|t| t.0).collect();

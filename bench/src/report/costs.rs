@@ -168,7 +168,7 @@ pub(super) fn per_key_section(w: &mut String, v: &View, env: &Env, res: &Results
     if !res.flamegraphs.is_empty() {
         let _ = writeln!(
             w,
-            "\nFlamegraphs of each door at c = 8 (`perf record -F 999 -g` on the probe build for one window, \
+            "\nFlamegraphs of each door at c = 8 (`perf record -e cpu-clock -F 999 -g` on the probe build for one window, weighted in ns of CPU, \
              folded and drawn with inferno):\n"
         );
         for (label, link) in &res.flamegraphs {
