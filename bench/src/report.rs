@@ -543,7 +543,8 @@ pub async fn render(env: &Env, res: &Results) -> String {
         "Command: `bench/run` (that is, `idemgate-bench suite --runs {} --seconds {} --warmup {} --prune-rows {} --replay-keys {} --storm-copies {}`). \
          Every figure is the median of {} runs; every ratio is the median of the per-run ratios, \
          each subject measured right after its baseline. Closed-loop load at fixed concurrency `c`, \
-         one kept-alive HTTP/1.1 connection per worker, a new key per request; latencies in ms; \
+         one kept-alive HTTP/1.1 connection per worker, a new key per request; a rate counts the operations that \
+         ended inside the measured window, latencies (in ms) are of those that also began in it; \
          the load generator, idemgate, the origin and PostgreSQL share the machine's cores.\n",
         a.runs, a.seconds, a.warmup, a.prune_rows, a.replay_keys, a.storm_copies, a.runs
     );
