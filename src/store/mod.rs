@@ -155,6 +155,23 @@ pub trait Store: Send + Sync + 'static {
     fn batch_stats(&self) -> Option<BatchStats> {
         None
     }
+
+    /// How a store that groups its claims, commits and releases itself (on
+    /// a writer of its own, which takes whatever queued while it wrote the
+    /// last group) has grouped them; `None` for a store whose writes
+    /// [`Batched`] groups.
+    fn own_batches(&self) -> Option<BatchStats> {
+        None
+    }
+
+    /// Writes `writes` as one group, now, as the store's own grouping would
+    /// had they queued together (see [`Batched::write_together`]); answers in
+    /// order. A store without [`Store::own_batches`] writes them as one
+    /// batch.
+    async fn write_grouped(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
+        let refs: Vec<&Write> = writes.iter().collect();
+        self.write_batch(&refs).await
+    }
 }
 
 /// `write` on its own, through the one-by-one operation of `store`

@@ -447,7 +447,10 @@ async fn a_full_queue_refuses_at_once_and_writes_what_it_held() {
     let store = Backend::open_sqlite(&dir).await;
     let url = Backend::sqlite_url(&dir);
     const BOUND: usize = 8;
-    let batched = Arc::new(Batched::with_queue_bound(Arc::new(store), BOUND));
+    // SQLite groups its writes on its writer thread: the bound is its queue's.
+    let batched = Arc::new(Batched::new(Arc::new(
+        store.with_write_queue_bound(BOUND),
+    )));
     let mut other = sqlx::SqliteConnection::connect(&url)
         .await
         .expect("connect");

@@ -38,11 +38,14 @@ use std::sync::{Arc, OnceLock};
 
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc, oneshot};
 
+mod plan;
 mod same_key;
 mod store;
 mod writer;
 
-use writer::{flush, write_loop};
+pub(crate) use plan::{Sink, flush};
+use plan::StoreSink;
+use writer::write_loop;
 
 use super::{Result, Store, StoreError, Write, Written};
 
@@ -51,12 +54,17 @@ pub const QUEUE_BOUND: usize = 4096;
 
 /// Most writes in one batch: enough to carry a full queue of busy
 /// connections, few enough that one transaction stays short.
-const MAX_BATCH: usize = 256;
+pub(crate) const MAX_BATCH: usize = 256;
 
 /// A [`Store`] whose claims, commits and releases are written in batches;
-/// every other operation goes straight to the store.
+/// every other operation goes straight to the store. A store that groups its
+/// writes itself ([`Store::own_batches`]: SQLite, on its writer thread) gets
+/// them straight too: only the wait of a duplicate claim for its key's
+/// claim being written (`same_key.rs`) is done here.
 pub struct Batched {
     store: Arc<dyn Store>,
+    /// The store groups its writes itself.
+    grouped: bool,
     bound: usize,
     /// One permit per transaction of writes in the database at once
     /// ([`Store::batch_writers`]); the queued writes gather behind them.
@@ -70,22 +78,33 @@ pub struct Batched {
 }
 
 /// A write and where its answer goes.
-struct Job {
-    write: Write,
-    answer: oneshot::Sender<Result<Written>>,
+pub(crate) struct Job {
+    pub(crate) write: Write,
+    pub(crate) answer: oneshot::Sender<Result<Written>>,
 }
 
-#[derive(Default)]
-struct Counters {
+/// How writes were grouped: [`BatchStats`](crate::store::BatchStats), as it is counted.
+#[derive(Default, Debug)]
+pub(crate) struct Counters {
     batches: AtomicU64,
     writes: AtomicU64,
     largest: AtomicU64,
-    refused: AtomicU64,
+    pub(crate) refused: AtomicU64,
 }
 
 impl Counters {
+    /// The figures as they stand.
+    pub(crate) fn stats(&self) -> crate::store::BatchStats {
+        crate::store::BatchStats {
+            batches: self.batches.load(Ordering::Relaxed),
+            writes: self.writes.load(Ordering::Relaxed),
+            largest: self.largest.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+        }
+    }
+
     /// One transaction of `writes` writes.
-    fn count(&self, writes: usize) {
+    pub(crate) fn count(&self, writes: usize) {
         let n = writes as u64;
         self.batches.fetch_add(1, Ordering::Relaxed);
         self.writes.fetch_add(n, Ordering::Relaxed);
@@ -108,8 +127,11 @@ impl Batched {
     }
 
     /// Batches the writes of `store`, refusing writes past `bound` waiting.
+    /// A store that groups its writes itself keeps its own bound
+    /// ([`SqliteStore::with_write_queue_bound`](crate::store::SqliteStore::with_write_queue_bound)).
     pub fn with_queue_bound(store: Arc<dyn Store>, bound: usize) -> Batched {
         Batched {
+            grouped: store.own_batches().is_some(),
             bound: bound.max(1),
             writers: Arc::new(Semaphore::new(store.batch_writers().max(1))),
             queue: OnceLock::new(),
@@ -145,6 +167,9 @@ impl Batched {
     /// queued together: for tests and tools that need a batch of known
     /// content. The answers are in order.
     pub async fn write_together(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
+        if self.grouped {
+            return self.store.write_grouped(writes).await;
+        }
         let mut answered = Vec::with_capacity(writes.len());
         let mut jobs = Vec::with_capacity(writes.len());
         for write in writes {
@@ -155,7 +180,7 @@ impl Batched {
         {
             let _writer = self.writers.acquire().await;
             self.stats.count(jobs.len());
-            flush(&*self.store, &mut jobs).await;
+            flush(&StoreSink(&*self.store), &mut jobs).await;
         }
         let mut answers = Vec::with_capacity(answered.len());
         for rx in answered {
@@ -172,6 +197,9 @@ impl Batched {
     /// no copy of the write, so a lone write costs what it did before
     /// batches. Held until the write is done.
     fn alone(&self) -> Option<SemaphorePermit<'_>> {
+        if self.grouped {
+            return None;
+        }
         let queue = self.queue();
         if queue.capacity() != queue.max_capacity() {
             return None;

@@ -2,8 +2,6 @@
 //! queue (or straight to the store when no writer is busy), everything else
 //! straight to the store.
 
-use std::sync::atomic::Ordering;
-
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -41,6 +39,9 @@ impl Store for Batched {
         reservation_id: Uuid,
         response: &StoredResponse,
     ) -> Result<Option<Record>> {
+        if self.grouped {
+            return self.store.complete(tenant, reservation_id, response).await;
+        }
         if let Some(_alone) = self.alone() {
             return self.store.complete(tenant, reservation_id, response).await;
         }
@@ -56,6 +57,9 @@ impl Store for Batched {
     }
 
     async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
+        if self.grouped {
+            return self.store.release(tenant, reservation_id).await;
+        }
         if let Some(_alone) = self.alone() {
             return self.store.release(tenant, reservation_id).await;
         }
@@ -167,18 +171,19 @@ impl Store for Batched {
     }
 
     fn batch_stats(&self) -> Option<BatchStats> {
-        Some(BatchStats {
-            batches: self.stats.batches.load(Ordering::Relaxed),
-            writes: self.stats.writes.load(Ordering::Relaxed),
-            largest: self.stats.largest.load(Ordering::Relaxed),
-            refused: self.stats.refused.load(Ordering::Relaxed),
-        })
+        match self.store.own_batches() {
+            Some(own) => Some(own),
+            None => Some(self.stats.stats()),
+        }
     }
 }
 
 impl Batched {
     /// A claim written: alone when nothing else is, else through the queue.
     async fn claim(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
+        if self.grouped {
+            return self.store.reserve(req).await;
+        }
         if let Some(_alone) = self.alone() {
             return self.store.reserve(req).await;
         }

@@ -69,10 +69,15 @@ mod writer;
 use errors::classify;
 use rows::{KeyRow, now_ms, ts};
 use sql::SELECT_KEY;
-use tx::{claim_in, complete_in, release_in};
+use tx::write_in;
 use writer::{Target, Writer};
 
 use super::{Claim, ClaimRequest, Record, Result, StoreError, Write, Written};
+
+/// A write answered with another kind of answer (never, but not a panic).
+fn mismatched() -> StoreError {
+    StoreError::other("a grouped write got another kind of answer")
+}
 use lock::FileLock;
 
 /// The SQLite schema migrations (`migrations/sqlite`).
@@ -250,10 +255,10 @@ impl SqliteStore {
 
     /// The claim, under the write lock (see [`Store::reserve`]).
     async fn claim(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
-        let req = req.clone();
-        self.writer
-            .write(move |conn| claim_in(conn, &req, now_ms()))
-            .await
+        match self.writer.submit(Write::Claim(req.clone())).await? {
+            Written::Claim(claim) => Ok(claim),
+            _ => Err(mismatched()),
+        }
     }
 
     /// `writes` in one write transaction, one clock reading for all: one
@@ -263,30 +268,16 @@ impl SqliteStore {
         self.writer
             .write(move |conn| {
                 let now = now_ms();
-                let mut written = Vec::with_capacity(writes.len());
-                for write in &writes {
-                    written.push(match write {
-                        Write::Claim(req) => Written::Claim(claim_in(conn, req, now)?),
-                        Write::Complete {
-                            tenant,
-                            reservation_id,
-                            response,
-                        } => Written::Complete(complete_in(
-                            conn,
-                            tenant,
-                            *reservation_id,
-                            response,
-                            now,
-                        )?),
-                        Write::Release {
-                            tenant,
-                            reservation_id,
-                        } => Written::Release(release_in(conn, tenant, *reservation_id, now)?),
-                    });
-                }
-                Ok(written)
+                writes.iter().map(|w| write_in(conn, w, now)).collect()
             })
             .await
+    }
+
+    /// Refuses claims, commits and releases past `bound` waiting for the
+    /// writer thread, instead of [`QUEUE_BOUND`](crate::store::Batched).
+    pub fn with_write_queue_bound(self, bound: usize) -> SqliteStore {
+        self.writer.bound_queue(bound);
+        self
     }
 
     /// The key's record when no claim can apply to it now — completed, or in

@@ -38,18 +38,26 @@ impl Store for SqliteStore {
         reservation_id: Uuid,
         response: &StoredResponse,
     ) -> Result<Option<Record>> {
-        let tenant = tenant.to_owned();
-        let response = response.clone();
-        self.writer
-            .write(move |conn| complete_in(conn, &tenant, reservation_id, &response, now_ms()))
-            .await
+        let write = Write::Complete {
+            tenant: tenant.to_owned(),
+            reservation_id,
+            response: response.clone(),
+        };
+        match self.writer.submit(write).await? {
+            Written::Complete(record) => Ok(record),
+            _ => Err(super::mismatched()),
+        }
     }
 
     async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {
-        let tenant = tenant.to_owned();
-        self.writer
-            .write(move |conn| release_in(conn, &tenant, reservation_id, now_ms()))
-            .await
+        let write = Write::Release {
+            tenant: tenant.to_owned(),
+            reservation_id,
+        };
+        match self.writer.submit(write).await? {
+            Written::Release(key_hash) => Ok(key_hash),
+            _ => Err(super::mismatched()),
+        }
     }
 
     async fn mark_unknown(
@@ -354,6 +362,14 @@ impl Store for SqliteStore {
             Ok(written) => written.into_iter().map(Ok).collect(),
             Err(e) => writes.iter().map(|_| Err(e.clone())).collect(),
         }
+    }
+
+    fn own_batches(&self) -> Option<crate::store::BatchStats> {
+        Some(self.writer.stats())
+    }
+
+    async fn write_grouped(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
+        self.writer.submit_group(writes).await
     }
 
     /// The pools' connections: the readers and the direct-SQL connection

@@ -8,7 +8,9 @@ use uuid::Uuid;
 use super::errors::classify_rs;
 use super::rows::*;
 use super::sql::*;
-use crate::store::{Claim, ClaimRequest, Record, Result, StoreError, StoredResponse};
+use crate::store::{
+    Claim, ClaimRequest, Record, Result, StoreError, StoredResponse, Write, Written,
+};
 
 /// A uuid as the stored TEXT (lowercase, hyphenated), without allocating.
 pub(super) fn uuid_text(id: Uuid, buf: &mut [u8; uuid::fmt::Urn::LENGTH]) -> &str {
@@ -137,4 +139,20 @@ pub(super) fn release_in(
         RELEASE,
         params![tenant, uuid_text(reservation_id, &mut buf), now],
     )
+}
+
+/// A claim, commit or release inside a write transaction, at `now`.
+pub(super) fn write_in(conn: &Connection, write: &Write, now: i64) -> Result<Written> {
+    Ok(match write {
+        Write::Claim(req) => Written::Claim(claim_in(conn, req, now)?),
+        Write::Complete {
+            tenant,
+            reservation_id,
+            response,
+        } => Written::Complete(complete_in(conn, tenant, *reservation_id, response, now)?),
+        Write::Release {
+            tenant,
+            reservation_id,
+        } => Written::Release(release_in(conn, tenant, *reservation_id, now)?),
+    })
 }

@@ -3,6 +3,15 @@
 //! command is one whole transaction, `BEGIN IMMEDIATE` … `COMMIT`, run to
 //! its end on the thread and answered through a oneshot channel.
 //!
+//! * **Group commit on the thread.** Claims, commits and releases come as
+//!   writes ([`Writer::submit`]), not commands: the thread takes every write
+//!   that queued while it wrote the last group and writes them together
+//!   (see [`plan`](crate::store::batch) for what goes into each
+//!   transaction), answering each caller itself. A write is one hop to the
+//!   thread and one back, as a command is; no task of the runtime stands
+//!   between (a group used to go through a batching task and a task of its
+//!   own on its way here). Past [`QUEUE_BOUND`](crate::store::batch) writes
+//!   waiting, a write is refused at once as unavailable.
 //! * **Why a thread of our own.** sqlx runs each SQLite connection on a
 //!   thread of its own too, but every statement is a round trip to it (and
 //!   back to the runtime); a transaction of four statements was eight hops,
@@ -31,18 +40,24 @@
 //!   ever died, callers would get an error, not a hang: their answer
 //!   channels close with it.
 
+use std::cell::RefCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use futures::FutureExt as _;
 use rusqlite::{Connection, OpenFlags};
 use tokio::sync::oneshot;
 
 use super::errors::classify_rs;
 use super::lock::FileLock;
-use crate::store::{Result, StoreError};
+use super::rows::now_ms;
+use super::tx::write_in;
+use crate::store::batch::{Counters, Job, MAX_BATCH, QUEUE_BOUND, Sink, flush};
+use crate::store::{BatchStats, Result, StoreError, Write, Written};
 
 /// Statements kept prepared: every write statement of the store, with room.
 const STATEMENT_CACHE: usize = 32;
@@ -137,6 +152,10 @@ where
 
 enum Message {
     Run(Box<dyn Command>),
+    /// A claim, commit or release, grouped with the others queued.
+    Write(Job),
+    /// Writes grouped as one, whatever else queued.
+    Group(Vec<Job>),
     Close(oneshot::Sender<()>),
 }
 
@@ -145,6 +164,15 @@ enum Message {
 #[derive(Debug, Clone)]
 pub(super) struct Writer {
     queue: mpsc::Sender<Message>,
+    /// Writes sent and not yet taken into a group, and the bound on them.
+    waiting: Arc<Waiting>,
+    stats: Arc<Counters>,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    writes: AtomicUsize,
+    bound: AtomicUsize,
 }
 
 // === impl Writer ===
@@ -156,10 +184,20 @@ impl Writer {
     pub(super) async fn start(target: Target, lock: Option<Arc<FileLock>>) -> Result<Writer> {
         let (queue, commands) = mpsc::channel();
         let (opened, open) = oneshot::channel();
+        let waiting = Arc::new(Waiting {
+            writes: AtomicUsize::new(0),
+            bound: AtomicUsize::new(QUEUE_BOUND),
+        });
+        let stats = Arc::new(Counters::default());
+        let thread = Thread {
+            target,
+            waiting: waiting.clone(),
+            stats: stats.clone(),
+        };
         std::thread::Builder::new()
             .name("idemgate-sqlite-writer".into())
             .spawn(move || {
-                let conn = match target.open() {
+                let conn = match thread.target.open() {
                     Ok(conn) => {
                         let _ = opened.send(Ok(()));
                         conn
@@ -169,7 +207,7 @@ impl Writer {
                         return;
                     }
                 };
-                serve(&target, Some(conn), &commands);
+                thread.serve(Some(conn), &commands);
                 drop(lock);
             })
             .map_err(|e| {
@@ -177,7 +215,71 @@ impl Writer {
                     .because(e)
             })?;
         open.await.unwrap_or_else(|_| Err(stopped()))?;
-        Ok(Writer { queue })
+        Ok(Writer {
+            queue,
+            waiting,
+            stats,
+        })
+    }
+
+    /// Refuses writes past `bound` waiting (instead of the default bound).
+    pub(super) fn bound_queue(&self, bound: usize) {
+        self.waiting.bound.store(bound.max(1), Ordering::Relaxed);
+    }
+
+    /// How the writes were grouped.
+    pub(super) fn stats(&self) -> BatchStats {
+        self.stats.stats()
+    }
+
+    /// Writes `write` with whatever else queued meanwhile (see the module's
+    /// docs): its answer once its group's transaction committed.
+    pub(super) async fn submit(&self, write: Write) -> Result<Written> {
+        let bound = self.waiting.bound.load(Ordering::Relaxed);
+        if self.waiting.writes.fetch_add(1, Ordering::Relaxed) >= bound {
+            self.waiting.writes.fetch_sub(1, Ordering::Relaxed);
+            self.stats.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::unavailable(format!(
+                "{bound} writes are already waiting for the database"
+            )));
+        }
+        let (answer, answered) = oneshot::channel();
+        if self
+            .queue
+            .send(Message::Write(Job { write, answer }))
+            .is_err()
+        {
+            self.waiting.writes.fetch_sub(1, Ordering::Relaxed);
+            return Err(stopped());
+        }
+        answered.await.unwrap_or_else(|_| {
+            Err(StoreError::other(
+                "the SQLite writer dropped the write without an answer",
+            ))
+        })
+    }
+
+    /// Writes `writes` as one group, as the thread would had they queued
+    /// together; answers in order.
+    pub(super) async fn submit_group(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
+        let mut jobs = Vec::with_capacity(writes.len());
+        let mut answered = Vec::with_capacity(writes.len());
+        for write in writes {
+            let (answer, rx) = oneshot::channel();
+            jobs.push(Job { write, answer });
+            answered.push(rx);
+        }
+        let sent = self.queue.send(Message::Group(jobs)).is_ok();
+        let mut answers = Vec::with_capacity(answered.len());
+        for rx in answered {
+            answers.push(match sent {
+                true => rx
+                    .await
+                    .unwrap_or_else(|_| Err(StoreError::other("a grouped write got no answer"))),
+                false => Err(stopped()),
+            });
+        }
+        answers
     }
 
     /// Runs `work` in one write transaction on the writer thread: `BEGIN
@@ -220,50 +322,166 @@ fn stopped() -> StoreError {
     StoreError::unavailable("the SQLite writer has stopped (closed, or it failed)")
 }
 
-/// The thread's loop: one command at a time, until the channel closes.
-fn serve(target: &Target, mut conn: Option<Connection>, commands: &mpsc::Receiver<Message>) {
-    let mut closed = false;
-    while let Ok(message) = commands.recv() {
-        let mut command = match message {
-            Message::Run(command) if closed => {
-                command.answer(Err(stopped()));
-                continue;
-            }
-            Message::Run(command) => command,
-            Message::Close(done) => {
-                // Other handles may still send: they are refused until the
-                // last is dropped and the channel closes.
-                closed = true;
-                drop(conn.take());
-                let _ = done.send(());
-                continue;
-            }
-        };
-        let c = match &mut conn {
-            Some(c) => c,
-            // Replaced after a failed write: opened afresh, seeing the file
-            // as it is now.
-            None => match target.open() {
-                Ok(c) => conn.insert(c),
-                Err(e) => {
-                    command.answer(Err(e));
-                    continue;
+/// What the thread owns besides its connection.
+struct Thread {
+    target: Target,
+    waiting: Arc<Waiting>,
+    stats: Arc<Counters>,
+}
+
+impl Thread {
+    /// The thread's loop, until the channel closes: a command at a time, and
+    /// the writes that queued together as one group.
+    fn serve(&self, conn: Option<Connection>, commands: &mpsc::Receiver<Message>) {
+        let conn = RefCell::new(conn);
+        let mut closed = false;
+        let mut next = None;
+        loop {
+            let message = match next.take() {
+                Some(message) => message,
+                None => match commands.recv() {
+                    Ok(message) => message,
+                    Err(_) => return,
+                },
+            };
+            match message {
+                Message::Write(job) => {
+                    let mut jobs = Vec::with_capacity(8);
+                    jobs.push(job);
+                    // Whatever queued behind it comes along, in order, up to
+                    // the first command that is not a write.
+                    while jobs.len() < MAX_BATCH {
+                        match commands.try_recv() {
+                            Ok(Message::Write(job)) => jobs.push(job),
+                            Ok(other) => {
+                                next = Some(other);
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    self.waiting.writes.fetch_sub(jobs.len(), Ordering::Relaxed);
+                    self.group(&conn, closed, jobs);
                 }
-            },
-        };
-        match catch_unwind(AssertUnwindSafe(|| transaction(c, &mut *command))) {
-            Ok(Ok(())) => command.answer(Ok(())),
-            Ok(Err(e)) => {
-                after_failure(target, &mut conn);
-                command.answer(Err(e));
-            }
-            Err(_) => {
-                // Its answer channel closes with it: the caller gets an error.
-                drop(command);
-                tracing::error!("a write command panicked; its transaction is rolled back");
-                after_failure(target, &mut conn);
+                Message::Group(jobs) => self.group(&conn, closed, jobs),
+                Message::Run(command) if closed => command.answer(Err(stopped())),
+                Message::Run(mut command) => {
+                    let mut conn = conn.borrow_mut();
+                    let c = match self.connection(&mut conn) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            command.answer(Err(e));
+                            continue;
+                        }
+                    };
+                    match catch_unwind(AssertUnwindSafe(|| transaction(c, &mut *command))) {
+                        Ok(Ok(())) => command.answer(Ok(())),
+                        Ok(Err(e)) => {
+                            after_failure(&self.target, &mut conn);
+                            command.answer(Err(e));
+                        }
+                        Err(_) => {
+                            // Its answer channel closes with it: the caller gets an error.
+                            drop(command);
+                            tracing::error!(
+                                "a write command panicked; its transaction is rolled back"
+                            );
+                            after_failure(&self.target, &mut conn);
+                        }
+                    }
+                }
+                Message::Close(done) => {
+                    // Other handles may still send: they are refused until the
+                    // last is dropped and the channel closes.
+                    closed = true;
+                    drop(conn.borrow_mut().take());
+                    let _ = done.send(());
+                }
             }
         }
+    }
+
+    /// The connection, opened afresh after a failed write (seeing the file
+    /// as it is now).
+    fn connection<'c>(&self, conn: &'c mut Option<Connection>) -> Result<&'c mut Connection> {
+        match conn {
+            Some(c) => Ok(c),
+            None => Ok(conn.insert(self.target.open()?)),
+        }
+    }
+
+    /// Writes `jobs` as one group and answers each.
+    fn group(&self, conn: &RefCell<Option<Connection>>, closed: bool, mut jobs: Vec<Job>) {
+        if closed {
+            for job in jobs {
+                let _ = job.answer.send(Err(stopped()));
+            }
+            return;
+        }
+        self.stats.count(jobs.len());
+        let sink = OnThread { thread: self, conn };
+        // Nothing in it waits: every write runs in place, to its end.
+        if flush(&sink, &mut jobs).now_or_never().is_none() {
+            for job in jobs {
+                let _ = job
+                    .answer
+                    .send(Err(StoreError::other("a grouped write did not finish")));
+            }
+        }
+    }
+
+    /// `work` in one transaction on the connection; a failure rolls it back
+    /// (and replaces a file's connection), a panic too.
+    fn in_transaction<T>(
+        &self,
+        conn: &RefCell<Option<Connection>>,
+        work: impl FnOnce(&Connection) -> Result<T>,
+    ) -> Result<T> {
+        let mut conn = conn.borrow_mut();
+        let c = self.connection(&mut conn)?;
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<T> {
+            run_cached(c, "BEGIN IMMEDIATE")?;
+            let value = work(c)?;
+            run_cached(c, "COMMIT")?;
+            Ok(value)
+        }));
+        match outcome {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => {
+                after_failure(&self.target, &mut conn);
+                Err(e)
+            }
+            Err(_) => {
+                tracing::error!("a grouped write panicked; its transaction is rolled back");
+                after_failure(&self.target, &mut conn);
+                Err(StoreError::other("a grouped write failed"))
+            }
+        }
+    }
+}
+
+/// The thread's connection as the group commit's [`Sink`]: a run in one
+/// transaction, one clock reading for all; a write alone in its own.
+struct OnThread<'a> {
+    thread: &'a Thread,
+    conn: &'a RefCell<Option<Connection>>,
+}
+
+impl Sink for OnThread<'_> {
+    async fn together(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+        let written: Result<Vec<Written>> = self.thread.in_transaction(self.conn, |conn| {
+            let now = now_ms();
+            writes.iter().map(|w| write_in(conn, w, now)).collect()
+        });
+        match written {
+            Ok(written) => written.into_iter().map(Ok).collect(),
+            Err(e) => writes.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    async fn alone(&self, write: &Write) -> Result<Written> {
+        self.thread
+            .in_transaction(self.conn, |conn| write_in(conn, write, now_ms()))
     }
 }
 
@@ -274,9 +492,18 @@ fn transaction(conn: &Connection, command: &mut dyn Command) -> Result<()> {
     // connection's commit (SQLITE_BUSY_SNAPSHOT, which the busy timeout does
     // not retry). Taking it first also lets the command read the clock under
     // the lock.
-    conn.execute_batch("BEGIN IMMEDIATE").map_err(classify_rs)?;
+    run_cached(conn, "BEGIN IMMEDIATE")?;
     command.run(conn)?;
-    conn.execute_batch("COMMIT").map_err(classify_rs)
+    run_cached(conn, "COMMIT")
+}
+
+/// `sql` (a statement without parameters or rows), prepared once per
+/// connection: `execute_batch` would parse it again every time.
+fn run_cached(conn: &Connection, sql: &str) -> Result<()> {
+    conn.prepare_cached(sql)
+        .and_then(|mut stmt| stmt.raw_execute())
+        .map(drop)
+        .map_err(classify_rs)
 }
 
 /// Cleans up after a transaction that did not commit: rolls back whatever is
