@@ -45,8 +45,30 @@ const ENTRY_OVERHEAD: u64 = 512;
 /// during a record's life.
 const CLOCK_MARGIN: Duration = Duration::from_millis(10);
 
-/// (tenant, SHA-256 of the key).
-type CacheKey = (String, [u8; 32]);
+/// The SHA-256 of the key, then the tenant: (tenant, key) as one byte string,
+/// unambiguous since the hash has a fixed length, and looked up as a slice
+/// built on the stack, without allocating.
+type CacheKey = Box<[u8]>;
+
+/// Tenants up to this long are looked up without allocating.
+const STACK_TENANT: usize = 128;
+
+/// `key_hash` then `tenant`, as a [`CacheKey`] is, into `buf` when it fits.
+fn lookup_key<'b>(buf: &'b mut [u8; 32 + STACK_TENANT], tenant: &str, key_hash: &[u8; 32]) -> Option<&'b [u8]> {
+    let tenant = tenant.as_bytes();
+    let end = 32 + tenant.len();
+    let slot = buf.get_mut(..end)?;
+    slot[..32].copy_from_slice(key_hash);
+    slot[32..].copy_from_slice(tenant);
+    Some(slot)
+}
+
+fn cache_key(tenant: &str, key_hash: &[u8; 32]) -> CacheKey {
+    let mut key = Vec::with_capacity(32 + tenant.len());
+    key.extend_from_slice(key_hash);
+    key.extend_from_slice(tenant.as_bytes());
+    key.into_boxed_slice()
+}
 
 /// A cached record and when it must no longer be served.
 struct Entry {
@@ -101,7 +123,11 @@ impl ReplayCache {
     /// The completed record of `key_hash` under `tenant`, if it is cached and
     /// its deadline has not passed.
     pub(crate) fn get(&self, tenant: &str, key_hash: &[u8; 32]) -> Option<Record> {
-        let entry = self.cache.get(&(tenant.to_owned(), *key_hash))?;
+        let mut buf = [0; 32 + STACK_TENANT];
+        let entry = match lookup_key(&mut buf, tenant, key_hash) {
+            Some(key) => self.cache.get(key)?,
+            None => self.cache.get(&*cache_key(tenant, key_hash))?,
+        };
         (Instant::now() < entry.deadline).then(|| entry.record.clone())
     }
 
@@ -138,7 +164,7 @@ impl ReplayCache {
             weight: u32::try_from(weight).unwrap_or(u32::MAX),
         };
         self.cache
-            .insert((record.tenant.clone(), key_hash), Arc::new(entry));
+            .insert(cache_key(&record.tenant, &key_hash), Arc::new(entry));
     }
 }
 

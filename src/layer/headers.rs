@@ -8,16 +8,16 @@ pub use crate::headers::{
 };
 
 /// The standard hop-by-hop set, besides whatever `Connection` names.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authenticate",
-    "proxy-authorization",
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
 ];
 
 /// Removes `Connection`, every header it names, and the standard hop-by-hop
@@ -26,7 +26,7 @@ pub fn strip_connection_headers(headers: &mut HeaderMap) {
     for name in connection_named(headers) {
         headers.remove(&name);
     }
-    for name in HOP_BY_HOP {
+    for name in &HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -43,24 +43,27 @@ pub(crate) fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
+/// idemgate's own headers, and `Content-Length` (the replay's body decides
+/// it): never stored.
+const NOT_STORED: [HeaderName; 3] = [header::CONTENT_LENGTH, IDEMPOTENT_REPLAYED, IDEMPOTENCY_EXPIRES];
+
 /// The header lines of a response worth storing for replay: no hop-by-hop
 /// header, none on the deny list, no `Content-Length` (the replay's body
-/// decides it), and none of idemgate's own replay headers.
+/// decides it), and none of idemgate's own replay headers. Read in place:
+/// the response's own map is not copied.
 ///
 /// Public only for the fuzz targets (`fuzz/`); not part of the API.
 #[doc(hidden)]
 pub fn storable(headers: &HeaderMap, deny: &[HeaderName]) -> Vec<(String, String)> {
-    let mut headers = headers.clone();
-    strip_connection_headers(&mut headers);
-    for name in deny.iter().chain(&[
-        header::CONTENT_LENGTH,
-        IDEMPOTENT_REPLAYED,
-        IDEMPOTENCY_EXPIRES,
-    ]) {
-        headers.remove(name);
-    }
+    let named = connection_named(headers);
     headers
         .iter()
+        .filter(|(name, _)| {
+            !HOP_BY_HOP.contains(name)
+                && !NOT_STORED.contains(name)
+                && !named.contains(name)
+                && !deny.contains(name)
+        })
         .filter_map(|(name, value)| {
             // Stored as text; a value that is not visible ASCII is dropped
             // rather than mangled.
@@ -98,5 +101,25 @@ mod tests {
         h.insert("upgrade", HeaderValue::from_static("h2c"));
         let kept = storable(&h, &[header::SET_COOKIE]);
         assert_eq!(kept, vec![("content-type".into(), "text/plain".into())]);
+    }
+
+    #[test]
+    fn storable_drops_what_connection_names_and_keeps_the_order() {
+        let mut h = HeaderMap::new();
+        h.insert("x-first", HeaderValue::from_static("1"));
+        h.insert("connection", HeaderValue::from_static("close, X-Secret"));
+        h.insert("x-secret", HeaderValue::from_static("s"));
+        h.insert("idempotent-replayed", HeaderValue::from_static("true"));
+        h.append("x-last", HeaderValue::from_static("a"));
+        h.append("x-last", HeaderValue::from_static("b"));
+        let kept = storable(&h, &[]);
+        assert_eq!(
+            kept,
+            vec![
+                ("x-first".into(), "1".into()),
+                ("x-last".into(), "a".into()),
+                ("x-last".into(), "b".into()),
+            ]
+        );
     }
 }

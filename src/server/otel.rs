@@ -193,10 +193,6 @@ pub async fn door_span(door: &'static str, req: Request, next: Next) -> Response
     if door == "api" && !req.uri().path().starts_with("/v1/reservations") {
         return next.run(req).await;
     }
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|p| p.as_str().to_owned());
     let span = tracing::info_span!(
         target: spans::TARGET,
         "idemgate.request",
@@ -204,7 +200,7 @@ pub async fn door_span(door: &'static str, req: Request, next: Next) -> Response
         otel.status_code = tracing::field::Empty,
         idemgate.door = door,
         http.request.method = %req.method(),
-        http.route = route.as_deref(),
+        http.route = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
         idemgate.outcome = tracing::field::Empty,
         idemgate.key.hash = tracing::field::Empty,
@@ -212,6 +208,9 @@ pub async fn door_span(door: &'static str, req: Request, next: Next) -> Response
     );
     if span.is_disabled() {
         return next.run(req).await;
+    }
+    if let Some(route) = req.extensions().get::<MatchedPath>() {
+        span.record("http.route", route.as_str());
     }
     let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
         propagator.extract(&HeaderExtractor(req.headers()))

@@ -77,9 +77,13 @@ impl InFlight {
 }
 
 impl Publisher<'_> {
-    /// Tells the waiting duplicates the first claim's answer.
+    /// Tells the waiting duplicates the first claim's answer, if any wait
+    /// (the slot's own receiver aside): a new key, the common case, is
+    /// not copied for nobody.
     pub(super) fn publish(&self, claim: &Claim) {
-        self.answer.send_replace(Some(Arc::new(claim.clone())));
+        if self.answer.receiver_count() > 1 {
+            self.answer.send_replace(Some(Arc::new(claim.clone())));
+        }
     }
 }
 

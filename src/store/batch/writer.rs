@@ -22,7 +22,8 @@ pub(super) async fn write_loop(
     stats: Arc<Counters>,
 ) {
     loop {
-        let mut jobs = Vec::with_capacity(MAX_BATCH);
+        // Grown to what comes: a batch is mostly a few writes.
+        let mut jobs = Vec::new();
         if queue.recv_many(&mut jobs, MAX_BATCH).await == 0 {
             return;
         }
