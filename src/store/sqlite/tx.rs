@@ -9,7 +9,7 @@ use super::errors::classify_rs;
 use super::rows::*;
 use super::sql::*;
 use crate::store::{
-    Claim, ClaimRequest, Record, Result, StoreError, StoredResponse, Write, Written,
+    Claim, ClaimRequest, KeyState, Record, Result, StoreError, StoredResponse, Write, Written,
 };
 
 /// A uuid as the stored TEXT (lowercase, hyphenated), without allocating.
@@ -57,6 +57,13 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
             live < i64::from(max)
         }
     };
+    if room && insert_new(conn, req, id, now)? {
+        return Ok(Some(Claim {
+            claimed: true,
+            record: new_record(req, now)?,
+            now: ts(now)?,
+        }));
+    }
     let claimed = if room {
         key_row(
             conn,
@@ -100,6 +107,47 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
     }))
 }
 
+/// Inserts the record of a key that has none; false if it has one.
+fn insert_new(conn: &Connection, req: &ClaimRequest, id: &str, now: i64) -> Result<bool> {
+    let inserted = conn
+        .prepare_cached(INSERT_NEW)
+        .and_then(|mut stmt| {
+            stmt.execute(params![
+                req.tenant,
+                &req.key_hash[..],
+                req.fingerprint,
+                id,
+                now,
+                secs_ms(req.lease_seconds),
+                secs_ms(req.ttl_seconds),
+                req.on_lease_expiry.as_str(),
+            ])
+        })
+        .map_err(classify_rs)?;
+    Ok(inserted == 1)
+}
+
+/// The record [`INSERT_NEW`] wrote, as reading it back would give it.
+fn new_record(req: &ClaimRequest, now: i64) -> Result<Record> {
+    Ok(Record {
+        tenant: req.tenant.clone(),
+        key_hash: req.key_hash.to_vec(),
+        fingerprint: req.fingerprint.clone(),
+        state: KeyState::InFlight,
+        reservation_id: req.reservation_id,
+        lease_expires_at: Some(ts(now + secs_ms(req.lease_seconds))?),
+        attempt: 1,
+        recovery: None,
+        response: None,
+        created_at: ts(now)?,
+        completed_at: None,
+        expires_at: ts(now + secs_ms(req.ttl_seconds))?,
+        on_lease_expiry: req.on_lease_expiry,
+        resolution: None,
+        marked_unknown: None,
+    })
+}
+
 /// The commit inside a write transaction, at `now`.
 pub(super) fn complete_in(
     conn: &Connection,
@@ -109,19 +157,30 @@ pub(super) fn complete_in(
     now: i64,
 ) -> Result<Option<Record>> {
     let mut buf = Uuid::encode_buffer();
-    let row = key_row(
-        conn,
-        COMPLETE,
-        params![
-            tenant,
-            uuid_text(reservation_id, &mut buf),
-            now,
-            i64::from(response.status),
-            headers_json(&response.headers)?,
-            response.body,
-        ],
-    )?;
-    row.map(Record::try_from).transpose()
+    let id = uuid_text(reservation_id, &mut buf);
+    let headers = headers_json(&response.headers)?;
+    let changed = conn
+        .prepare_cached(COMPLETE)
+        .and_then(|mut stmt| {
+            stmt.execute(params![
+                tenant,
+                id,
+                now,
+                i64::from(response.status),
+                headers,
+                response.body,
+            ])
+        })
+        .map_err(classify_rs)?;
+    if changed == 0 {
+        return Ok(None);
+    }
+    let Some(row) = key_row(conn, COMPLETED, params![tenant, id])? else {
+        return Err(StoreError::other("a completed record was not there to read"));
+    };
+    let mut record = Record::try_from(row)?;
+    record.response = Some(response.clone());
+    Ok(Some(record))
 }
 
 /// The release inside a write transaction, at `now`: expiring the record at
