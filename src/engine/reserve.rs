@@ -85,7 +85,7 @@ impl Engine {
         };
         // Before the store call: the database reads its clock after this.
         let started = std::time::Instant::now();
-        let reservation_id = Uuid::new_v4();
+        let reservation_id = Uuid::now_v7();
         let claim = self
             .store
             .reserve(&ClaimRequest {
