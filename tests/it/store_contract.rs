@@ -366,8 +366,8 @@ async fn expired_keys_are_new_again_and_pruning_deletes_them(backend: Backend) {
     tokio::time::sleep(PAST_ONE_SECOND).await;
     assert_eq!(
         backend.counts().await,
-        (3, 3),
-        "expired rows are still there"
+        (3, 0),
+        "expired rows are still there; no id was superseded yet"
     );
     assert_dead(&engine, first.reservation_id, Refusal::Expired).await;
 
@@ -377,9 +377,11 @@ async fn expired_keys_are_new_again_and_pruning_deletes_them(backend: Backend) {
     assert_ne!(again.reservation_id, first.reservation_id);
     assert_dead(&engine, first.reservation_id, Refusal::Expired).await;
 
-    // Only the record that is still expired goes, with its reservation row.
+    // Only the record that is still expired goes. The id the new claim
+    // superseded stays with its key, so that it answers as dead.
     assert_eq!(prune::prune_once(engine.store().as_ref()).await.unwrap(), 1);
-    assert_eq!(backend.counts().await, (2, 3));
+    assert_eq!(backend.counts().await, (2, 1));
+    assert_dead(&engine, first.reservation_id, Refusal::Expired).await;
     assert_dead(&engine, gone.reservation_id, Refusal::NotFound).await;
     assert_eq!(
         engine
@@ -521,8 +523,8 @@ async fn sixty_four_racers_over_two_instances_one_winner(backend: Backend) {
     assert_eq!(in_flight, 63, "{results:?}");
     assert_eq!(
         backend.counts().await,
-        (1, 1),
-        "one record, one reservation id"
+        (1, 0),
+        "one record, no superseded id"
     );
 }
 
@@ -547,7 +549,7 @@ async fn racers_after_lease_expiry_make_exactly_one_takeover(backend: Backend) {
         .filter(|o| matches!(o, ReserveOutcome::InFlight { .. }))
         .count();
     assert_eq!(in_flight, 63, "{results:?}");
-    assert_eq!(backend.counts().await, (1, 2));
+    assert_eq!(backend.counts().await, (1, 1), "the first id, superseded");
 }
 
 async fn two_pruners_at_once_delete_each_expired_row_once(backend: Backend) {
@@ -556,7 +558,7 @@ async fn two_pruners_at_once_delete_each_expired_row_once(backend: Backend) {
     backend.seed_expired(SEEDED).await;
     let live = backend.engine().await;
     reserved(reserve(&live, &request(fresh_key(), None)).await);
-    assert_eq!(backend.counts().await, (SEEDED + 1, SEEDED + 1));
+    assert_eq!(backend.counts().await, (SEEDED + 1, SEEDED));
 
     let total = backend.prune_twice_at_once().await;
     assert_eq!(
@@ -564,7 +566,7 @@ async fn two_pruners_at_once_delete_each_expired_row_once(backend: Backend) {
         u64::try_from(SEEDED).unwrap(),
         "each row deleted once"
     );
-    assert_eq!(backend.counts().await, (1, 1), "the live record stays");
+    assert_eq!(backend.counts().await, (1, 0), "the live record stays");
 }
 
 async fn completed_keys_survive_a_restart(backend: Backend) {
@@ -593,6 +595,123 @@ async fn completed_keys_survive_a_restart(backend: Backend) {
     ));
 }
 
+/// The migration that keeps only superseded ids in
+/// `idempotency_reservations`, over records an older version wrote (every
+/// id in that table, current ones included): a live holder still commits, a
+/// lapsed one is taken over and its id answers as taken over, and a
+/// released key reserved afresh leaves its old id answering as expired.
+async fn ids_an_older_version_recorded_stay_valid(backend: Backend) {
+    use std::borrow::Cow;
+
+    const ONE_TABLE: i64 = 20261207000001;
+    let dir = match backend {
+        Backend::Postgres(_) => "postgres",
+        Backend::Sqlite(_) => "sqlite",
+    };
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("migrations")
+        .join(dir);
+    let mut older = sqlx::migrate::Migrator::new(path)
+        .await
+        .expect("the migrations");
+    older.migrations = Cow::Owned(
+        older
+            .migrations
+            .iter()
+            .filter(|m| m.version < ONE_TABLE)
+            .cloned()
+            .collect(),
+    );
+    let (live, lapsed, released) = (fresh_key(), fresh_key(), fresh_key());
+    let (live_id, lapsed_id, released_id) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    match &backend {
+        Backend::Postgres(db) => {
+            let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+            older.run(&pool).await.expect("the older migrations");
+            sqlx::query(
+                "INSERT INTO idempotency_keys
+                     (tenant, key_hash, state, reservation_id, lease_expires_at, attempt,
+                      created_at, expires_at)
+                 VALUES ($1, $2, 'in_flight', $3, now() + interval '1 minute', 1,
+                         now(), now() + interval '1 hour'),
+                        ($1, $4, 'in_flight', $5, now() - interval '1 minute', 1,
+                         now() - interval '2 minutes', now() + interval '1 hour'),
+                        ($1, $6, 'in_flight', $7, now(), 1,
+                         now() - interval '2 minutes', now())",
+            )
+            .bind(TENANT)
+            .bind(&live[..])
+            .bind(live_id)
+            .bind(&lapsed[..])
+            .bind(lapsed_id)
+            .bind(&released[..])
+            .bind(released_id)
+            .execute(&pool)
+            .await
+            .unwrap();
+            sqlx::query(
+                "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
+                 SELECT tenant, reservation_id, key_hash FROM idempotency_keys",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+        }
+        Backend::Sqlite(_) => {
+            let pool = sqlx::SqlitePool::connect(&format!("{}?mode=rwc", backend.url()))
+                .await
+                .unwrap();
+            older.run(&pool).await.expect("the older migrations");
+            let now = Utc::now().timestamp_millis();
+            // The older version's trigger writes each record's id.
+            sqlx::query(
+                "INSERT INTO idempotency_keys
+                     (tenant, key_hash, state, reservation_id, lease_expires_at, attempt,
+                      created_at, expires_at)
+                 VALUES (?1, ?2, 'in_flight', ?3, ?8 + 60000, 1, ?8, ?8 + 3600000),
+                        (?1, ?4, 'in_flight', ?5, ?8 - 60000, 1, ?8 - 120000, ?8 + 3600000),
+                        (?1, ?6, 'in_flight', ?7, ?8, 1, ?8 - 120000, ?8)",
+            )
+            .bind(TENANT)
+            .bind(&live[..])
+            .bind(live_id.hyphenated().to_string())
+            .bind(&lapsed[..])
+            .bind(lapsed_id.hyphenated().to_string())
+            .bind(&released[..])
+            .bind(released_id.hyphenated().to_string())
+            .bind(now)
+            .execute(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+        }
+    }
+    assert_eq!(backend.counts().await, (3, 3), "the older version's rows");
+
+    let engine = backend.engine().await;
+    assert!(
+        shown(&engine, live_id).await.1,
+        "the live holder shows live"
+    );
+    let taken = reserved(reserve(&engine, &request(lapsed, None)).await);
+    assert_eq!(taken.attempt, 2);
+    assert_dead(&engine, lapsed_id, Refusal::TakenOver).await;
+    let fresh = reserved(reserve(&engine, &request(released, None)).await);
+    assert_eq!(fresh.attempt, 1);
+    assert_dead(&engine, released_id, Refusal::Expired).await;
+    assert!(matches!(
+        commit(&engine, live_id, &response("upgraded")).await,
+        CommitOutcome::Committed(_)
+    ));
+    assert!(matches!(
+        commit(&engine, taken.reservation_id, &response("taken")).await,
+        CommitOutcome::Committed(_)
+    ));
+    // Nothing new for the superseded ids: the older rows hold them.
+    assert_eq!(backend.counts().await, (3, 3));
+}
+
 // ---------------------------------------------------------------------------
 // One test per scenario and backend
 // ---------------------------------------------------------------------------
@@ -607,6 +726,7 @@ both_stores! {
         expired_keys_are_new_again_and_pruning_deletes_them,
         unknown_ids_are_not_found,
         completed_keys_survive_a_restart,
+        ids_an_older_version_recorded_stay_valid,
     ],
     concurrent: [
         a_waiting_reserve_gets_the_replay_when_the_holder_commits,

@@ -29,9 +29,9 @@ macro_rules! claimed_columns {
     };
 }
 
-// The claim (migration `20261204000001_outcome_unknown.sql`): insert a new
-// record, or, under the row lock that ON CONFLICT takes, reset an expired one
-// or take over an in-flight one whose lease ended under 'takeover'; else read
+// The claim (migration `20261207000001_one_table.sql`): insert a new record,
+// or, under its row lock, reset an expired one or take over an in-flight one
+// whose lease ended under 'takeover', keeping the id it replaces; else read
 // the record as it stands. `$7` is the tenant's limit of live in-flight keys,
 // NULL for none; `$8` the new holder's `on_lease_expiry`. A function, so that
 // it is one router call on Citus too: see the migration.
@@ -59,14 +59,13 @@ pub(super) static PRUNE: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// Restricts a statement on `idempotency_keys k` to the row whose current
-/// holder is reservation `$2` of tenant `$1`, while the record is alive and
-/// in one of the `states` (an SQL list).
+/// holder is reservation `$2` of tenant `$1` (found by the index
+/// `idempotency_keys_reservation`), while the record is alive and in one of
+/// the `states` (an SQL list).
 macro_rules! current_holder {
     ($states:literal) => {
         concat!(
             "k.tenant = $1 AND k.reservation_id = $2
-           AND k.key_hash = (SELECT r.key_hash FROM idempotency_reservations r
-                              WHERE r.tenant = $1 AND r.reservation_id = $2)
            AND k.state IN (",
             $states,
             ") AND k.expires_at > now()"
@@ -122,13 +121,18 @@ pub(super) const CHECKPOINT: &str = concat!(
     key_columns!()
 );
 
+// The record reservation `$2` holds, else the one it held before a claim
+// superseded it (migration `20261207000001_one_table.sql`). Both ways lead
+// to one record: an id is handed out once.
 pub(super) const FIND: &str = concat!(
     "SELECT now() AS db_now, ",
     key_columns!(),
     " FROM idempotency_keys k
       WHERE k.tenant = $1
-        AND k.key_hash = (SELECT r.key_hash FROM idempotency_reservations r
-                           WHERE r.tenant = $1 AND r.reservation_id = $2)"
+        AND (k.reservation_id = $2
+             OR k.key_hash = (SELECT r.key_hash FROM idempotency_reservations r
+                               WHERE r.tenant = $1 AND r.reservation_id = $2))
+      LIMIT 1"
 );
 
 pub(super) const FIND_KEY: &str = concat!(

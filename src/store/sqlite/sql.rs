@@ -6,14 +6,13 @@
 use crate::store::key_columns;
 
 /// Restricts a statement on `idempotency_keys` to the row whose current holder
-/// is reservation `?2` of tenant `?1`, while the record is alive at `?3` and
-/// in one of the `states` (an SQL list).
+/// is reservation `?2` of tenant `?1` (found by the index
+/// `idempotency_keys_reservation`), while the record is alive at `?3` and in
+/// one of the `states` (an SQL list).
 macro_rules! current_holder {
     ($states:literal) => {
         concat!(
             "tenant = ?1 AND reservation_id = ?2
-           AND key_hash = (SELECT r.key_hash FROM idempotency_reservations r
-                            WHERE r.tenant = ?1 AND r.reservation_id = ?2)
            AND state IN (",
             $states,
             ") AND expires_at > ?3"
@@ -26,7 +25,9 @@ macro_rules! current_holder {
 // 'takeover' (fingerprints compatible). When neither applies the DO UPDATE is
 // skipped and nothing is returned; the caller then reads the record as it
 // stands, inside the same write transaction. SET expressions see the row as
-// it was before the update. ?1 tenant, ?2 key hash, ?3 fingerprint, ?4
+// it was before the update. A change of the record's id writes the id it
+// replaces into idempotency_reservations (a trigger: migration
+// `20261207000001_one_table.sql`); a new key writes nothing more. ?1 tenant, ?2 key hash, ?3 fingerprint, ?4
 // reservation id, ?5 now, ?6 lease (ms), ?7 ttl (ms), ?8 on_lease_expiry.
 pub(super) const RESERVE: &str = concat!(
     "INSERT INTO idempotency_keys AS k
@@ -121,13 +122,18 @@ pub(super) const CHECKPOINT: &str = concat!(
     key_columns!()
 );
 
+// The record reservation ?2 holds, else the one it held before a claim
+// superseded it (migration `20261207000001_one_table.sql`). Both ways lead to
+// one record: an id is handed out once.
 pub(super) const FIND: &str = concat!(
     "SELECT ",
     key_columns!(),
     " FROM idempotency_keys
       WHERE tenant = ?1
-        AND key_hash = (SELECT r.key_hash FROM idempotency_reservations r
-                         WHERE r.tenant = ?1 AND r.reservation_id = ?2)"
+        AND (reservation_id = ?2
+             OR key_hash = (SELECT r.key_hash FROM idempotency_reservations r
+                             WHERE r.tenant = ?1 AND r.reservation_id = ?2))
+      LIMIT 1"
 );
 
 /// An alive record that is unknown at `?1`: marked so, or in flight past its

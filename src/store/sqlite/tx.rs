@@ -74,8 +74,8 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
         None
     };
     let (claimed, row) = match claimed {
-        // The reservation id's row came with it (a trigger: migration
-        // `20261203000001_write_batch_trigger.sql`).
+        // An id it superseded was kept with it (a trigger: migration
+        // `20261207000001_one_table.sql`).
         Some(row) => (true, row),
         None => {
             // We hold the write lock: the row the upsert conflicted with is

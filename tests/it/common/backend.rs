@@ -117,7 +117,8 @@ impl Backend {
     }
 
     /// Inserts `n` completed records of tenant `seed` that expired an hour
-    /// ago, each with one reservation row, straight into the tables.
+    /// ago, each with one superseded reservation id (as a takeover leaves),
+    /// straight into the tables.
     pub async fn seed_expired(&self, n: i64) {
         match self {
             Backend::Postgres(db) => {
@@ -135,12 +136,12 @@ impl Backend {
                 .expect("seed keys");
                 sqlx::query(
                     "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
-                     SELECT tenant, reservation_id, key_hash FROM idempotency_keys
+                     SELECT tenant, gen_random_uuid(), key_hash FROM idempotency_keys
                       WHERE tenant = 'seed'",
                 )
                 .execute(store.pool())
                 .await
-                .expect("seed reservations");
+                .expect("seed superseded ids");
                 store.pool().close().await;
             }
             Backend::Sqlite(dir) => {
@@ -158,7 +159,15 @@ impl Backend {
                 .bind(hour_ago)
                 .execute(store.pool())
                 .await
-                .expect("seed keys (a trigger writes their reservation ids)");
+                .expect("seed keys");
+                sqlx::query(
+                    "INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
+                     SELECT tenant, printf('%08x-0000-4000-9000-%012x', rowid, rowid), key_hash
+                       FROM idempotency_keys WHERE tenant = 'seed'",
+                )
+                .execute(store.pool())
+                .await
+                .expect("seed superseded ids");
                 store.close().await;
             }
         }

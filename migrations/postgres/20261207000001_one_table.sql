@@ -1,0 +1,333 @@
+-- A new key writes one row: its record. Before, every claim also inserted
+-- its reservation id into idempotency_reservations (a heap row and two index
+-- entries), and every commit, release, extend, checkpoint and lookup found
+-- the record through that table.
+--
+--   * idempotency_keys_reservation: the record by its reservation id (and
+--     tenant), so a holder's statements find their row directly. Unique:
+--     ids are random v4 UUIDs, and a holder's write must never reach two
+--     rows; the tenant is in it because Citus requires the distribution
+--     column in a unique index. The id comes first: with the tenant first,
+--     a plan made while the table was small (a session's cached plan of a
+--     function's statement) took it for the claim's lookup by (tenant,
+--     key_hash), reading all of the tenant's rows for each claim.
+--   * idempotency_reservations keeps only superseded ids: the one a claim
+--     replaces when it takes a lapsed lease over or reserves an expired
+--     (or released) key afresh, written by that claim in its transaction,
+--     so that a dead id still finds its key and answers `409 lease-lost`,
+--     never `404 not-found`. Pruning still deletes them with their key.
+--     The rows an older version wrote (every id, current ones included)
+--     stay valid: a lookup tries the record's current id first, then this
+--     table, and a current id found both ways is the same record.
+--   * idemgate_reserve: the record is read first, as before, and a record
+--     that refuses the claim answered at once, without a lock. Then a new
+--     key is an INSERT … ON CONFLICT DO NOTHING, and only a key that has a
+--     record is locked (SELECT … FOR UPDATE), to learn the id the claim
+--     replaces if it applies. Not the INSERT first, although it would make
+--     a new key one statement: a duplicate's INSERT waits for whatever
+--     transaction is writing the key's record (its holder's commit, in a
+--     retry storm) to learn whether it conflicts, where the read answers
+--     at once.
+--   * idemgate_write_batch: a commit's or a release's key, for the lock
+--     prologue, and its row, by the new index.
+--
+-- A rolling upgrade is not supported: a process of the previous version
+-- finds a record by id through idempotency_reservations, where no claim
+-- writes the current id any more, so for keys claimed after this migration
+-- its own statements by id (a commit sent outside a batch, a release, an
+-- extend, a checkpoint, an unknown mark, a lookup) find nothing and answer
+-- 404 until it is replaced; what it sends through the two functions runs
+-- their new versions. The functions keep their signatures, so on Citus they
+-- stay distributed.
+--
+-- On Citus the index is created by its own statement inside a DO block, as
+-- in 20261204000001_outcome_unknown.sql, and reaches every shard; a unique
+-- index is allowed there because it includes the distribution column. A
+-- plain CREATE INDEX: see 20261130000002_in_flight_index.sql.
+SET LOCAL citus.multi_shard_modify_mode TO 'sequential';
+
+DO $migration$
+BEGIN
+    EXECUTE $$CREATE UNIQUE INDEX IF NOT EXISTS idempotency_keys_reservation
+                  ON idempotency_keys (reservation_id, tenant)$$;
+END
+$migration$;
+
+CREATE OR REPLACE FUNCTION idemgate_reserve(
+    p_tenant          text,
+    p_key_hash        bytea,
+    p_fingerprint     text,
+    p_reservation_id  uuid,
+    p_lease_seconds   float8,
+    p_ttl_seconds     float8,
+    p_max_in_flight   int8,
+    p_on_lease_expiry text)
+RETURNS TABLE (
+    claimed          boolean,
+    db_now           timestamptz,
+    tenant           text,
+    key_hash         bytea,
+    fingerprint      text,
+    state            text,
+    reservation_id   uuid,
+    lease_expires_at timestamptz,
+    attempt          integer,
+    recovery_point   text,
+    recovery_data    jsonb,
+    response_status  integer,
+    response_headers jsonb,
+    response_body    bytea,
+    created_at       timestamptz,
+    completed_at     timestamptz,
+    expires_at       timestamptz,
+    on_lease_expiry  text,
+    resolved_action  text,
+    resolved_reason  text,
+    resolved_by      text,
+    resolved_at      timestamptz)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_now       timestamptz := now();
+    -- Computed here: Citus refuses a function that is not immutable (as
+    -- timestamptz + interval is not) inside a CASE of a distributed UPDATE.
+    v_lease_end timestamptz := v_now + make_interval(secs => p_lease_seconds);
+    v_expires   timestamptz := v_now + make_interval(secs => p_ttl_seconds);
+    v_live      int8;
+    v_old       uuid;
+BEGIN
+    -- A record that refuses the claim, as last committed: answered without
+    -- a lock (20261205000002_claims_read_first.sql).
+    RETURN QUERY
+    SELECT false, v_now, k.tenant, k.key_hash, k.fingerprint, k.state, k.reservation_id,
+           k.lease_expires_at, k.attempt, k.recovery_point, k.recovery_data, k.response_status,
+           k.response_headers, k.response_body, k.created_at, k.completed_at, k.expires_at,
+           k.on_lease_expiry, k.resolved_action, k.resolved_reason, k.resolved_by,
+           k.resolved_at
+      FROM idempotency_keys k
+     WHERE k.tenant = p_tenant AND k.key_hash = p_key_hash
+       AND NOT (k.expires_at <= v_now
+                OR (k.state = 'in_flight' AND k.lease_expires_at <= v_now
+                    AND k.on_lease_expiry = 'takeover'
+                    AND (k.fingerprint IS NULL OR p_fingerprint IS NULL
+                         OR k.fingerprint = p_fingerprint)));
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    IF p_max_in_flight IS NOT NULL THEN
+        SELECT count(*) INTO v_live FROM (
+            SELECT 1 FROM idempotency_keys c
+             WHERE c.tenant = p_tenant AND c.state = 'in_flight'
+               AND c.lease_expires_at > v_now AND c.expires_at > v_now
+             LIMIT p_max_in_flight) live;
+    END IF;
+    IF p_max_in_flight IS NULL OR v_live < p_max_in_flight THEN
+        -- A new key. On a key that has a record DO NOTHING neither locks
+        -- nor writes (it waits for a transaction still writing that record,
+        -- as the statements below would).
+        RETURN QUERY
+        INSERT INTO idempotency_keys AS k
+            (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
+             created_at, expires_at, on_lease_expiry)
+        VALUES (p_tenant, p_key_hash, p_fingerprint, 'in_flight', p_reservation_id, v_lease_end,
+                1, v_now, v_expires, p_on_lease_expiry)
+        ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
+        RETURNING true, v_now, k.tenant, k.key_hash, k.fingerprint, k.state, k.reservation_id,
+                  k.lease_expires_at, k.attempt, k.recovery_point, k.recovery_data,
+                  k.response_status, k.response_headers, k.response_body, k.created_at,
+                  k.completed_at, k.expires_at, k.on_lease_expiry, k.resolved_action,
+                  k.resolved_reason, k.resolved_by, k.resolved_at;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+        -- A record is there: one that takes the claim, or one that a
+        -- concurrent claim has just written. Under its row lock, the id it
+        -- has now: the one this claim supersedes if it applies.
+        SELECT k.reservation_id INTO v_old
+          FROM idempotency_keys k
+         WHERE k.tenant = p_tenant AND k.key_hash = p_key_hash
+           FOR UPDATE;
+        IF FOUND THEN
+            -- An expired record is reset; an in-flight one whose lease ended
+            -- under 'takeover' (fingerprints compatible) is taken over.
+            RETURN QUERY
+            UPDATE idempotency_keys k SET
+                fingerprint = CASE WHEN k.expires_at <= v_now THEN p_fingerprint
+                                   ELSE COALESCE(k.fingerprint, p_fingerprint) END,
+                state = 'in_flight',
+                reservation_id = p_reservation_id,
+                lease_expires_at = v_lease_end,
+                attempt = CASE WHEN k.expires_at <= v_now THEN 1 ELSE k.attempt + 1 END,
+                recovery_point = CASE WHEN k.expires_at <= v_now THEN NULL
+                                      ELSE k.recovery_point END,
+                recovery_data = CASE WHEN k.expires_at <= v_now THEN NULL
+                                     ELSE k.recovery_data END,
+                response_status = NULL,
+                response_headers = NULL,
+                response_body = NULL,
+                created_at = CASE WHEN k.expires_at <= v_now THEN v_now ELSE k.created_at END,
+                completed_at = NULL,
+                expires_at = CASE WHEN k.expires_at <= v_now THEN v_expires
+                                  ELSE k.expires_at END,
+                on_lease_expiry = p_on_lease_expiry,
+                resolved_action = NULL,
+                resolved_reason = NULL,
+                resolved_by = NULL,
+                resolved_at = NULL
+             WHERE k.tenant = p_tenant AND k.key_hash = p_key_hash
+               AND (k.expires_at <= v_now
+                    OR (k.state = 'in_flight' AND k.lease_expires_at <= v_now
+                        AND k.on_lease_expiry = 'takeover'
+                        AND (k.fingerprint IS NULL OR p_fingerprint IS NULL
+                             OR k.fingerprint = p_fingerprint)))
+            RETURNING true, v_now, k.tenant, k.key_hash, k.fingerprint, k.state,
+                      k.reservation_id, k.lease_expires_at, k.attempt, k.recovery_point,
+                      k.recovery_data, k.response_status, k.response_headers, k.response_body,
+                      k.created_at, k.completed_at, k.expires_at, k.on_lease_expiry,
+                      k.resolved_action, k.resolved_reason, k.resolved_by, k.resolved_at;
+            IF FOUND THEN
+                -- An older version wrote every id here: the replaced one may
+                -- be here already.
+                INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
+                VALUES (p_tenant, v_old, p_key_hash)
+                ON CONFLICT DO NOTHING;
+                RETURN;
+            END IF;
+        END IF;
+    END IF;
+    -- A statement of its own, so a fresh snapshot: it sees the record that a
+    -- concurrent claim committed while the statements above waited on it.
+    -- None: the record was pruned in between (the caller tries again), or
+    -- the limit held back a key that has none.
+    RETURN QUERY
+    SELECT false, v_now, k.tenant, k.key_hash, k.fingerprint, k.state, k.reservation_id,
+           k.lease_expires_at, k.attempt, k.recovery_point, k.recovery_data, k.response_status,
+           k.response_headers, k.response_body, k.created_at, k.completed_at, k.expires_at,
+           k.on_lease_expiry, k.resolved_action, k.resolved_reason, k.resolved_by,
+           k.resolved_at
+      FROM idempotency_keys k
+     WHERE k.tenant = p_tenant AND k.key_hash = p_key_hash;
+END
+$fn$;
+
+-- As in 20261205000001_batch_lock_order.sql, with a commit's or a release's
+-- key and row found by the record's reservation id. An id that no record
+-- holds now (superseded, or unknown) writes nothing and needs no lock.
+CREATE OR REPLACE FUNCTION idemgate_write_batch(
+    p_tenant          text,
+    p_ops             text[],
+    p_tenants         text[],
+    p_key_hashes      bytea[],
+    p_fingerprints    text[],
+    p_reservation_ids uuid[],
+    p_lease_seconds   float8[],
+    p_ttl_seconds     float8[],
+    p_max_in_flight   int8[],
+    p_statuses        int4[],
+    p_headers         jsonb[],
+    p_bodies          bytea[],
+    p_on_lease_expiry text[])
+RETURNS TABLE (
+    ord              integer,
+    claimed          boolean,
+    db_now           timestamptz,
+    tenant           text,
+    key_hash         bytea,
+    fingerprint      text,
+    state            text,
+    reservation_id   uuid,
+    lease_expires_at timestamptz,
+    attempt          integer,
+    recovery_point   text,
+    recovery_data    jsonb,
+    response_status  integer,
+    response_headers jsonb,
+    response_body    bytea,
+    created_at       timestamptz,
+    completed_at     timestamptz,
+    expires_at       timestamptz,
+    on_lease_expiry  text,
+    resolved_action  text,
+    resolved_reason  text,
+    resolved_by      text,
+    resolved_at      timestamptz)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := now();
+    w        record;
+    l        record;
+    v_hash   bytea;
+    v_spaces int4[] := '{}';
+    v_keys   int4[] := '{}';
+BEGIN
+    -- Every key the batch will write, locked first, in one order. A commit
+    -- or a release locks the one row that holds its id when it runs; an id
+    -- is never handed out twice, so that row is the one found here, or none.
+    FOR w IN
+        SELECT * FROM unnest(p_tenants, p_key_hashes, p_reservation_ids)
+                      AS u(tenant, key_hash, reservation_id)
+    LOOP
+        v_hash := w.key_hash;
+        IF v_hash IS NULL THEN
+            SELECT k.key_hash INTO v_hash FROM idempotency_keys k
+             WHERE k.tenant = w.tenant AND k.reservation_id = w.reservation_id;
+        END IF;
+        IF v_hash IS NOT NULL THEN
+            v_spaces := v_spaces || hashtext(w.tenant);
+            v_keys := v_keys
+                || ('x' || encode(substring(v_hash FROM 1 FOR 4), 'hex'))::bit(32)::int4;
+        END IF;
+    END LOOP;
+    FOR l IN
+        SELECT DISTINCT x.space, x.key FROM unnest(v_spaces, v_keys) AS x(space, key)
+         ORDER BY 1, 2
+    LOOP
+        PERFORM pg_advisory_xact_lock(l.space, l.key);
+    END LOOP;
+    FOR w IN
+        SELECT * FROM unnest(p_ops, p_tenants, p_key_hashes, p_fingerprints, p_reservation_ids,
+                             p_lease_seconds, p_ttl_seconds, p_max_in_flight, p_statuses,
+                             p_headers, p_bodies, p_on_lease_expiry)
+                      WITH ORDINALITY
+                      AS u(op, tenant, key_hash, fingerprint, reservation_id, lease_seconds,
+                           ttl_seconds, max_in_flight, status, headers, body, on_lease_expiry, i)
+    LOOP
+        IF w.op = 'claim' THEN
+            RETURN QUERY
+            SELECT w.i::integer, r.*
+              FROM idemgate_reserve(w.tenant, w.key_hash, w.fingerprint, w.reservation_id,
+                                    w.lease_seconds, w.ttl_seconds, w.max_in_flight,
+                                    w.on_lease_expiry) r;
+        ELSIF w.op = 'complete' THEN
+            RETURN QUERY
+            UPDATE idempotency_keys k SET state = 'completed', response_status = w.status,
+                   response_headers = w.headers, response_body = w.body, completed_at = v_now,
+                   lease_expires_at = NULL
+             WHERE k.tenant = w.tenant AND k.reservation_id = w.reservation_id
+               AND k.state IN ('in_flight', 'unknown') AND k.expires_at > v_now
+            RETURNING w.i::integer, true, v_now, k.tenant, k.key_hash, k.fingerprint, k.state,
+                      k.reservation_id, k.lease_expires_at, k.attempt, k.recovery_point,
+                      k.recovery_data, k.response_status, k.response_headers, k.response_body,
+                      k.created_at, k.completed_at, k.expires_at, k.on_lease_expiry,
+                      k.resolved_action, k.resolved_reason, k.resolved_by, k.resolved_at;
+        ELSIF w.op = 'release' THEN
+            RETURN QUERY
+            UPDATE idempotency_keys k SET expires_at = v_now, lease_expires_at = v_now
+             WHERE k.tenant = w.tenant AND k.reservation_id = w.reservation_id
+               AND k.state IN ('in_flight', 'unknown') AND k.expires_at > v_now
+            RETURNING w.i::integer, true, v_now, k.tenant, k.key_hash, k.fingerprint, k.state,
+                      k.reservation_id, k.lease_expires_at, k.attempt, k.recovery_point,
+                      k.recovery_data, k.response_status, k.response_headers, k.response_body,
+                      k.created_at, k.completed_at, k.expires_at, k.on_lease_expiry,
+                      k.resolved_action, k.resolved_reason, k.resolved_by, k.resolved_at;
+        ELSE
+            RAISE EXCEPTION 'idemgate_write_batch: unknown write %', w.op;
+        END IF;
+    END LOOP;
+END
+$fn$;
