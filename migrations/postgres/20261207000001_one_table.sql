@@ -3,9 +3,14 @@
 -- entries), and every commit, release, extend, checkpoint and lookup found
 -- the record through that table.
 --
---   * idempotency_keys_reservation: the record by (tenant, reservation_id),
---     so a holder's statements find their row directly. Unique: ids are
---     random v4 UUIDs, and a holder's write must never reach two rows.
+--   * idempotency_keys_reservation: the record by its reservation id (and
+--     tenant), so a holder's statements find their row directly. Unique:
+--     ids are random v4 UUIDs, and a holder's write must never reach two
+--     rows; the tenant is in it because Citus requires the distribution
+--     column in a unique index. The id comes first: with the tenant first,
+--     a plan made while the table was small (a session's cached plan of a
+--     function's statement) took it for the claim's lookup by (tenant,
+--     key_hash), reading all of the tenant's rows for each claim.
 --   * idempotency_reservations keeps only superseded ids: the one a claim
 --     replaces when it takes a lapsed lease over or reserves an expired
 --     (or released) key afresh, written by that claim in its transaction,
@@ -14,21 +19,26 @@
 --     The rows an older version wrote (every id, current ones included)
 --     stay valid: a lookup tries the record's current id first, then this
 --     table, and a current id found both ways is the same record.
---   * idemgate_reserve: without a tenant limit, a new key is one statement,
---     an INSERT … ON CONFLICT DO NOTHING, which for a key that has a record
---     changes nothing, takes no lock and writes nothing; the record is then
---     read as before (answered at once when it refuses the claim). A claim
---     that applies to an existing record first locks it (SELECT … FOR
---     UPDATE) to learn the id it replaces. Under a limit the read comes
---     first, as before, so a duplicate costs no count.
+--   * idemgate_reserve: the record is read first, as before, and a record
+--     that refuses the claim answered at once, without a lock. Then a new
+--     key is an INSERT … ON CONFLICT DO NOTHING, and only a key that has a
+--     record is locked (SELECT … FOR UPDATE), to learn the id the claim
+--     replaces if it applies. Not the INSERT first, although it would make
+--     a new key one statement: a duplicate's INSERT waits for whatever
+--     transaction is writing the key's record (its holder's commit, in a
+--     retry storm) to learn whether it conflicts, where the read answers
+--     at once.
 --   * idemgate_write_batch: a commit's or a release's key, for the lock
 --     prologue, and its row, by the new index.
 --
 -- A rolling upgrade is not supported: a process of the previous version
--- finds a new key's record through idempotency_reservations, where this
--- version no longer writes its id, so its commits of keys that this
--- version's claims reserved answer 404 until it is replaced. The functions
--- keep their signatures, so on Citus they stay distributed.
+-- finds a record by id through idempotency_reservations, where no claim
+-- writes the current id any more, so for keys claimed after this migration
+-- its own statements by id (a commit sent outside a batch, a release, an
+-- extend, a checkpoint, an unknown mark, a lookup) find nothing and answer
+-- 404 until it is replaced; what it sends through the two functions runs
+-- their new versions. The functions keep their signatures, so on Citus they
+-- stay distributed.
 --
 -- On Citus the index is created by its own statement inside a DO block, as
 -- in 20261204000001_outcome_unknown.sql, and reaches every shard; a unique
@@ -39,7 +49,7 @@ SET LOCAL citus.multi_shard_modify_mode TO 'sequential';
 DO $migration$
 BEGIN
     EXECUTE $$CREATE UNIQUE INDEX IF NOT EXISTS idempotency_keys_reservation
-                  ON idempotency_keys (tenant, reservation_id)$$;
+                  ON idempotency_keys (reservation_id, tenant)$$;
 END
 $migration$;
 
@@ -88,26 +98,6 @@ DECLARE
     v_live      int8;
     v_old       uuid;
 BEGIN
-    -- A new key: one statement. A key with a record conflicts, and DO
-    -- NOTHING neither locks its row nor writes (it waits only for a
-    -- transaction still inserting that key).
-    IF p_max_in_flight IS NULL THEN
-        RETURN QUERY
-        INSERT INTO idempotency_keys AS k
-            (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
-             created_at, expires_at, on_lease_expiry)
-        VALUES (p_tenant, p_key_hash, p_fingerprint, 'in_flight', p_reservation_id, v_lease_end,
-                1, v_now, v_expires, p_on_lease_expiry)
-        ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
-        RETURNING true, v_now, k.tenant, k.key_hash, k.fingerprint, k.state, k.reservation_id,
-                  k.lease_expires_at, k.attempt, k.recovery_point, k.recovery_data,
-                  k.response_status, k.response_headers, k.response_body, k.created_at,
-                  k.completed_at, k.expires_at, k.on_lease_expiry, k.resolved_action,
-                  k.resolved_reason, k.resolved_by, k.resolved_at;
-        IF FOUND THEN
-            RETURN;
-        END IF;
-    END IF;
     -- A record that refuses the claim, as last committed: answered without
     -- a lock (20261205000002_claims_read_first.sql).
     RETURN QUERY
@@ -134,8 +124,27 @@ BEGIN
              LIMIT p_max_in_flight) live;
     END IF;
     IF p_max_in_flight IS NULL OR v_live < p_max_in_flight THEN
-        -- The record as it is under its row lock, and the id it has: the
-        -- one this claim supersedes if it applies.
+        -- A new key. On a key that has a record DO NOTHING neither locks
+        -- nor writes (it waits for a transaction still writing that record,
+        -- as the statements below would).
+        RETURN QUERY
+        INSERT INTO idempotency_keys AS k
+            (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
+             created_at, expires_at, on_lease_expiry)
+        VALUES (p_tenant, p_key_hash, p_fingerprint, 'in_flight', p_reservation_id, v_lease_end,
+                1, v_now, v_expires, p_on_lease_expiry)
+        ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
+        RETURNING true, v_now, k.tenant, k.key_hash, k.fingerprint, k.state, k.reservation_id,
+                  k.lease_expires_at, k.attempt, k.recovery_point, k.recovery_data,
+                  k.response_status, k.response_headers, k.response_body, k.created_at,
+                  k.completed_at, k.expires_at, k.on_lease_expiry, k.resolved_action,
+                  k.resolved_reason, k.resolved_by, k.resolved_at;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+        -- A record is there: one that takes the claim, or one that a
+        -- concurrent claim has just written. Under its row lock, the id it
+        -- has now: the one this claim supersedes if it applies.
         SELECT k.reservation_id INTO v_old
           FROM idempotency_keys k
          WHERE k.tenant = p_tenant AND k.key_hash = p_key_hash
@@ -184,22 +193,6 @@ BEGIN
                 INSERT INTO idempotency_reservations (tenant, reservation_id, key_hash)
                 VALUES (p_tenant, v_old, p_key_hash)
                 ON CONFLICT DO NOTHING;
-                RETURN;
-            END IF;
-        ELSIF p_max_in_flight IS NOT NULL THEN
-            RETURN QUERY
-            INSERT INTO idempotency_keys AS k
-                (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at,
-                 attempt, created_at, expires_at, on_lease_expiry)
-            VALUES (p_tenant, p_key_hash, p_fingerprint, 'in_flight', p_reservation_id,
-                    v_lease_end, 1, v_now, v_expires, p_on_lease_expiry)
-            ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
-            RETURNING true, v_now, k.tenant, k.key_hash, k.fingerprint, k.state,
-                      k.reservation_id, k.lease_expires_at, k.attempt, k.recovery_point,
-                      k.recovery_data, k.response_status, k.response_headers, k.response_body,
-                      k.created_at, k.completed_at, k.expires_at, k.on_lease_expiry,
-                      k.resolved_action, k.resolved_reason, k.resolved_by, k.resolved_at;
-            IF FOUND THEN
                 RETURN;
             END IF;
         END IF;

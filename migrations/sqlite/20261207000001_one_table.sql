@@ -1,8 +1,9 @@
 -- A new key writes one row, its record: the PostgreSQL twin of this version
 -- says why. Here:
 --
---   * idempotency_keys_reservation: the record by (tenant, reservation_id),
---     for a holder's statements and lookups.
+--   * idempotency_keys_reservation: the record by its reservation id (and
+--     tenant), for a holder's statements and lookups; the id first, as on
+--     PostgreSQL.
 --   * The trigger that wrote every new record's id into
 --     idempotency_reservations goes. That table keeps only superseded ids,
 --     written by the trigger on a change of a record's id (a takeover, or a
@@ -12,7 +13,7 @@
 --     INSERT OR IGNORE: the claim's own ON CONFLICT clause would override
 --     it.)
 
-CREATE UNIQUE INDEX idempotency_keys_reservation ON idempotency_keys (tenant, reservation_id);
+CREATE UNIQUE INDEX idempotency_keys_reservation ON idempotency_keys (reservation_id, tenant);
 
 DROP TRIGGER idempotency_keys_new_holder_on_insert;
 DROP TRIGGER idempotency_keys_new_holder_on_update;

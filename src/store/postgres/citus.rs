@@ -239,8 +239,9 @@ fn said(e: &sqlx::Error) -> String {
 
 /// The pruning statement over the tables named `keys` and `reservations`:
 /// deletes up to `limit` records expired at `cutoff`, skipping the rows that
-/// a reservation or another pruner holds, with their reservation ids, and
-/// returns how many. `limit` and `cutoff` are SQL expressions.
+/// a reservation or another pruner holds, with the reservation ids they
+/// superseded, and returns how many. `limit` and `cutoff` are SQL
+/// expressions.
 pub fn prune_sql(keys: &str, reservations: &str, cutoff: &str, limit: &str) -> String {
     format!(
         "WITH doomed AS (
