@@ -58,7 +58,7 @@ CREATE INDEX idempotency_keys_in_flight
 CREATE INDEX idempotency_keys_unknown
     ON idempotency_keys (created_at)
     WHERE state = 'unknown';
-CREATE UNIQUE INDEX idempotency_keys_reservation ON idempotency_keys (tenant, reservation_id);
+CREATE UNIQUE INDEX idempotency_keys_reservation ON idempotency_keys (reservation_id, tenant);
 
 CREATE TRIGGER idempotency_keys_superseded
 AFTER UPDATE OF reservation_id ON idempotency_keys
