@@ -310,9 +310,10 @@ BEGIN
                    lease_expires_at = NULL
              WHERE k.tenant = w.tenant AND k.reservation_id = w.reservation_id
                AND k.state IN ('in_flight', 'unknown') AND k.expires_at > v_now
+            -- Not the response it was just sent: the caller has it.
             RETURNING w.i::integer, true, v_now, k.tenant, k.key_hash, k.fingerprint, k.state,
                       k.reservation_id, k.lease_expires_at, k.attempt, k.recovery_point,
-                      k.recovery_data, k.response_status, k.response_headers, k.response_body,
+                      k.recovery_data, k.response_status, NULL::jsonb, NULL::bytea,
                       k.created_at, k.completed_at, k.expires_at, k.on_lease_expiry,
                       k.resolved_action, k.resolved_reason, k.resolved_by, k.resolved_at;
         ELSIF w.op = 'release' THEN

@@ -29,6 +29,20 @@ macro_rules! claimed_columns {
     };
 }
 
+/// [`key_columns!`] as a commit returns them: the response's headers and
+/// body as NULL, since the caller has just sent them.
+macro_rules! completed_columns {
+    () => {
+        concat!(
+            "tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt, \
+             recovery_point, recovery_data, response_status, NULL::jsonb AS response_headers, \
+             NULL::bytea AS response_body, created_at, completed_at, expires_at, on_lease_expiry, \
+             resolved_action, resolved_reason, resolved_by, resolved_at, unknown_reason, unknown_at, \
+             unknown_reservation_id"
+        )
+    };
+}
+
 // The claim (migration `20261207000001_one_table.sql`): insert a new record,
 // or, under its row lock, reset an expired one or take over an in-flight one
 // whose lease ended under 'takeover', keeping the id it replaces; else read
@@ -75,6 +89,8 @@ macro_rules! current_holder {
 
 // A commit or a release settles the key its holder marked unknown too: its
 // reservation id is still the current one.
+// Not returning the response it has just been sent (the caller has it): the
+// store puts it back into the record.
 pub(super) const COMPLETE: &str = concat!(
     "UPDATE idempotency_keys k SET state = 'completed', response_status = $3,
             response_headers = $4, response_body = $5, completed_at = now(),
@@ -82,7 +98,7 @@ pub(super) const COMPLETE: &str = concat!(
       WHERE ",
     current_holder!("'in_flight', 'unknown'"),
     " RETURNING ",
-    key_columns!()
+    completed_columns!()
 );
 
 pub(super) const RELEASE: &str = concat!(

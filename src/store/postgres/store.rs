@@ -71,7 +71,13 @@ impl Store for PgStore {
                     .bind(&response.body),
             )
             .await?;
-        row.map(Record::try_from).transpose()
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        Ok(Some(Record {
+            response: Some(response.clone()),
+            ..Record::try_from(row)?
+        }))
     }
 
     async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>> {

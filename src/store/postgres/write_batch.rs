@@ -111,7 +111,10 @@ impl PgStore {
                     record,
                     now,
                 })),
-                Write::Complete { .. } => Written::Complete(Some(record)),
+                Write::Complete { response, .. } => Written::Complete(Some(Record {
+                    response: Some(response.clone()),
+                    ..record
+                })),
                 Write::Release { .. } => Written::Release(Some(record.key_hash)),
             });
         }
