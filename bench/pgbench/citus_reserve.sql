@@ -6,4 +6,4 @@
 -- search_path's, qualify the function.
 \set k random(1, 1000000000)
 SELECT claimed FROM idemgate_reserve('t' || (:k % 100), sha256((:k)::text::bytea), 'fp',
-                                     md5(:k::text)::uuid, 30, 600, NULL);
+                                     md5(:k::text)::uuid, 30, 600, NULL, 'takeover');
