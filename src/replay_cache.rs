@@ -54,7 +54,11 @@ type CacheKey = Box<[u8]>;
 const STACK_TENANT: usize = 128;
 
 /// `key_hash` then `tenant`, as a [`CacheKey`] is, into `buf` when it fits.
-fn lookup_key<'b>(buf: &'b mut [u8; 32 + STACK_TENANT], tenant: &str, key_hash: &[u8; 32]) -> Option<&'b [u8]> {
+fn lookup_key<'b>(
+    buf: &'b mut [u8; 32 + STACK_TENANT],
+    tenant: &str,
+    key_hash: &[u8; 32],
+) -> Option<&'b [u8]> {
     let tenant = tenant.as_bytes();
     let end = 32 + tenant.len();
     let slot = buf.get_mut(..end)?;

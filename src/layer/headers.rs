@@ -45,7 +45,11 @@ pub(crate) fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
 
 /// idemgate's own headers, and `Content-Length` (the replay's body decides
 /// it): never stored.
-const NOT_STORED: [HeaderName; 3] = [header::CONTENT_LENGTH, IDEMPOTENT_REPLAYED, IDEMPOTENCY_EXPIRES];
+const NOT_STORED: [HeaderName; 3] = [
+    header::CONTENT_LENGTH,
+    IDEMPOTENT_REPLAYED,
+    IDEMPOTENCY_EXPIRES,
+];
 
 /// The header lines of a response worth storing for replay: no hop-by-hop
 /// header, none on the deny list, no `Content-Length` (the replay's body

@@ -448,9 +448,7 @@ async fn a_full_queue_refuses_at_once_and_writes_what_it_held() {
     let url = Backend::sqlite_url(&dir);
     const BOUND: usize = 8;
     // SQLite groups its writes on its writer thread: the bound is its queue's.
-    let batched = Arc::new(Batched::new(Arc::new(
-        store.with_write_queue_bound(BOUND),
-    )));
+    let batched = Arc::new(Batched::new(Arc::new(store.with_write_queue_bound(BOUND))));
     let mut other = sqlx::SqliteConnection::connect(&url)
         .await
         .expect("connect");

@@ -43,8 +43,8 @@ mod same_key;
 mod store;
 mod writer;
 
-pub(crate) use plan::{Sink, flush};
 use plan::StoreSink;
+pub(crate) use plan::{Sink, flush};
 use writer::write_loop;
 
 use super::{Result, Store, StoreError, Write, Written};

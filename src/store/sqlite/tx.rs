@@ -176,7 +176,9 @@ pub(super) fn complete_in(
         return Ok(None);
     }
     let Some(row) = key_row(conn, COMPLETED, params![tenant, id])? else {
-        return Err(StoreError::other("a completed record was not there to read"));
+        return Err(StoreError::other(
+            "a completed record was not there to read",
+        ));
     };
     let mut record = Record::try_from(row)?;
     record.response = Some(response.clone());
