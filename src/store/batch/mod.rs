@@ -44,7 +44,9 @@ mod store;
 mod writer;
 
 use plan::StoreSink;
-pub(crate) use plan::{Sink, flush};
+pub(crate) use plan::flush;
+#[cfg(feature = "sqlite")]
+pub(crate) use plan::Sink;
 use writer::write_loop;
 
 use super::{Result, Store, StoreError, Write, Written};
