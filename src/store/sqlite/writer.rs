@@ -8,10 +8,9 @@
 //!   that queued while it wrote the last group and writes them together
 //!   (see [`plan`](crate::store::batch) for what goes into each
 //!   transaction), answering each caller itself. A write is one hop to the
-//!   thread and one back, as a command is; no task of the runtime stands
-//!   between (a group used to go through a batching task and a task of its
-//!   own on its way here). Past [`QUEUE_BOUND`](crate::store::batch) writes
-//!   waiting, a write is refused at once as unavailable.
+//!   thread and one back, as a command is, with no task of the runtime
+//!   between. Past [`QUEUE_BOUND`](crate::store::batch) writes waiting, a
+//!   write is refused at once as unavailable.
 //! * **Why a thread of our own.** sqlx runs each SQLite connection on a
 //!   thread of its own too, but every statement is a round trip to it (and
 //!   back to the runtime); a transaction of four statements was eight hops,
