@@ -28,6 +28,13 @@ pub(super) fn ts_opt(ms: Option<i64>) -> Result<Option<DateTime<Utc>>> {
     ms.map(ts).transpose()
 }
 
+/// Stored as its name, as the schema's CHECK spells it.
+impl rusqlite::ToSql for LeaseExpiry {
+    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+        Ok(self.as_str().into())
+    }
+}
+
 /// Seconds as milliseconds, for adding to a stored timestamp.
 pub(super) fn secs_ms(seconds: u32) -> i64 {
     i64::from(seconds) * 1000

@@ -57,7 +57,8 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
             live < i64::from(max)
         }
     };
-    if room && insert_new(conn, req, id, now)? {
+    let times = [now, secs_ms(req.lease_seconds), secs_ms(req.ttl_seconds)];
+    if room && insert_new(conn, req, id, &times)? {
         return Ok(Some(Claim {
             claimed: true,
             record: new_record(req, now)?,
@@ -65,20 +66,7 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
         }));
     }
     let claimed = if room {
-        key_row(
-            conn,
-            RESERVE,
-            params![
-                req.tenant,
-                &req.key_hash[..],
-                req.fingerprint,
-                id,
-                now,
-                secs_ms(req.lease_seconds),
-                secs_ms(req.ttl_seconds),
-                req.on_lease_expiry.as_str(),
-            ],
-        )?
+        key_row(conn, RESERVE, claim_params(req, &id, &times))?
     } else {
         None
     };
@@ -107,22 +95,31 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
     }))
 }
 
+/// The parameters `?1` to `?8` of [`RESERVE`] and [`INSERT_NEW`]: tenant, key
+/// hash, fingerprint, reservation id, and `times` (now, the lease and the TTL
+/// in milliseconds), then `on_lease_expiry`.
+fn claim_params<'a>(
+    req: &'a ClaimRequest,
+    id: &'a &'a str,
+    times: &'a [i64; 3],
+) -> [&'a dyn rusqlite::ToSql; 8] {
+    [
+        &req.tenant,
+        &req.key_hash,
+        &req.fingerprint,
+        id,
+        &times[0],
+        &times[1],
+        &times[2],
+        &req.on_lease_expiry,
+    ]
+}
+
 /// Inserts the record of a key that has none; false if it has one.
-fn insert_new(conn: &Connection, req: &ClaimRequest, id: &str, now: i64) -> Result<bool> {
+fn insert_new(conn: &Connection, req: &ClaimRequest, id: &str, times: &[i64; 3]) -> Result<bool> {
     let inserted = conn
         .prepare_cached(INSERT_NEW)
-        .and_then(|mut stmt| {
-            stmt.execute(params![
-                req.tenant,
-                &req.key_hash[..],
-                req.fingerprint,
-                id,
-                now,
-                secs_ms(req.lease_seconds),
-                secs_ms(req.ttl_seconds),
-                req.on_lease_expiry.as_str(),
-            ])
-        })
+        .and_then(|mut stmt| stmt.execute(claim_params(req, &id, times)))
         .map_err(classify_rs)?;
     Ok(inserted == 1)
 }
