@@ -91,7 +91,7 @@ impl Engine {
         settlement: &Settlement,
     ) -> Result<Resolved, EngineError> {
         let Some(found) = self.find_key(tenant, key_hash).await? else {
-            return Ok(Resolved::NotFound);
+            return self.not_stuck_or_not_found(tenant, key_hash).await;
         };
         if !found.record.is_stuck(found.now) {
             return Ok(Resolved::NotStuck(found));
@@ -117,10 +117,10 @@ impl Engine {
         let Some(mut settled) = applied else {
             // Changed since it was read: its holder settled it, or another
             // operator did.
-            return Ok(match self.find_key(tenant, key_hash).await? {
-                Some(found) => Resolved::NotStuck(found),
-                None => Resolved::NotFound,
-            });
+            return match self.find_key(tenant, key_hash).await? {
+                Some(found) => Ok(Resolved::NotStuck(found)),
+                None => self.not_stuck_or_not_found(tenant, key_hash).await,
+            };
         };
         let before = found.record.effective_state(found.now);
         crate::seal::open_record(self.sealer.as_deref(), &mut settled.record)?;
@@ -140,6 +140,30 @@ impl Engine {
             "a stuck key was resolved by an operator"
         );
         Ok(Resolved::Settled(settled))
+    }
+}
+
+impl Engine {
+    /// How many keys wait for a person: unknown, or in flight past their
+    /// lease ([`Store::count_stuck`](crate::store::Store::count_stuck)).
+    pub async fn count_stuck(&self) -> Result<u64, EngineError> {
+        Ok(self.store.count_stuck().await?)
+    }
+
+    /// The answer to settling a key [`find_key`](Engine::find_key) does not
+    /// find: one an operator released (its row kept, with who released it,
+    /// until pruning) is not stuck — settled already — rather than unknown
+    /// to the store, so that settling twice says by whom; any other is not
+    /// found.
+    async fn not_stuck_or_not_found(
+        &self,
+        tenant: &str,
+        key_hash: &[u8],
+    ) -> Result<Resolved, EngineError> {
+        match self.store.find_key(tenant, key_hash).await? {
+            Some(found) if found.record.resolution.is_some() => Ok(Resolved::NotStuck(found)),
+            _ => Ok(Resolved::NotFound),
+        }
     }
 }
 

@@ -220,11 +220,13 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
     let mut all = KeyList {
         keys: Vec::new(),
         next: None,
+        now: chrono::Utc::now(),
     };
     loop {
         let page = operations::list(&engine, &query).await.map_err(refused)?;
         all.keys.extend(page.keys);
         all.next = page.next;
+        all.now = page.now;
         match &all.next {
             Some(next) if args.all => query.cursor = Some(next.clone()),
             _ => break,
@@ -238,6 +240,7 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
     if all.keys.is_empty() {
         let which = match args.state {
             Some(StateFilter::Unknown) => "No key is unknown or held past its lease.",
+            Some(StateFilter::Stuck) => "No key waits for a person.",
             Some(StateFilter::InFlight) => "No key is in flight.",
             Some(StateFilter::Completed) => "No key is completed.",
             None => "No keys.",

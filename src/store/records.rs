@@ -364,6 +364,10 @@ pub struct KeyQuery {
     /// `Unknown` includes keys held past their lease, `InFlight` excludes
     /// them.
     pub state: Option<KeyState>,
+    /// Only records that wait for a person (with `state` `None`): unknown,
+    /// or in flight past their lease under either choice — what
+    /// [`Store::count_stuck`](super::Store::count_stuck) counts.
+    pub stuck: bool,
     /// Only this tenant's.
     pub tenant: Option<String>,
     /// Only records created at least this long ago.
@@ -383,6 +387,18 @@ pub struct KeyCursor {
     pub tenant: String,
     /// Its key hash.
     pub key_hash: Vec<u8>,
+}
+
+impl KeyQuery {
+    /// The listing's filter as its statements spell it: a state, `stuck`,
+    /// or none.
+    pub(crate) fn state_text(&self) -> Option<&'static str> {
+        match (self.state, self.stuck) {
+            (Some(state), _) => Some(state.as_str()),
+            (None, true) => Some("stuck"),
+            (None, false) => None,
+        }
+    }
 }
 
 impl KeyCursor {

@@ -23,8 +23,10 @@ pub const MAX_OLDER_THAN: u64 = 315_360_000;
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
-    /// Only keys in this state: `unknown` (marked so, or held past their
-    /// lease: the work queue), `in_flight`, or `completed`.
+    /// Only keys in this state: `stuck` (the work queue: unknown, or in
+    /// flight past their lease under either choice — what the gauge
+    /// `idemgate_keys_unknown` counts), `unknown` (marked so, or held past
+    /// their lease), `in_flight`, or `completed`.
     pub state: Option<StateFilter>,
     /// Only this tenant's keys (as stored).
     pub tenant: Option<String>,
@@ -43,6 +45,9 @@ pub struct ListQuery {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum StateFilter {
+    /// Waiting for a person: unknown, or in flight past its lease (under
+    /// `takeover` too, until the next request takes it over).
+    Stuck,
     /// In flight under a live lease (or past it under `takeover`).
     InFlight,
     /// Unknown: marked so, or held past its lease.
@@ -58,6 +63,10 @@ pub struct KeyList {
     pub keys: Vec<KeyView>,
     /// The cursor of the next page, `null` after the last.
     pub next: Option<String>,
+    /// The store's clock when listed, which the views' states are as of
+    /// (not sent: a page's reader counts ages from it).
+    #[serde(skip)]
+    pub now: chrono::DateTime<chrono::Utc>,
 }
 
 /// The page of keys `query` asks for.
@@ -76,11 +85,13 @@ pub async fn list(engine: &Engine, query: &ListQuery) -> Result<KeyList, ApiErro
     let after = query.cursor.as_deref().map(decode_cursor).transpose()?;
     let page = engine
         .list_keys(&KeyQuery {
-            state: query.state.map(|s| match s {
-                StateFilter::InFlight => KeyState::InFlight,
-                StateFilter::Unknown => KeyState::Unknown,
-                StateFilter::Completed => KeyState::Completed,
+            state: query.state.and_then(|s| match s {
+                StateFilter::Stuck => None,
+                StateFilter::InFlight => Some(KeyState::InFlight),
+                StateFilter::Unknown => Some(KeyState::Unknown),
+                StateFilter::Completed => Some(KeyState::Completed),
             }),
+            stuck: query.state == Some(StateFilter::Stuck),
             tenant: query.tenant.clone().filter(|t| !t.is_empty()),
             older_than: query.older_than.map(Duration::from_secs),
             limit,
@@ -96,5 +107,6 @@ pub async fn list(engine: &Engine, query: &ListQuery) -> Result<KeyList, ApiErro
     Ok(KeyList {
         keys: page.records.iter().map(|r| view(r, page.now)).collect(),
         next,
+        now: page.now,
     })
 }

@@ -6,6 +6,7 @@
 //! A key is named by its tenant, as stored, and its key hash (the lowercase
 //! hex SHA-256 of the key); the raw key is never shown.
 
+pub mod counts;
 pub mod list;
 pub mod resolve;
 pub mod show;
@@ -21,9 +22,10 @@ use crate::problem::ApiError;
 use crate::server::api::views::{LeaseExpiry, MarkedUnknownView, Recovery};
 use crate::store::{self, KeyCursor, Record};
 
+pub use counts::{Counts, counts};
 pub use list::{KeyList, ListQuery, list};
 pub use resolve::{ResolveBody, resolve};
-pub use show::show;
+pub use show::{Shown, show, show_with_response};
 
 /// What an operator sees of one key: never the raw key.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -76,6 +78,18 @@ pub enum ShownState {
     Released,
 }
 
+impl ShownState {
+    /// The state as the JSON view spells it (`in_flight`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShownState::InFlight => "in_flight",
+            ShownState::Completed => "completed",
+            ShownState::Unknown => "unknown",
+            ShownState::Released => "released",
+        }
+    }
+}
+
 /// Who settled a key, how, when and why.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ResolutionView {
@@ -98,6 +112,16 @@ pub enum Action {
     /// This is what happened: the response given is stored, and every retry
     /// replays it.
     Complete,
+}
+
+impl Action {
+    /// The action as the JSON spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Release => "release",
+            Action::Complete => "complete",
+        }
+    }
 }
 
 impl From<Action> for store::ResolveAction {

@@ -75,14 +75,22 @@ pub async fn resolve(
         Resolved::NotFound => Err(not_found(tenant)),
         Resolved::NotStuck(found) => {
             let shown = view(&found.record, found.now);
+            if let Some(done) = &shown.resolution {
+                return Err(ApiError::NotStuck(format!(
+                    "already settled by {} at {} ({}: {}); the key is {}",
+                    done.by,
+                    done.at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                    done.action.as_str(),
+                    done.reason,
+                    shown.state.as_str(),
+                )));
+            }
             Err(ApiError::NotStuck(format!(
                 "the key is {} and will be settled without an operator; only a key that is \
                  unknown or in flight past its lease can be resolved",
                 match shown.state {
-                    super::ShownState::Completed => "completed",
                     super::ShownState::InFlight => "in flight under a live lease",
-                    super::ShownState::Unknown => "unknown",
-                    super::ShownState::Released => "released",
+                    state => state.as_str(),
                 }
             )))
         }

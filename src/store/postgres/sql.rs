@@ -187,6 +187,7 @@ pub(super) const LIST_KEYS: &str = concat!(
     unknown!(),
     "
               WHEN 'completed' THEN k.state = 'completed'
+              WHEN 'stuck' THEN k.state = 'unknown' OR (k.state = 'in_flight' AND k.lease_expires_at <= now())
               ELSE true END
       ORDER BY k.created_at, k.tenant, k.key_hash
       LIMIT $4"

@@ -14,9 +14,9 @@ use super::rows::{ClaimRow, FoundRow, KeyRow, headers_json};
 use super::sql::*;
 use super::write_batch::BATCH_WRITERS;
 use crate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, KeyState, PoolStats, PruneBatch,
-    Record, Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse,
-    StoredUsage, Write, Written,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats, PruneBatch, Record,
+    Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse, StoredUsage,
+    Write, Written,
 };
 
 #[async_trait]
@@ -185,7 +185,7 @@ impl Store for PgStore {
         let rows: Vec<FoundRow> = self
             .fetch_all(
                 sqlx::query_as(LIST_KEYS)
-                    .bind(query.state.map(KeyState::as_str))
+                    .bind(query.state_text())
                     .bind(query.tenant.as_deref())
                     .bind(query.older_than.map(|d| d.as_secs_f64()))
                     .bind(i64::from(query.limit.max(1)))

@@ -185,6 +185,7 @@ pub(super) const LIST_KEYS: &str = concat!(
     unknown!(),
     "
               WHEN 'completed' THEN state = 'completed'
+              WHEN 'stuck' THEN state = 'unknown' OR (state = 'in_flight' AND lease_expires_at <= ?1)
               ELSE 1 END
       ORDER BY created_at, tenant, key_hash
       LIMIT ?5"

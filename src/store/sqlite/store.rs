@@ -13,9 +13,9 @@ use super::tx::*;
 use rusqlite::params;
 
 use crate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, KeyState, PoolStats, PruneBatch,
-    Record, Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse,
-    StoredUsage, Write, Written,
+    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats, PruneBatch, Record,
+    Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse, StoredUsage,
+    Write, Written,
 };
 
 #[async_trait]
@@ -190,7 +190,7 @@ impl Store for SqliteStore {
         let after = query.after.as_ref();
         let rows: Vec<KeyRow> = sqlx::query_as(LIST_KEYS)
             .bind(now)
-            .bind(query.state.map(KeyState::as_str))
+            .bind(query.state_text())
             .bind(query.tenant.as_deref())
             .bind(created_by)
             .bind(i64::from(query.limit.max(1)))
