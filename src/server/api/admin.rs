@@ -8,9 +8,10 @@ use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 
 use super::AppState;
-use super::extract::{ApiJson, bearer_token};
+use super::extract::ApiJson;
 use super::problems::{InvalidRequest, NotFound, StoreUnavailable};
 use crate::problem::{ApiError, Problem, Result};
+use crate::server::auth::{bearer_token, refuse_cross_site};
 use crate::server::operations::{self, KeyList, KeyView, ListQuery, ResolveBody};
 
 /// An operator: the name its token is recorded under.
@@ -21,11 +22,12 @@ impl FromRequestParts<AppState> for Operator {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        refuse_cross_site(&parts.headers)?;
         state
             .admin
             .authorize(|| {
                 bearer_token(
-                    parts,
+                    &parts.headers,
                     "send one Authorization: Bearer <token> header, with a token of \
                      IDEMGATE_ADMIN_TOKENS",
                 )

@@ -5,12 +5,12 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
-use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
 use super::AppState;
 use crate::problem::ApiError;
+use crate::server::auth::bearer_token;
 
 /// A JSON body. An empty body reads as `{}`, so a reservation needs no body
 /// at all; the `Content-Type` is not insisted on, so `curl -d` works as is.
@@ -67,7 +67,10 @@ impl FromRequestParts<AppState> for Tenant {
         if tokens.is_empty() {
             return Ok(Tenant(DEFAULT_TENANT.into()));
         }
-        let token = bearer_token(parts, "send one Authorization: Bearer <token> header")?;
+        let token = bearer_token(
+            &parts.headers,
+            "send one Authorization: Bearer <token> header",
+        )?;
         // The tenant's name, as the logs show it (never the token).
         tokens
             .tenant_for(token)
@@ -75,26 +78,4 @@ impl FromRequestParts<AppState> for Tenant {
             .map(|t| Tenant(t.to_owned()))
             .ok_or(ApiError::Unauthorized("the bearer token is not valid"))
     }
-}
-
-/// The token of the request's one `Authorization: Bearer <token>` header;
-/// `401 unauthorized` with `missing` when there is none (or several).
-pub(super) fn bearer_token<'a>(
-    parts: &'a Parts,
-    missing: &'static str,
-) -> Result<&'a str, ApiError> {
-    let mut values = parts.headers.get_all(AUTHORIZATION).iter();
-    let (Some(value), None) = (values.next(), values.next()) else {
-        return Err(ApiError::Unauthorized(missing));
-    };
-    value
-        .to_str()
-        .ok()
-        .and_then(|v| {
-            let (scheme, token) = v.trim().split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-        })
-        .ok_or(ApiError::Unauthorized(
-            "the Authorization header must be Bearer <token>",
-        ))
 }
