@@ -18,6 +18,8 @@ pub mod cli;
 #[doc(hidden)]
 pub mod config;
 #[doc(hidden)]
+pub mod console;
+#[doc(hidden)]
 pub mod exporter;
 #[doc(hidden)]
 pub mod keys;

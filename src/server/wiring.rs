@@ -9,6 +9,7 @@ use tokio::net::TcpListener;
 use crate::engine::{Engine, Limits};
 use crate::server::api::{self, AppState};
 use crate::server::config::{ConfigError, RunArgs, ServeArgs, StoreArgs};
+use crate::server::console;
 use crate::server::serve;
 use crate::store::Store;
 
@@ -245,7 +246,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     serve::serve(
         listener,
-        api::router(state),
+        api::router(state.clone()).merge(console::router(console::Console::new(
+            state.engine.clone(),
+            state.admin.clone(),
+            state.max_body_bytes,
+        ))),
         args.run.serving(),
         serve::shutdown_signal(),
     )

@@ -17,6 +17,7 @@ use crate::layer::{LayerPolicy, Tenant};
 use crate::server::api::{self, AppState};
 use crate::server::auth::Tokens;
 use crate::server::config::ProxyArgs;
+use crate::server::console;
 
 /// The admin router over the proxy's `engine`, whose operators' endpoints
 /// settle keys in the proxy's own replay cache and wake its waiters.
@@ -29,7 +30,14 @@ pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Ro
         &args.policy,
     );
     let patch = Arc::new(policy_patch(args, policy, sealed));
-    api::admin_router(state).layer(axum::middleware::from_fn_with_state(patch, publish))
+    let console = console::router(console::Console::new(
+        state.engine.clone(),
+        state.admin.clone(),
+        state.max_body_bytes,
+    ));
+    api::admin_router(state)
+        .merge(console)
+        .layer(axum::middleware::from_fn_with_state(patch, publish))
 }
 
 /// What the proxy publishes over the reservation API's policy.
