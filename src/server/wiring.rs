@@ -212,6 +212,17 @@ pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
     AppState::new(Arc::new(engine), tokens, admin, &args.policy)
 }
 
+/// What `serve` answers on its listener: the reservation API (its
+/// operators' endpoints included) and the operators' console.
+pub fn router(state: AppState) -> axum::Router {
+    let console = console::Console::new(
+        state.engine.clone(),
+        state.admin.clone(),
+        state.max_body_bytes,
+    );
+    api::router(state).merge(console::router(console))
+}
+
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate()?;
@@ -246,11 +257,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     serve::serve(
         listener,
-        api::router(state.clone()).merge(console::router(console::Console::new(
-            state.engine.clone(),
-            state.admin.clone(),
-            state.max_body_bytes,
-        ))),
+        router(state),
         args.run.serving(),
         serve::shutdown_signal(),
     )

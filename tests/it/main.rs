@@ -15,6 +15,7 @@ mod api;
 mod batching;
 mod citus;
 mod config;
+mod console;
 mod crash;
 mod db_faults;
 mod db_setup;

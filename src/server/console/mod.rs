@@ -127,6 +127,7 @@ async fn asset(Path(file): Path<String>) -> Response {
             include_bytes!("assets/console.js"),
             "text/javascript; charset=utf-8",
         ),
+        "icon.svg" => (include_bytes!("assets/icon.svg"), "image/svg+xml"),
         "console.css" => (
             include_bytes!("assets/console.css"),
             "text/css; charset=utf-8",

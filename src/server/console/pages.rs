@@ -42,6 +42,7 @@ pub fn shell(main: Main<'_>) -> Markup {
                 meta name="htmx-config" content=(HTMX_CONFIG);
                 title { (title) }
                 link rel="stylesheet" href="/console/assets/console.css";
+                link rel="icon" type="image/svg+xml" href="/console/assets/icon.svg";
             }
             body {
                 a.skip href="#main" { "Skip to the keys" }
@@ -274,6 +275,7 @@ pub enum Settled<'a> {
 pub fn key(shown: &Shown, settled: Option<Settled<'_>>) -> Markup {
     let key = &shown.view;
     let stuck = is_stuck(key, shown.now);
+    let settled_now = settled.is_some();
     html! {
         h2 { "Key " (prefix(&key.key_hash)) }
         div #settle-result role="status" aria-live="polite" {
@@ -316,7 +318,7 @@ pub fn key(shown: &Shown, settled: Option<Settled<'_>>) -> Markup {
         }
         @if stuck {
             (settle_form(key))
-        } @else {
+        } @else if !settled_now {
             p.hint { (not_stuck_note(key, shown)) }
         }
     }

@@ -7,7 +7,7 @@ use axum::Router;
 use axum::body::Body;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
-use idemgate::server::api::{self, AppState};
+use idemgate::server::api::AppState;
 use idemgate::server::config::ServeArgs;
 use idemgate::server::wiring;
 use idemgate::store::postgres::PgSettings;
@@ -107,7 +107,7 @@ impl TestApp {
             }
         }
         TestApp {
-            router: api::router(state.clone()),
+            router: wiring::router(state.clone()),
             state,
             store,
             pg,
