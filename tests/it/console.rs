@@ -230,6 +230,12 @@ async fn settling_from_the_console_happens_once(b: Backend) {
         "{}",
         again.text
     );
+    // Where the page shows a settle's answer, released or not.
+    assert!(
+        again.text.contains("id=\"settle-result\""),
+        "{}",
+        again.text
+    );
     // The JSON endpoint says the same.
     let json_again = app
         .send(
@@ -423,6 +429,22 @@ async fn the_console_answers_its_own_page_only(b: Backend) {
     assert_eq!(same.status, 200, "{}", same.text);
 
     let page = app.send("GET", "/console", &[], None).await;
+    // Every id once: a label, and the page's script, find the one element.
+    for path in [
+        "/console".to_owned(),
+        format!("/console/keys/default/{}", "0".repeat(64)),
+    ] {
+        let text = app.send("GET", &path, &[], None).await.text;
+        let mut ids: Vec<&str> = text
+            .split(" id=\"")
+            .skip(1)
+            .filter_map(|s| s.split('"').next())
+            .collect();
+        let all = ids.len();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), all, "{path}: an id twice in {text}");
+    }
     let csp = page.header("content-security-policy");
     assert!(csp.contains("script-src 'self'"), "{csp}");
     assert!(csp.contains("frame-ancestors 'none'"), "{csp}");

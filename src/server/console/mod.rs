@@ -320,7 +320,12 @@ async fn settle(
                     pages::key(&shown, Some(pages::Settled::Already(&detail))),
                 )
                     .into_response(),
-                Err(_) => Fragment(ApiError::NotStuck(detail)).into_response(),
+                // Released: forgotten, but who released it is in the
+                // detail.
+                Err(ApiError::NotFound(_)) => {
+                    (StatusCode::CONFLICT, pages::released_already(&detail)).into_response()
+                }
+                Err(e) => Fragment(e).into_response(),
             }
         }
         // Anything the operator can mend (a missing reason, a bad status)

@@ -54,7 +54,7 @@ pub fn shell(main: Main<'_>) -> Markup {
                     }
                 }
                 main #main {
-                    section.panel #token aria-label="Admin token" {
+                    section.panel #token-panel aria-label="Admin token" {
                         form #token-form {
                             div.field {
                                 label for="token" { "Admin token" }
@@ -321,6 +321,19 @@ pub fn key(shown: &Shown, settled: Option<Settled<'_>>) -> Markup {
         } @else if !settled_now {
             p.hint { (not_stuck_note(key, shown)) }
         }
+    }
+}
+
+/// A key someone released first: forgotten, so only the endpoint's `409`
+/// detail (by whom, when, why) is left to show.
+pub fn released_already(detail: &str) -> Markup {
+    html! {
+        div #settle-result role="status" aria-live="polite" {
+            p.problem {
+                (detail) ". A retry now runs the request again: the effect happens anew."
+            }
+        }
+        p { a href="/console" { "Back to the queue" } }
     }
 }
 
