@@ -219,7 +219,8 @@ pub fn router(state: AppState) -> axum::Router {
         state.engine.clone(),
         state.admin.clone(),
         state.max_body_bytes,
-    );
+    )
+    .beside_docs();
     api::router(state).merge(console::router(console))
 }
 

@@ -41,6 +41,9 @@ struct ConsoleInner {
     engine: Arc<Engine>,
     admin: AdminAccess,
     max_body_bytes: usize,
+    /// Whether the listener serves `/docs` too (`serve`'s does; the proxy's
+    /// admin listener does not).
+    docs: bool,
 }
 
 impl Console {
@@ -51,6 +54,22 @@ impl Console {
             engine,
             admin,
             max_body_bytes,
+            docs: false,
+        }))
+    }
+
+    /// The console on a listener that serves the API's `/docs` page too:
+    /// the page links to it.
+    pub fn beside_docs(self) -> Console {
+        let inner = Arc::try_unwrap(self.0).unwrap_or_else(|shared| ConsoleInner {
+            engine: shared.engine.clone(),
+            admin: shared.admin.clone(),
+            max_body_bytes: shared.max_body_bytes,
+            docs: shared.docs,
+        });
+        Console(Arc::new(ConsoleInner {
+            docs: true,
+            ..inner
         }))
     }
 }
@@ -104,15 +123,21 @@ async fn page_headers(mut res: Response) -> Response {
 
 // === the pages: no data, no token needed ===
 
-async fn queue_page() -> maud::Markup {
-    pages::shell(pages::Main::Queue)
+async fn queue_page(State(console): State<Console>) -> maud::Markup {
+    pages::shell(pages::Main::Queue, console.0.docs)
 }
 
-async fn key_page(Path((tenant, key_hash)): Path<(String, String)>) -> maud::Markup {
-    pages::shell(pages::Main::Key {
-        tenant: &tenant,
-        key_hash: &key_hash,
-    })
+async fn key_page(
+    State(console): State<Console>,
+    Path((tenant, key_hash)): Path<(String, String)>,
+) -> maud::Markup {
+    pages::shell(
+        pages::Main::Key {
+            tenant: &tenant,
+            key_hash: &key_hash,
+        },
+        console.0.docs,
+    )
 }
 
 /// The page's scripts and styles, from the binary: htmx as published

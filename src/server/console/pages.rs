@@ -26,8 +26,8 @@ pub enum Main<'a> {
 }
 
 /// The page: the token form, the counts, and the queue or one key, each
-/// filled in by its fragment.
-pub fn shell(main: Main<'_>) -> Markup {
+/// filled in by its fragment; `docs`: the listener serves `/docs` too.
+pub fn shell(main: Main<'_>, docs: bool) -> Markup {
     let title = match &main {
         Main::Queue => "Keys that wait for a person · idemgate console".to_owned(),
         Main::Key { key_hash, .. } => format!("Key {} · idemgate console", prefix(key_hash)),
@@ -50,7 +50,7 @@ pub fn shell(main: Main<'_>) -> Markup {
                     h1 { "idemgate console" }
                     nav aria-label="Console" {
                         a href="/console" { "Queue" }
-                        a href="/docs" { "API docs" }
+                        @if docs { a href="/docs" { "API docs" } }
                     }
                 }
                 main #main {
