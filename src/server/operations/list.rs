@@ -9,10 +9,9 @@ use utoipa::{IntoParams, ToSchema};
 use super::{KeyView, decode_cursor, encode_cursor, view};
 use crate::engine::Engine;
 use crate::problem::ApiError;
+use crate::server::config::keys::DEFAULT_LIMIT;
 use crate::store::{KeyCursor, KeyQuery, KeyState};
 
-/// Keys a page holds when the operator names no limit.
-pub const DEFAULT_LIMIT: u32 = 100;
 /// The most keys one page holds.
 pub const MAX_LIMIT: u32 = 1000;
 /// The longest `older_than`: ten years, longer than any key lives.
@@ -49,6 +48,17 @@ pub enum StateFilter {
     Unknown,
     /// Completed.
     Completed,
+}
+
+impl From<KeyState> for StateFilter {
+    /// The filter of keys in `state` (`keys list --state`).
+    fn from(state: KeyState) -> StateFilter {
+        match state {
+            KeyState::InFlight => StateFilter::InFlight,
+            KeyState::Unknown => StateFilter::Unknown,
+            KeyState::Completed => StateFilter::Completed,
+        }
+    }
 }
 
 /// One page of keys.
