@@ -246,7 +246,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     serve::serve(
         listener,
         api::router(state),
-        args.run.serving(),
+        serve::Serving::from(&args.run),
         serve::shutdown_signal(),
     )
     .await?;

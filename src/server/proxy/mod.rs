@@ -201,7 +201,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let serving = args.run.serving();
+    let serving = serve::Serving::from(&args.run);
     let served = tokio::try_join!(
         serve::serve(listener, proxy.app, serving, until_stopped(stopped.clone())),
         serve::serve(admin, proxy.admin, serving, until_stopped(stopped)),

@@ -58,7 +58,7 @@ impl TestProxy {
         // for a shutdown.
         let serving = Serving {
             grace: Duration::from_secs(5),
-            ..args.run.serving()
+            ..Serving::from(&args.run)
         };
         let tasks = vec![
             tokio::spawn(serve::serve(
