@@ -13,10 +13,10 @@ use crate::engine::{Engine, Limits};
 use crate::problem::ApiError;
 use crate::server::api::views::CommitBody;
 use crate::server::config::keys::{Database, KeyRef, KeysCommand, ListArgs, ResolveArgs, ShowArgs};
+use crate::server::open::{Opening, open_store_as};
 use crate::server::operations::{
     self, Action, KeyList, KeyView, ListQuery, ResolveBody, ShownState, list::StateFilter,
 };
-use crate::server::wiring;
 use crate::store::KeyState;
 
 /// Runs one `keys` command.
@@ -30,7 +30,7 @@ pub async fn run(command: KeysCommand) -> anyhow::Result<()> {
 
 /// The engine over the database `db` names, migrated (as `prune` does).
 async fn engine(db: &Database) -> anyhow::Result<Engine> {
-    let store = wiring::open_store_as(&db.store, wiring::Opening::Existing)
+    let store = open_store_as(&db.store, Opening::Existing)
         .await
         .map_err(|e| {
             if db.store.database_url.trim().starts_with("sqlite") && e.to_string().contains("lock")
