@@ -11,12 +11,12 @@ use chrono::{DateTime, Utc};
 
 use crate::engine::{Engine, Limits};
 use crate::problem::ApiError;
-use crate::server::api::views::CommitBody;
 use crate::server::config::keys::{Database, KeyRef, KeysCommand, ListArgs, ResolveArgs, ShowArgs};
 use crate::server::open::{Opening, open_store_as};
 use crate::server::operations::{
     self, Action, KeyList, KeyView, ListQuery, ResolveBody, ShownState, list::StateFilter,
 };
+use crate::server::views::CommitBody;
 use crate::store::KeyState;
 
 /// Runs one `keys` command.
@@ -283,8 +283,8 @@ fn print_view(view: &KeyView) -> anyhow::Result<()> {
         out,
         "on lease expiry {}",
         match view.on_lease_expiry {
-            crate::server::api::views::LeaseExpiry::Hold => "hold",
-            crate::server::api::views::LeaseExpiry::Takeover => "takeover",
+            crate::server::views::LeaseExpiry::Hold => "hold",
+            crate::server::views::LeaseExpiry::Takeover => "takeover",
         }
     )?;
     writeln!(out, "created         {}", when(view.created_at))?;

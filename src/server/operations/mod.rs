@@ -18,7 +18,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::problem::ApiError;
-use crate::server::api::views::{LeaseExpiry, MarkedUnknownView, Recovery};
+use crate::server::views::{LeaseExpiry, MarkedUnknownView, Recovery};
 use crate::store::{self, KeyCursor, Record};
 
 pub use list::{KeyList, ListQuery, list};
