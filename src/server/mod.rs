@@ -32,6 +32,8 @@ pub mod proxy;
 #[doc(hidden)]
 pub mod serve;
 #[doc(hidden)]
+pub mod tls;
+#[doc(hidden)]
 pub mod views;
 #[doc(hidden)]
 pub mod wiring;

@@ -26,7 +26,7 @@ use opentelemetry_sdk::trace::{BatchSpanProcessor, SdkTracerProvider};
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::server::proxy::tls::{self, Connector, Trust};
+use crate::server::tls::{self, Connector, Trust};
 use crate::spans;
 
 /// The service name when `OTEL_SERVICE_NAME` is unset.

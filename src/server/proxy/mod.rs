@@ -16,8 +16,6 @@ pub mod client;
 pub mod headers;
 pub mod mcp;
 pub mod routes;
-pub mod tcp;
-pub mod tls;
 mod upgrade;
 
 use std::path::PathBuf;
@@ -34,7 +32,7 @@ pub use client::ProxyClient;
 use crate::engine::Engine;
 use crate::layer::{IdempotencyLayer, LayerPolicy, Route, Tenant};
 use crate::server::config::{ConfigError, ProxyArgs};
-use crate::server::{open, serve};
+use crate::server::{open, serve, tls};
 use crate::store::Store;
 use crate::telemetry;
 
