@@ -17,10 +17,12 @@
 //! in the logs; `idemgate.tenant` is what the logs show of the tenant. No
 //! span holds a raw key, a request or response body, a token or an
 //! `Authorization` header.
+//!
+//! This module stands below everything that opens a span: it names the
+//! spans and their fields and takes plain values, so that the key reader,
+//! the engine, the layer and the doors all use it and it uses none of them.
 
 use tracing::Span;
-
-use crate::engine::{CommitOutcome, EngineError, ReserveOutcome};
 
 /// The target of every span here: `RUST_LOG` directives and per-layer
 /// filters select them by it.
@@ -51,12 +53,13 @@ pub(crate) fn key() -> Span {
     )
 }
 
-/// The span of the engine's reserve of `key_hash`.
-pub(crate) fn claim(key_hash: &[u8; 32], wait_ms: u64) -> Span {
+/// The span of the engine's reserve of a key; `key_hash` gives the key's
+/// hash prefix, asked for only when the span is enabled.
+pub(crate) fn claim(key_hash: impl FnOnce() -> String, wait_ms: u64) -> Span {
     tracing::info_span!(
         target: TARGET,
         "idemgate.claim",
-        idemgate.key.hash = %crate::key::hash_prefix(key_hash),
+        idemgate.key.hash = %key_hash(),
         idemgate.wait_ms = wait_ms,
         idemgate.outcome = tracing::field::Empty,
         idemgate.attempt = tracing::field::Empty,
@@ -64,18 +67,12 @@ pub(crate) fn claim(key_hash: &[u8; 32], wait_ms: u64) -> Span {
     )
 }
 
-/// Records the reserve's decision on its span.
-pub(crate) fn claimed(span: &Span, decision: &Result<ReserveOutcome, EngineError>) {
-    match decision {
-        Ok(outcome) => {
-            span.record("idemgate.outcome", outcome.outcome().as_str());
-            if let ReserveOutcome::Reserved(reservation) = outcome {
-                span.record("idemgate.attempt", reservation.attempt);
-            }
-        }
-        Err(_) => {
-            span.record("otel.status_code", "ERROR");
-        }
+/// Records the reserve's decision on its span: its `outcome`, and the
+/// `attempt` of a reservation.
+pub(crate) fn claimed(span: &Span, outcome: &str, attempt: Option<i32>) {
+    span.record("idemgate.outcome", outcome);
+    if let Some(attempt) = attempt {
+        span.record("idemgate.attempt", attempt);
     }
 }
 
@@ -90,16 +87,14 @@ pub(crate) fn commit(stored_status: u16) -> Span {
     )
 }
 
-/// Records what became of a commit on its span.
-pub(crate) fn committed(span: &Span, outcome: &Result<CommitOutcome, EngineError>) {
-    match outcome {
-        Ok(CommitOutcome::Committed(_)) => span.record("idemgate.outcome", "committed"),
-        Ok(CommitOutcome::AlreadyCommitted(_)) => {
-            span.record("idemgate.outcome", "already_committed")
-        }
-        Ok(CommitOutcome::Refused(_)) => span.record("idemgate.outcome", "refused"),
-        Err(_) => span.record("otel.status_code", "ERROR"),
-    };
+/// Records what became of a commit on its span: its `outcome`.
+pub(crate) fn committed(span: &Span, outcome: &str) {
+    span.record("idemgate.outcome", outcome);
+}
+
+/// Records on a claim's or a commit's span that the engine failed.
+pub(crate) fn failed(span: &Span) {
+    span.record("otel.status_code", "ERROR");
 }
 
 /// The span of a release.

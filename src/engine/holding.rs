@@ -25,7 +25,12 @@ impl Engine {
             .commit_unspanned(tenant, id, response)
             .instrument(span.clone())
             .await;
-        spans::committed(&span, &outcome);
+        match &outcome {
+            Ok(CommitOutcome::Committed(_)) => spans::committed(&span, "committed"),
+            Ok(CommitOutcome::AlreadyCommitted(_)) => spans::committed(&span, "already_committed"),
+            Ok(CommitOutcome::Refused(_)) => spans::committed(&span, "refused"),
+            Err(_) => spans::failed(&span),
+        }
         outcome
     }
 

@@ -24,9 +24,18 @@ impl Engine {
         let wait_ms = req.wait.map_or(0, |w| {
             u64::try_from(w.min(self.limits.max_wait).as_millis()).unwrap_or(u64::MAX)
         });
-        let span = spans::claim(&req.key_hash, wait_ms);
+        let span = spans::claim(|| crate::key::hash_prefix(&req.key_hash), wait_ms);
         let decision = self.reserve_unspanned(req).instrument(span.clone()).await;
-        spans::claimed(&span, &decision);
+        match &decision {
+            Ok(outcome) => {
+                let attempt = match outcome {
+                    ReserveOutcome::Reserved(reservation) => Some(reservation.attempt),
+                    _ => None,
+                };
+                spans::claimed(&span, outcome.outcome().as_str(), attempt);
+            }
+            Err(_) => spans::failed(&span),
+        }
         decision
     }
 

@@ -5,177 +5,20 @@
 //! shapes for scripts.
 
 use std::io::Write as _;
-use std::path::PathBuf;
 
 use anyhow::{Context as _, bail};
 use chrono::{DateTime, Utc};
-use clap::{Args, Subcommand};
 
 use crate::engine::{Engine, Limits};
 use crate::problem::ApiError;
-use crate::server::api::views::CommitBody;
-use crate::server::config::{SealArgs, StoreArgs};
+use crate::server::config::keys::{
+    Database, KeyRef, KeysCommand, ListArgs, ListState, ResolveArgs, ShowArgs,
+};
+use crate::server::open::{Opening, open_store_as};
 use crate::server::operations::{
     self, Action, KeyList, KeyView, ListQuery, ResolveBody, ShownState, list::StateFilter,
 };
-use crate::server::wiring;
-
-/// `idemgate keys`: see, and settle, the keys nobody will settle by
-/// themselves.
-#[derive(Debug, Subcommand)]
-pub enum KeysCommand {
-    /// List keys, oldest first (`--state unknown`: the ones waiting for an
-    /// operator).
-    List(ListArgs),
-    /// Show one key.
-    Show(ShowArgs),
-    /// Settle a stuck key: --release (nothing happened: the next request
-    /// executes) or --complete with the response that really happened
-    /// (every retry replays it), and a --reason.
-    Resolve(ResolveArgs),
-}
-
-/// Where the keys are.
-#[derive(Debug, Clone, Args)]
-pub struct Database {
-    #[command(flatten)]
-    pub store: StoreArgs,
-
-    #[command(flatten)]
-    pub seal: SealArgs,
-
-    /// Print JSON (the admin endpoints' shapes) instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `keys list`.
-#[derive(Debug, Args)]
-pub struct ListArgs {
-    /// Only keys in this state: unknown (marked so, or held past their
-    /// lease), in_flight, or completed.
-    #[arg(long, value_name = "unknown|in_flight|completed", value_parser = parse_state)]
-    pub state: Option<StateFilter>,
-
-    /// Only this tenant's keys, as stored.
-    #[arg(long)]
-    pub tenant: Option<String>,
-
-    /// Only keys first reserved at least this many seconds ago.
-    #[arg(long, value_name = "SECONDS")]
-    pub older_than: Option<u64>,
-
-    /// The most keys to print (1 to 1000) on one page.
-    #[arg(long, value_name = "N", default_value_t = operations::list::DEFAULT_LIMIT)]
-    pub limit: u32,
-
-    /// Start after this cursor (the `next` of an earlier page).
-    #[arg(long)]
-    pub cursor: Option<String>,
-
-    /// Every page, not just the first.
-    #[arg(long)]
-    pub all: bool,
-
-    #[command(flatten)]
-    pub db: Database,
-}
-
-/// Which key: `TENANT KEY_HASH`, or `TENANT --key KEY`, or
-/// `--tenant-of VALUE --key KEY` for the proxy's tenants.
-#[derive(Debug, Clone, Args)]
-pub struct KeyRef {
-    /// The key's tenant, as stored (the reservation API's tenant name; the
-    /// proxy's is the hex SHA-256 of its tenant header, or `anonymous`).
-    #[arg(value_name = "TENANT")]
-    pub tenant: Option<String>,
-
-    /// The lowercase hex SHA-256 of the key: all 64 digits, or a prefix of
-    /// at least 8 that names one key (`keys list` shows 12).
-    #[arg(value_name = "KEY_HASH", conflicts_with = "key")]
-    pub key_hash: Option<String>,
-
-    /// The raw key, hashed here (never stored or printed).
-    #[arg(long, value_name = "KEY")]
-    pub key: Option<String>,
-
-    /// The proxy's tenant: the value its tenant header (Authorization by
-    /// default) carried, hashed here as the proxy does.
-    #[arg(long, value_name = "HEADER_VALUE", conflicts_with = "tenant")]
-    pub tenant_of: Option<String>,
-}
-
-/// `keys show`.
-#[derive(Debug, Args)]
-pub struct ShowArgs {
-    #[command(flatten)]
-    pub key: KeyRef,
-
-    #[command(flatten)]
-    pub db: Database,
-}
-
-/// `keys resolve`.
-#[derive(Debug, Args)]
-pub struct ResolveArgs {
-    #[command(flatten)]
-    pub key: KeyRef,
-
-    /// Nothing happened: forget the key, so that the next request with it
-    /// executes.
-    #[arg(
-        long,
-        conflicts_with = "complete",
-        required_unless_present = "complete"
-    )]
-    pub release: bool,
-
-    /// This is what happened: store the response given by --status,
-    /// --header and --body, which every retry then replays.
-    #[arg(long)]
-    pub complete: bool,
-
-    /// Why (kept with the record and logged).
-    #[arg(long, required = true)]
-    pub reason: String,
-
-    /// Who settles it (default: $USER).
-    #[arg(long)]
-    pub by: Option<String>,
-
-    /// With --complete: the status of the response that happened.
-    #[arg(long, value_name = "STATUS", requires = "complete")]
-    pub status: Option<u16>,
-
-    /// With --complete: a header line of it, `Name: value` (repeatable).
-    #[arg(long, value_name = "NAME: VALUE", requires = "complete")]
-    pub header: Vec<String>,
-
-    /// With --complete: its body, as text.
-    #[arg(
-        long,
-        value_name = "TEXT",
-        requires = "complete",
-        conflicts_with = "body_file"
-    )]
-    pub body: Option<String>,
-
-    /// With --complete: its body, from a file.
-    #[arg(long, value_name = "FILE", requires = "complete")]
-    pub body_file: Option<PathBuf>,
-
-    #[command(flatten)]
-    pub db: Database,
-}
-
-fn parse_state(s: &str) -> Result<StateFilter, String> {
-    match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
-        "unknown" => Ok(StateFilter::Unknown),
-        "in_flight" => Ok(StateFilter::InFlight),
-        "completed" => Ok(StateFilter::Completed),
-        _ => Err("expected unknown, in_flight or completed".into()),
-    }
-}
+use crate::server::views::CommitBody;
 
 /// Runs one `keys` command.
 pub async fn run(command: KeysCommand) -> anyhow::Result<()> {
@@ -188,7 +31,7 @@ pub async fn run(command: KeysCommand) -> anyhow::Result<()> {
 
 /// The engine over the database `db` names, migrated (as `prune` does).
 async fn engine(db: &Database) -> anyhow::Result<Engine> {
-    let store = wiring::open_store_as(&db.store, wiring::Opening::Existing)
+    let store = open_store_as(&db.store, Opening::Existing)
         .await
         .map_err(|e| {
             if db.store.database_url.trim().starts_with("sqlite") && e.to_string().contains("lock")
@@ -211,7 +54,7 @@ async fn engine(db: &Database) -> anyhow::Result<Engine> {
 async fn list(args: ListArgs) -> anyhow::Result<()> {
     let engine = engine(&args.db).await?;
     let mut query = ListQuery {
-        state: args.state,
+        state: args.state.map(StateFilter::from),
         tenant: args.tenant.clone(),
         older_than: args.older_than,
         limit: Some(args.limit),
@@ -239,10 +82,10 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     if all.keys.is_empty() {
         let which = match args.state {
-            Some(StateFilter::Unknown) => "No key is unknown or held past its lease.",
-            Some(StateFilter::Stuck) => "No key waits for a person.",
-            Some(StateFilter::InFlight) => "No key is in flight.",
-            Some(StateFilter::Completed) => "No key is completed.",
+            Some(ListState::Stuck) => "No key waits for a person.",
+            Some(ListState::Unknown) => "No key is unknown or held past its lease.",
+            Some(ListState::InFlight) => "No key is in flight.",
+            Some(ListState::Completed) => "No key is completed.",
             None => "No keys.",
         };
         writeln!(out, "{which}")?;
@@ -444,8 +287,8 @@ fn print_view(view: &KeyView) -> anyhow::Result<()> {
         out,
         "on lease expiry {}",
         match view.on_lease_expiry {
-            crate::server::api::views::LeaseExpiry::Hold => "hold",
-            crate::server::api::views::LeaseExpiry::Takeover => "takeover",
+            crate::server::views::LeaseExpiry::Hold => "hold",
+            crate::server::views::LeaseExpiry::Takeover => "takeover",
         }
     )?;
     writeln!(out, "created         {}", when(view.created_at))?;

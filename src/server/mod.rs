@@ -24,6 +24,8 @@ pub mod exporter;
 #[doc(hidden)]
 pub mod keys;
 #[doc(hidden)]
+pub mod open;
+#[doc(hidden)]
 pub mod operations;
 #[doc(hidden)]
 pub mod otel;
@@ -31,6 +33,10 @@ pub mod otel;
 pub mod proxy;
 #[doc(hidden)]
 pub mod serve;
+#[doc(hidden)]
+pub mod tls;
+#[doc(hidden)]
+pub mod views;
 #[doc(hidden)]
 pub mod wiring;
 
@@ -130,13 +136,13 @@ fn report(json: bool, what: &str) {
 }
 
 async fn migrate(args: StoreArgs, json: bool) -> anyhow::Result<()> {
-    wiring::open_store(&args, true).await?;
+    open::open_store(&args, true).await?;
     report(json, "migrations applied");
     Ok(())
 }
 
 async fn prune_once(args: StoreArgs, json: bool) -> anyhow::Result<()> {
-    let store = wiring::open_store_as(&args, wiring::Opening::Existing).await?;
+    let store = open::open_store_as(&args, open::Opening::Existing).await?;
     let n = crate::prune::prune_once(store.as_ref()).await?;
     report(json, &format!("pruned {n} expired key(s)"));
     Ok(())

@@ -26,7 +26,7 @@ use opentelemetry_sdk::trace::{BatchSpanProcessor, SdkTracerProvider};
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::server::proxy::tls::{self, Connector, Trust};
+use crate::server::tls::{self, Connector, Trust};
 use crate::spans;
 
 /// The service name when `OTEL_SERVICE_NAME` is unset.
@@ -42,30 +42,6 @@ const MAX_ANSWER: usize = 4 * 1024 * 1024;
 /// base URL, as OpenTelemetry's `OTEL_EXPORTER_OTLP_ENDPOINT` is.
 pub fn traces_url(endpoint: &str) -> String {
     format!("{}/v1/traces", endpoint.trim().trim_end_matches('/'))
-}
-
-/// The parser of `--otlp-endpoint`: an `http://` or `https://` URL without
-/// credentials (they would show in logs), to which `/v1/traces` is added.
-pub fn parse_endpoint(s: &str) -> Result<String, String> {
-    let raw = s.trim();
-    let uri: http::Uri = raw.parse().map_err(|e| format!("not a URL: {e}"))?;
-    if !matches!(uri.scheme_str(), Some("http" | "https")) {
-        return Err(
-            "expected an http:// or https:// URL, e.g. http://127.0.0.1:4318 (/v1/traces is \
-             added)"
-                .into(),
-        );
-    }
-    let Some(authority) = uri.authority() else {
-        return Err("names no host".into());
-    };
-    if authority.as_str().contains('@') {
-        return Err("credentials in the URL are not supported".into());
-    }
-    if uri.query().is_some() {
-        return Err("a query is not supported: give the collector's base URL".into());
-    }
-    Ok(raw.trim_end_matches('/').to_owned())
 }
 
 /// The exporter's provider, to flush and shut down once the command ends.

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use axum::body::Body;
 use http::Request;
 use http_body_util::BodyExt;
+use idemgate::server::open::open_store;
 use idemgate::server::proxy::Proxy;
-use idemgate::server::wiring;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -74,7 +74,7 @@ async fn a_repeat_gets_the_result_with_its_own_id_and_a_store_away_forwards_noth
     let calls = Arc::new(AtomicUsize::new(0));
     let up = upstream(calls.clone()).await;
     let args = common::proxy::proxy_args(&["--database-url", "sqlite::memory:"]);
-    let store = wiring::open_store(&args.store, true).await.unwrap();
+    let store = open_store(&args.store, true).await.unwrap();
     let faulty = Arc::new(common::faulty::Faulty::new(store));
     let app = door(&up, faulty.clone()).await;
     let key = fresh_key();
@@ -182,7 +182,7 @@ async fn an_error_status_of_the_server_is_a_json_rpc_answer_first_and_replayed()
     let calls = Arc::new(AtomicUsize::new(0));
     let up = erring_upstream(calls.clone()).await;
     let args = common::proxy::proxy_args(&["--database-url", "sqlite::memory:"]);
-    let store = wiring::open_store(&args.store, true).await.unwrap();
+    let store = open_store(&args.store, true).await.unwrap();
     let app = door(&up, Arc::new(common::faulty::Faulty::new(store))).await;
 
     let key = fresh_key();

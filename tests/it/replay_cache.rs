@@ -694,7 +694,7 @@ async fn the_proxy_takes_its_bound_from_the_settings() {
         ];
         all.extend_from_slice(flags);
         let args = proxy_args(&all);
-        let store = idemgate::server::wiring::open_store(&args.store, true)
+        let store = idemgate::server::open::open_store(&args.store, true)
             .await
             .expect("store");
         let proxy = Proxy::build(&args, Vec::new(), store).expect("proxy");

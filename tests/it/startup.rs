@@ -168,7 +168,7 @@ async fn a_reader_that_goes_away_ends_a_command_quietly() {
 async fn claim_hashes(url: &str, tenant: &str, hashes: &[[u8; 32]]) {
     let args: idemgate::server::config::StoreArgs =
         common::bin::parse_args(&["--database-url", url]);
-    let store = idemgate::server::wiring::open_store(&args, true)
+    let store = idemgate::server::open::open_store(&args, true)
         .await
         .unwrap();
     for hash in hashes {

@@ -2,11 +2,18 @@
 
 use std::fmt::Write as _;
 
-use super::goals::FLEET;
 use super::{Metric, View, times};
 use crate::costs::PerKey;
 use crate::load::median;
 use crate::suite::{Env, MANY, Results};
+
+/// The c = 256 subjects: their name and label stem (`{stem} c=256`).
+pub(super) const FLEET: [(&str, &str); 4] = [
+    ("reservation API pairs, PostgreSQL", "api-pair"),
+    ("reservation API pairs, SQLite", "sqlite-pair"),
+    ("proxy new keys, PostgreSQL", "idemgate-new"),
+    ("proxy new keys, SQLite", "idemgate-sqlite-new"),
+];
 
 /// The median over `label`'s readings that have the figure `f`.
 pub(super) fn field(res: &Results, label: &str, f: Figure) -> Option<f64> {

@@ -4,21 +4,13 @@
 
 use std::fmt::Write as _;
 
-use super::costs::per_key_ratio;
+use super::costs::{FLEET, field, per_key_ratio};
 use super::{
     Metric, STREAM_DOORS, View, cpu, cpu_ratio, own_work_ms, storm_goal, stream_own_ms, times,
     verdict,
 };
 use crate::load::median;
 use crate::suite::{MANY, Results};
-
-/// The c = 256 subjects: their name and label stem (`{stem} c=256`).
-pub(super) const FLEET: [(&str, &str); 4] = [
-    ("reservation API pairs, PostgreSQL", "api-pair"),
-    ("reservation API pairs, SQLite", "sqlite-pair"),
-    ("proxy new keys, PostgreSQL", "idemgate-new"),
-    ("proxy new keys, SQLite", "idemgate-sqlite-new"),
-];
 
 /// The proxy doors beside their store's floor at c = 8: the store, the
 /// door's label, the floor's.
@@ -159,9 +151,8 @@ pub(super) fn goals(w: &mut String, v: &View, res: &Results, prune_rows: u64) {
     }
     for (what, label, floor) in PG_BESIDE_FLOOR {
         let r = per_key_ratio(res, label, floor, |k| k.db_cpu_us);
-        let us = |l: &str| {
-            super::costs::field(res, l, |k| k.db_cpu_us).map_or("—".into(), |u| format!("{u:.0}"))
-        };
+        let us =
+            |l: &str| field(res, l, |k| k.db_cpu_us).map_or("—".into(), |u| format!("{u:.0}"));
         let _ = writeln!(
             w,
             "| PostgreSQL's CPU per new key ≤ 1.5 × the floor's, {what} | {} µs against {} µs ({}) | {} |",

@@ -6,7 +6,6 @@ pub mod extract;
 pub mod ops;
 mod problems;
 pub mod reservations;
-pub mod views;
 
 use std::ops::Deref;
 use std::sync::Arc;

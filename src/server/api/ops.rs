@@ -10,10 +10,10 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::problems::StoreUnavailable;
-use super::views::{KeyFormat, LeaseExpiry};
 use crate::fingerprint;
 use crate::key;
 use crate::problem::{ApiError, DEFAULT_PROBLEM_BASE};
+use crate::server::views::{KeyFormat, LeaseExpiry};
 use crate::telemetry;
 
 /// How long readiness waits for the database.

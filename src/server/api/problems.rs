@@ -5,8 +5,8 @@
 
 use utoipa::IntoResponses;
 
-use super::views::RetryAfterSeconds;
 use crate::problem::Problem;
+use crate::server::views::RetryAfterSeconds;
 
 /// `400 invalid-request`.
 #[derive(IntoResponses)]

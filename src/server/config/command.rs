@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Arg, CommandFactory, Parser, Subcommand};
 
+use super::keys::KeysCommand;
 use super::{LogFormat, ProxyArgs, ServeArgs, StoreArgs};
 
 /// Server-side HTTP idempotency keys (IETF draft-ietf-httpapi-idempotency-key-header-07).
@@ -60,7 +61,7 @@ pub enum Command {
     Keys {
         /// What to do.
         #[command(subcommand)]
-        command: Box<crate::server::keys::KeysCommand>,
+        command: Box<KeysCommand>,
     },
     /// Print the OpenAPI document.
     Openapi {

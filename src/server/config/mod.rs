@@ -11,6 +11,7 @@
 mod admin;
 pub mod command;
 pub mod file;
+pub mod keys;
 mod policy;
 mod proxy;
 mod run;

@@ -87,7 +87,7 @@ pub struct RunArgs {
     /// URL, e.g. http://127.0.0.1:4318 (`/v1/traces` is added). Unset: no
     /// export. OTEL_SERVICE_NAME names the service (default idemgate).
     #[arg(long, env = "IDEMGATE_OTLP_ENDPOINT", value_name = "URL",
-          value_parser = crate::server::otel::parse_endpoint)]
+          value_parser = parse_endpoint)]
     pub otlp_endpoint: Option<String>,
 
     #[command(flatten)]
@@ -117,15 +117,6 @@ impl RunArgs {
         self.shutdown_grace
     }
 
-    /// How the listeners treat their connections.
-    pub fn serving(&self) -> crate::server::serve::Serving {
-        crate::server::serve::Serving {
-            grace: self.grace(),
-            header_read_timeout: self.header_read_timeout,
-            keep_alive_timeout: self.keep_alive_timeout,
-        }
-    }
-
     /// The per-tenant limits, 0 read as none.
     pub fn tenant_limits(&self) -> TenantLimits {
         TenantLimits {
@@ -139,6 +130,30 @@ impl RunArgs {
     pub fn sealer(&self) -> Result<Option<Sealer>, ConfigError> {
         self.seal.sealer()
     }
+}
+
+/// The parser of `--otlp-endpoint`: an `http://` or `https://` URL without
+/// credentials (they would show in logs), to which `/v1/traces` is added.
+pub fn parse_endpoint(s: &str) -> Result<String, String> {
+    let raw = s.trim();
+    let uri: http::Uri = raw.parse().map_err(|e| format!("not a URL: {e}"))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(
+            "expected an http:// or https:// URL, e.g. http://127.0.0.1:4318 (/v1/traces is \
+             added)"
+                .into(),
+        );
+    }
+    let Some(authority) = uri.authority() else {
+        return Err("names no host".into());
+    };
+    if authority.as_str().contains('@') {
+        return Err("credentials in the URL are not supported".into());
+    }
+    if uri.query().is_some() {
+        return Err("a query is not supported: give the collector's base URL".into());
+    }
+    Ok(raw.trim_end_matches('/').to_owned())
 }
 
 // === impl SealArgs ===

@@ -27,10 +27,10 @@ use serde::Deserialize;
 
 use crate::engine::Engine;
 use crate::problem::ApiError;
-use crate::server::api::views::CommitBody;
 use crate::server::auth::{bearer_token, refuse_cross_site};
 use crate::server::config::AdminAccess;
 use crate::server::operations::{self, Action, ListQuery, ResolveBody, list::StateFilter};
+use crate::server::views::CommitBody;
 
 /// What the console needs: the engine whose keys it shows, who may use it,
 /// and the largest response body an operator may enter.

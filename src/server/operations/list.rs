@@ -9,10 +9,9 @@ use utoipa::{IntoParams, ToSchema};
 use super::{KeyView, decode_cursor, encode_cursor, view};
 use crate::engine::Engine;
 use crate::problem::ApiError;
+use crate::server::config::keys::{DEFAULT_LIMIT, ListState};
 use crate::store::{KeyCursor, KeyQuery, KeyState};
 
-/// Keys a page holds when the operator names no limit.
-pub const DEFAULT_LIMIT: u32 = 100;
 /// The most keys one page holds.
 pub const MAX_LIMIT: u32 = 1000;
 /// The longest `older_than`: ten years, longer than any key lives.
@@ -54,6 +53,18 @@ pub enum StateFilter {
     Unknown,
     /// Completed.
     Completed,
+}
+
+impl From<ListState> for StateFilter {
+    /// The filter of `keys list --state`.
+    fn from(state: ListState) -> StateFilter {
+        match state {
+            ListState::Stuck => StateFilter::Stuck,
+            ListState::InFlight => StateFilter::InFlight,
+            ListState::Unknown => StateFilter::Unknown,
+            ListState::Completed => StateFilter::Completed,
+        }
+    }
 }
 
 /// One page of keys.

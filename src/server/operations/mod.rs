@@ -19,7 +19,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::problem::ApiError;
-use crate::server::api::views::{LeaseExpiry, MarkedUnknownView, Recovery};
+use crate::server::views::{LeaseExpiry, MarkedUnknownView, Recovery};
 use crate::store::{self, KeyCursor, Record};
 
 pub use counts::{Counts, counts};

@@ -9,7 +9,7 @@ use super::show::not_found;
 use super::{Action, KeyView, key_hash, view};
 use crate::engine::{Engine, Resolved, Settlement};
 use crate::problem::ApiError;
-use crate::server::api::views::CommitBody;
+use crate::server::views::{CommitBody, stored_response};
 
 /// The longest reason kept.
 const MAX_REASON: usize = 1000;
@@ -47,9 +47,7 @@ pub async fn resolve(
         )));
     }
     let response = match (body.action, body.response) {
-        (Action::Complete, Some(response)) => Some(
-            crate::server::api::reservations::held::stored_response(response, max_body_bytes)?,
-        ),
+        (Action::Complete, Some(response)) => Some(stored_response(response, max_body_bytes)?),
         (Action::Complete, None) => {
             return Err(ApiError::InvalidRequest(
                 "action complete needs response: {\"status\", \"headers\", \"body\" | \

@@ -34,11 +34,11 @@ use tower::Service;
 use tracing::Instrument as _;
 
 use super::headers::to_upstream;
-use super::tls::{self, Connector, Trust};
 use super::upgrade;
 use crate::layer::{NotExecuted, OutcomeUnknown, strip_connection_headers};
 use crate::problem::ApiError;
 use crate::server::config::ConfigError;
+use crate::server::tls::{self, Connector, Trust};
 
 /// Forwards requests to one upstream.
 #[derive(Clone)]

@@ -16,8 +16,6 @@ pub mod client;
 pub mod headers;
 pub mod mcp;
 pub mod routes;
-pub mod tcp;
-pub mod tls;
 mod upgrade;
 
 use std::path::PathBuf;
@@ -34,7 +32,7 @@ pub use client::ProxyClient;
 use crate::engine::Engine;
 use crate::layer::{IdempotencyLayer, LayerPolicy, Route, Tenant};
 use crate::server::config::{ConfigError, ProxyArgs};
-use crate::server::{serve, wiring};
+use crate::server::{open, serve, tls};
 use crate::store::Store;
 use crate::telemetry;
 
@@ -92,7 +90,7 @@ impl Proxy {
             );
             policy.answer_timeout = None;
         }
-        let engine = Arc::new(wiring::engine(&args.run, store.clone(), args.limits())?);
+        let engine = Arc::new(open::engine(&args.run, store.clone(), args.limits())?);
         let admin = admin::router(engine.clone(), args, &policy);
         let key_header = policy.key_header.clone();
         let require_key = policy.require_key;
@@ -164,7 +162,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     };
     // The listeners before the store: a start that fails for an address
     // leaves no new database behind.
-    wiring::check_database_url(&args.store)?;
+    open::check_database_url(&args.store)?;
     let listener = TcpListener::bind(args.listen).await.context(ConfigError {
         setting: "listen",
         problem: "cannot listen there".into(),
@@ -175,9 +173,9 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
             setting: "admin_listen",
             problem: "cannot listen there".into(),
         })?;
-    let store = wiring::open_store(&args.store, !args.run.no_migrate).await?;
+    let store = open::open_store(&args.store, !args.run.no_migrate).await?;
     let proxy = Proxy::build(&args, routes, store.clone())?;
-    let pruner = wiring::spawn_pruner(&args.run, store);
+    let pruner = open::spawn_pruner(&args.run, store);
     telemetry::record_pruned(0);
     tracing::info!(
         listen = %listener.local_addr()?,
@@ -201,7 +199,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let serving = args.run.serving();
+    let serving = serve::Serving::from(&args.run);
     let served = tokio::try_join!(
         serve::serve(listener, proxy.app, serving, until_stopped(stopped.clone())),
         serve::serve(admin, proxy.admin, serving, until_stopped(stopped)),

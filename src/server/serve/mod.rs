@@ -15,6 +15,7 @@ use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
 use crate::body::BodyIdleTimeout;
+use crate::server::config::RunArgs;
 
 /// How a listener treats its connections.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +31,17 @@ pub struct Serving {
     /// How long a connection may wait idle, its last response sent, for its
     /// next request before it is closed.
     pub keep_alive_timeout: Duration,
+}
+
+impl From<&RunArgs> for Serving {
+    /// How the listeners of `run`'s settings treat their connections.
+    fn from(run: &RunArgs) -> Serving {
+        Serving {
+            grace: run.grace(),
+            header_read_timeout: run.header_read_timeout,
+            keep_alive_timeout: run.keep_alive_timeout,
+        }
+    }
 }
 
 /// Request tracing for every listener. A 5xx is logged at WARN, not

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use idemgate::layer::Route;
 use idemgate::server::config::ProxyArgs;
+use idemgate::server::open::open_store;
 use idemgate::server::proxy::Proxy;
 use idemgate::server::serve::{self, Serving};
-use idemgate::server::wiring;
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -47,7 +47,7 @@ impl TestProxy {
         all.extend_from_slice(flags);
         let args = proxy_args(&all);
         args.validate().expect("valid settings");
-        let store = wiring::open_store(&args.store, true).await.expect("store");
+        let store = open_store(&args.store, true).await.expect("store");
         let proxy = Proxy::build(&args, routes, store).expect("proxy");
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -58,7 +58,7 @@ impl TestProxy {
         // for a shutdown.
         let serving = Serving {
             grace: Duration::from_secs(5),
-            ..args.run.serving()
+            ..Serving::from(&args.run)
         };
         let tasks = vec![
             tokio::spawn(serve::serve(

@@ -5,10 +5,8 @@
 use std::time::Instant;
 
 use axum::extract::{Path, State};
-use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::Response;
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as BASE64;
 
 use super::{MODE, bounded, reservation_id};
 use crate::engine::{CommitOutcome, Lookup, Refusal};
@@ -18,12 +16,11 @@ use crate::server::api::extract::{ApiJson, Tenant};
 use crate::server::api::problems::{
     InvalidRequest, LeaseLost, NotFound, PayloadTooLarge, StoreUnavailable, Unauthorized,
 };
-use crate::server::api::views::Recovery;
-use crate::server::api::views::{
+use crate::server::views::Recovery;
+use crate::server::views::{
     CommitBody, CompletedView, ExtendBody, ExtendedView, RecordView, UnknownBody,
-    completed_response, record_view,
+    completed_response, record_view, stored_response,
 };
-use crate::store::StoredResponse;
 use crate::telemetry::{self, Outcome};
 
 /// Store the response of the side effect and complete the key.
@@ -284,49 +281,4 @@ pub async fn get_reservation(
             Ok(axum::Json(record_view(id, &record, live, now)))
         }
     }
-}
-
-/// The commit's body as the response to store, checked.
-pub(crate) fn stored_response(body: CommitBody, max_body: usize) -> Result<StoredResponse> {
-    if !(100..=599).contains(&body.status) {
-        return Err(ApiError::InvalidRequest(format!(
-            "status is {}; it must be between 100 and 599",
-            body.status
-        )));
-    }
-    for (name, value) in &body.headers {
-        if HeaderName::from_bytes(name.as_bytes()).is_err() {
-            return Err(ApiError::InvalidRequest(format!(
-                "{name:?} is not a valid header name"
-            )));
-        }
-        if HeaderValue::from_str(value).is_err() {
-            return Err(ApiError::InvalidRequest(format!(
-                "the value of header {name:?} is not a valid header value"
-            )));
-        }
-    }
-    let bytes = match (body.body, body.body_base64) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::InvalidRequest(
-                "send either body or body_base64, not both".into(),
-            ));
-        }
-        (Some(text), None) => text.into_bytes(),
-        (None, Some(b64)) => BASE64.decode(b64.as_bytes()).map_err(|e| {
-            ApiError::InvalidRequest(format!("body_base64 is not valid base64: {e}"))
-        })?,
-        (None, None) => Vec::new(),
-    };
-    if bytes.len() > max_body {
-        return Err(ApiError::PayloadTooLarge(format!(
-            "the response body is {} bytes; the limit is {max_body} (IDEMGATE_MAX_BODY_BYTES)",
-            bytes.len()
-        )));
-    }
-    Ok(StoredResponse {
-        status: body.status,
-        headers: body.headers,
-        body: bytes,
-    })
 }

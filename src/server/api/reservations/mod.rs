@@ -13,16 +13,16 @@ pub mod held;
 use super::AppState;
 use super::extract::{ApiJson, Tenant};
 use super::problems::{PayloadTooLarge, StoreUnavailable, Unauthorized};
-use super::views::Recovery;
-use super::views::{
-    CompletedView, RepeatabilityResult, Replayed, RequestDescription, ReserveBody, ReservedState,
-    ReservedView, RetryAfterSeconds, completed_response,
-};
 use crate::engine::{Refusal, ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
 use crate::headers::{mark_replayed, prefer_wait, set_expires, set_repeatability_result};
 use crate::key::{self, Dialect, KeyError};
 use crate::problem::{ApiError, Problem, Result};
+use crate::server::views::Recovery;
+use crate::server::views::{
+    CompletedView, RepeatabilityResult, Replayed, RequestDescription, ReserveBody, ReservedState,
+    ReservedView, RetryAfterSeconds, completed_response,
+};
 use crate::telemetry::{self, Outcome};
 
 static KEY_HEADER: HeaderName = HeaderName::from_static("idempotency-key");

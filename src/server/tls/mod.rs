@@ -1,9 +1,11 @@
-//! The proxy's connections to its upstream: plain TCP for `http://`, TLS
-//! (rustls) for `https://`, with the upstream's certificate always checked
-//! — against the system's roots, or exactly the certificates of
-//! `--upstream-ca-file` — and the connect timeout bounding the TCP connect
-//! and the TLS handshake together. Under TLS or not, each connection's TCP
-//! stream is a [`TcpIo`], which learns of the upstream's close at once.
+//! The binary's connections out, to an upstream: the proxy's to the server
+//! it guards, and the OTLP exporter's to its collector. Plain TCP for
+//! `http://`, TLS (rustls) for `https://`, with the upstream's certificate
+//! always checked — against the system's roots, or exactly the certificates
+//! of `--upstream-ca-file` — and the connect timeout bounding the TCP
+//! connect and the TLS handshake together. Under TLS or not, each
+//! connection's TCP stream is a [`TcpIo`], which learns of the upstream's
+//! close at once.
 
 use std::error::Error as StdError;
 use std::future::Future;
@@ -22,7 +24,9 @@ use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 use tower::Service;
 
-use super::tcp::{TcpConnector, TcpIo};
+pub mod tcp;
+
+use tcp::{TcpConnector, TcpIo};
 
 /// Where the upstream's certificate is checked against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

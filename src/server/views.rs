@@ -1,9 +1,11 @@
-//! The reservation API's request bodies and response views (its OpenAPI
-//! schemas), and how records become those views.
+//! The wire shapes the doors share: the reservation API's request bodies
+//! and response views (its OpenAPI schemas), how records become those
+//! views, and how a commit's body becomes the response to store. The
+//! operations and every door that speaks JSON use them; they use no door.
 
 use std::fmt;
 
-use axum::http::StatusCode;
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -14,6 +16,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::headers::set_expires;
+use crate::problem::ApiError;
 use crate::store::{self, Record, StoredResponse};
 
 /// Body of `POST /v1/reservations`; every field is optional.
@@ -181,6 +184,55 @@ pub struct CommitBody {
     pub body: Option<String>,
     /// The body as base64, for bytes that are not text.
     pub body_base64: Option<String>,
+}
+
+/// The commit's body as the response to store, checked: a holder's commit,
+/// or an operator's resolve that completes a key.
+pub(crate) fn stored_response(
+    body: CommitBody,
+    max_body: usize,
+) -> Result<StoredResponse, ApiError> {
+    if !(100..=599).contains(&body.status) {
+        return Err(ApiError::InvalidRequest(format!(
+            "status is {}; it must be between 100 and 599",
+            body.status
+        )));
+    }
+    for (name, value) in &body.headers {
+        if HeaderName::from_bytes(name.as_bytes()).is_err() {
+            return Err(ApiError::InvalidRequest(format!(
+                "{name:?} is not a valid header name"
+            )));
+        }
+        if HeaderValue::from_str(value).is_err() {
+            return Err(ApiError::InvalidRequest(format!(
+                "the value of header {name:?} is not a valid header value"
+            )));
+        }
+    }
+    let bytes = match (body.body, body.body_base64) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::InvalidRequest(
+                "send either body or body_base64, not both".into(),
+            ));
+        }
+        (Some(text), None) => text.into_bytes(),
+        (None, Some(b64)) => BASE64.decode(b64.as_bytes()).map_err(|e| {
+            ApiError::InvalidRequest(format!("body_base64 is not valid base64: {e}"))
+        })?,
+        (None, None) => Vec::new(),
+    };
+    if bytes.len() > max_body {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "the response body is {} bytes; the limit is {max_body} (IDEMGATE_MAX_BODY_BYTES)",
+            bytes.len()
+        )));
+    }
+    Ok(StoredResponse {
+        status: body.status,
+        headers: body.headers,
+        body: bytes,
+    })
 }
 
 /// Body of `POST /v1/reservations/{id}/extend`.

@@ -1,4 +1,4 @@
-//! The proxy's TCP connections to its upstream, as the pool keeps them: a
+//! The TCP connections to an upstream, as a client's pool keeps them: a
 //! [`TcpIo`] asks the socket itself whenever tokio would call it not
 //! readable, so that a connection the upstream closed while it sat idle is
 //! known closed before a request is written on it.

@@ -1,0 +1,195 @@
+//! What a command runs on, opened from its settings: the store
+//! `DATABASE_URL` names (created and migrated, or not, as the command
+//! needs), the engine over it, and the pruning job. `serve`, `proxy`,
+//! `migrate`, `prune` and `keys` all open their store here.
+
+use std::sync::Arc;
+
+use crate::engine::{Engine, Limits};
+use crate::server::config::{ConfigError, RunArgs, StoreArgs};
+use crate::store::Store;
+
+/// How a command opens its store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opening {
+    /// Creates a SQLite file that is not there, and applies the pending
+    /// migrations: `serve`, `proxy`, `migrate`.
+    Migrate,
+    /// `serve` and `proxy` with `--no-migrate`: nothing is created or
+    /// migrated, and a database that cannot serve without migrations (none
+    /// there, no tables, migrations missing) refuses the start, saying what
+    /// to run. A server that is merely down is no refusal: the door answers
+    /// 503 until it is back.
+    NoMigrate,
+    /// A command that reads a database someone else set up (`keys`,
+    /// `prune`): a SQLite file that is not there is an error naming its
+    /// path, and nothing is created; one that is there is migrated.
+    Existing,
+}
+
+/// Opens the store `DATABASE_URL` names, applying migrations unless told not to.
+pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<dyn Store>> {
+    let opening = if migrate {
+        Opening::Migrate
+    } else {
+        Opening::NoMigrate
+    };
+    open_store_as(args, opening).await
+}
+
+/// A `--no-migrate` start's refusal of a database that cannot serve: `why`
+/// names it; the rest says what to run.
+fn not_set_up(why: &str) -> anyhow::Error {
+    ConfigError {
+        setting: "no_migrate",
+        problem: format!(
+            "{why}: run `idemgate migrate` on it first (with the same DATABASE_URL), or start \
+             without --no-migrate (the migrations are then applied at start)"
+        ),
+    }
+    .into()
+}
+
+/// Opens the store `DATABASE_URL` names, as `opening` says.
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres")),
+    allow(unused_variables)
+)]
+pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result<Arc<dyn Store>> {
+    let url = args.database_url.trim();
+    let migrate = opening != Opening::NoMigrate;
+    // `sqlite:rel.db` and `sqlite::memory:` are SQLite URLs too (sqlx reads
+    // them), so the scheme ends at the first colon.
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    match scheme {
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            use std::time::Duration;
+
+            use crate::store::{PgSettings, PgStore};
+            let settings = PgSettings {
+                max_connections: args.db_max_connections.max(1),
+                acquire_timeout: args.db_acquire_timeout.max(Duration::from_secs(1)),
+                statement_timeout: args.db_statement_timeout.max(Duration::from_secs(1)),
+            };
+            let store = PgStore::connect_lazy(url, &settings).map_err(|e| ConfigError {
+                setting: "database_url",
+                problem: format!("not a usable PostgreSQL URL: {}", e.reason()),
+            })?;
+            if migrate {
+                // The store's message names the cause and what to do about it.
+                store.migrate().await.map_err(|e| {
+                    anyhow::anyhow!(
+                        "could not apply migrations to the PostgreSQL database named by \
+                         DATABASE_URL (`serve` and `proxy` skip this step with --no-migrate): {}",
+                        e.reason()
+                    )
+                })?;
+            } else {
+                match store.not_set_up().await {
+                    Ok(None) => {}
+                    Ok(Some(why)) => return Err(not_set_up(&why)),
+                    // Down or unreachable: the door answers 503 until it is
+                    // back, and the log says why.
+                    Err(e) => tracing::warn!(
+                        error = e.reason(),
+                        "the database cannot be reached at start; requests answer 503 \
+                         store-unavailable until it can"
+                    ),
+                }
+            }
+            Ok(Arc::new(store))
+        }
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            let opened = match opening {
+                Opening::Migrate => crate::store::SqliteStore::open(url).await,
+                Opening::NoMigrate | Opening::Existing => {
+                    crate::store::SqliteStore::open_existing(url).await
+                }
+            };
+            let store = opened.map_err(|e| {
+                let why = e.reason();
+                if opening == Opening::NoMigrate && why.starts_with("no SQLite database at ") {
+                    return not_set_up(why.split(": nothing was created").next().unwrap_or(why));
+                }
+                ConfigError {
+                    setting: "database_url",
+                    problem: format!("cannot open the SQLite database: {why}"),
+                }
+                .into()
+            })?;
+            if migrate {
+                store.migrate().await.map_err(|e| {
+                    anyhow::anyhow!(
+                        "could not apply migrations to the SQLite database {url} \
+                         (`serve` and `proxy` skip this step with --no-migrate): {}",
+                        e.reason()
+                    )
+                })?;
+            } else {
+                let why = store.not_set_up().await.map_err(|e| {
+                    anyhow::anyhow!("cannot read the SQLite database {url}: {}", e.reason())
+                })?;
+                if let Some(why) = why {
+                    return Err(not_set_up(&format!("the SQLite database {url} {why}")));
+                }
+            }
+            tracing::info!(database = %url, "embedded SQLite store: one idemgate process per file");
+            Ok(Arc::new(store))
+        }
+        _ => Err(unsupported(scheme).into()),
+    }
+}
+
+/// Refuses a `DATABASE_URL` this build cannot open, before anything is bound
+/// or opened: a start refused for its URL names the URL, not a port in use.
+pub fn check_database_url(args: &StoreArgs) -> Result<(), ConfigError> {
+    let url = args.database_url.trim();
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    match scheme {
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(()),
+        #[cfg(feature = "sqlite")]
+        "sqlite" => Ok(()),
+        _ => Err(unsupported(scheme)),
+    }
+}
+
+/// Why `scheme` names no store of this build.
+fn unsupported(scheme: &str) -> ConfigError {
+    match scheme {
+        #[cfg(not(feature = "postgres"))]
+        "postgres" | "postgresql" => ConfigError {
+            setting: "database_url",
+            problem: "this idemgate was built without PostgreSQL (its `postgres` feature)".into(),
+        },
+        #[cfg(not(feature = "sqlite"))]
+        "sqlite" => ConfigError {
+            setting: "database_url",
+            problem: "this idemgate was built without SQLite (its `sqlite` feature)".into(),
+        },
+        _ => ConfigError {
+            setting: "database_url",
+            problem: format!(
+                "expected a postgres://… URL, or a SQLite one (sqlite://PATH, sqlite:PATH, \
+                 sqlite::memory:), got scheme {scheme:?}"
+            ),
+        },
+    }
+}
+
+/// The engine over `store` within `limits`, with the replay cache, seal keys
+/// and tenant limits of `run`.
+pub fn engine(run: &RunArgs, store: Arc<dyn Store>, limits: Limits) -> Result<Engine, ConfigError> {
+    Ok(Engine::new(store, limits)
+        .with_replay_cache(run.replay_cache_bytes)
+        .with_sealer(run.sealer()?)
+        .with_tenant_limits(run.tenant_limits()))
+}
+
+/// Starts the pruning job over `store`, unless `run` turns it off.
+pub fn spawn_pruner(run: &RunArgs, store: Arc<dyn Store>) -> Option<tokio::task::JoinHandle<()>> {
+    (!run.prune_interval.is_zero())
+        .then(|| tokio::spawn(crate::prune::run(store, run.prune_interval)))
+}
