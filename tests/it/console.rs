@@ -484,3 +484,72 @@ both_stores! {
         the_console_answers_its_own_page_only,
     ],
 }
+
+/// The proxy's admin listener serves the console under the same rule as
+/// its admin endpoints: behind its admin tokens, or closed off loopback
+/// without them; and the page links no `/docs`, which that listener lacks.
+async fn the_proxys_admin_listener_serves_the_console_under_the_rule(b: Backend) {
+    let upstream = common::upstream::Upstream::start().await;
+    let http = reqwest::Client::new();
+    let get = |base: String, auth: Option<&'static str>| {
+        let mut req = http
+            .get(format!("{base}/console/fragments/queue"))
+            .header("hx-request", "true");
+        if let Some(auth) = auth {
+            req = req.header("authorization", auth);
+        }
+        async move {
+            let res = req.send().await.unwrap();
+            let status = res.status().as_u16();
+            (status, res.text().await.unwrap())
+        }
+    };
+    let cases: [(&[&str], [(Option<&str>, u16, &str); 2]); 3] = [
+        (
+            &["--admin-tokens", ADMIN_TOKENS],
+            [(None, 401, "unauthorized"), (Some(ADMIN), 200, "No keys")],
+        ),
+        (
+            &["--admin-listen", "0.0.0.0:9090"],
+            [
+                (None, 403, "admin-disabled"),
+                (Some(ADMIN), 403, "admin-disabled"),
+            ],
+        ),
+        (&[], [(None, 200, "No keys"), (Some(ADMIN), 200, "No keys")]),
+    ];
+    for (flags, callers) in cases {
+        let proxy =
+            common::proxy::TestProxy::start(&b.url(), &upstream.url(), flags, Vec::new()).await;
+        for (auth, status, text) in callers {
+            let (got, body) = get(proxy.admin.clone(), auth).await;
+            assert_eq!(got, status, "{flags:?} {auth:?}: {body}");
+            assert!(body.contains(text), "{flags:?} {auth:?}: {body}");
+        }
+        let page = http
+            .get(format!("{}/console", proxy.admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(page.contains("idemgate console"), "{flags:?}");
+        assert!(!page.contains("href=\"/docs\""), "{flags:?}: {page}");
+    }
+}
+
+mod proxy_door {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres() {
+        the_proxys_admin_listener_serves_the_console_under_the_rule(Backend::postgres().await)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sqlite() {
+        the_proxys_admin_listener_serves_the_console_under_the_rule(Backend::sqlite().await).await;
+    }
+}
