@@ -15,7 +15,7 @@ pub const DEFAULT_LIMIT: u32 = 100;
 /// themselves.
 #[derive(Debug, Subcommand)]
 pub enum KeysCommand {
-    /// List keys, oldest first (`--state unknown`: the ones waiting for an
+    /// List keys, oldest first (`--state stuck`: the ones waiting for an
     /// operator).
     List(ListArgs),
     /// Show one key.
