@@ -504,7 +504,10 @@ async fn the_proxys_admin_listener_serves_the_console_under_the_rule(b: Backend)
             (status, res.text().await.unwrap())
         }
     };
-    let cases: [(&[&str], [(Option<&str>, u16, &str); 2]); 3] = [
+    // Flags, then for each caller (its Authorization) the status and a
+    // word of the answer.
+    type Expect = (Option<&'static str>, u16, &'static str);
+    let cases: [(&[&str], [Expect; 2]); 3] = [
         (
             &["--admin-tokens", ADMIN_TOKENS],
             [(None, 401, "unauthorized"), (Some(ADMIN), 200, "No keys")],
