@@ -392,6 +392,7 @@ pub struct KeyCursor {
 impl KeyQuery {
     /// The listing's filter as its statements spell it: a state, `stuck`,
     /// or none.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     pub(crate) fn state_text(&self) -> Option<&'static str> {
         match (self.state, self.stuck) {
             (Some(state), _) => Some(state.as_str()),
