@@ -152,8 +152,9 @@ impl Engine {
 
     /// The answer to settling a key [`find_key`](Engine::find_key) does not
     /// find: one an operator released (its row kept, with who released it,
-    /// until pruning) is not stuck — settled already — rather than unknown
-    /// to the store, so that settling twice says by whom; any other is not
+    /// until pruning or the next claim) is not stuck — settled already —
+    /// rather than unknown to the store, so that settling twice says by
+    /// whom; any other (never reserved, expired at its TTL, pruned) is not
     /// found.
     async fn not_stuck_or_not_found(
         &self,
@@ -161,7 +162,15 @@ impl Engine {
         key_hash: &[u8],
     ) -> Result<Resolved, EngineError> {
         match self.store.find_key(tenant, key_hash).await? {
-            Some(found) if found.record.resolution.is_some() => Ok(Resolved::NotStuck(found)),
+            Some(found)
+                if found
+                    .record
+                    .resolution
+                    .as_ref()
+                    .is_some_and(|r| r.action == crate::store::ResolveAction::Release) =>
+            {
+                Ok(Resolved::NotStuck(found))
+            }
             _ => Ok(Resolved::NotFound),
         }
     }

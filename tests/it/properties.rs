@@ -648,6 +648,9 @@ struct MRecord {
     expires_at: i64,
     /// Its holder chose `hold` for its lease's end.
     hold: bool,
+    /// An operator released it: expired at once, its row kept until pruned
+    /// or claimed again, so settling it again is "not stuck".
+    released: bool,
 }
 
 impl MRecord {
@@ -829,6 +832,7 @@ impl Model {
                                 response: None,
                                 expires_at: now + TTL,
                                 hold,
+                                released: false,
                             },
                         );
                         self.ids.push(Some(key));
@@ -895,9 +899,16 @@ impl Model {
                 Expect::Refused(self.refusal(id))
             }
             Op::Resolve { key, tag } => {
-                let Some(r) = self.records.get_mut(&key).filter(|r| r.expires_at > now) else {
+                let Some(r) = self.records.get_mut(&key) else {
                     return Expect::NoKey;
                 };
+                if r.expires_at <= now {
+                    return if r.released {
+                        Expect::NotStuck
+                    } else {
+                        Expect::NoKey
+                    };
+                }
                 let stuck = r.state == MState::Unknown
                     || (r.state == MState::InFlight && r.lease_end <= now);
                 if !stuck {
@@ -911,6 +922,7 @@ impl Model {
                     None => {
                         r.expires_at = now;
                         r.lease_end = now;
+                        r.released = true;
                     }
                 }
                 Expect::Resolved
