@@ -71,7 +71,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     serve::serve(
         listener,
-        api::router(state),
+        router(state),
         serve::Serving::from(&args.run),
         serve::shutdown_signal(),
     )

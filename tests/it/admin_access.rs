@@ -477,6 +477,13 @@ async fn the_binaries_refuse_and_say_so_at_start() {
             }
             None => assert_eq!(status, 200, "{body}"),
         }
+        // The binary serves the operators' console beside the endpoints.
+        let console = http
+            .get(format!("http://127.0.0.1:{port}/console"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(console.status(), 200, "{flags:?}: /console");
         let _ = child.kill();
         let _ = child.wait();
     }
