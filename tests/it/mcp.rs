@@ -230,3 +230,230 @@ async fn an_error_status_of_the_server_is_a_json_rpc_answer_first_and_replayed()
     // session, a bad header): the key is released, so the repeat is sent.
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 }
+
+/// What the calls-and-cancels upstream has seen.
+#[derive(Default)]
+struct Seen {
+    calls: AtomicUsize,
+    cancels: AtomicUsize,
+    /// The arguments of the last tool call.
+    arguments: std::sync::Mutex<Value>,
+}
+
+/// An MCP-ish upstream at `/mcp`: `slow` answers its result after 300 ms,
+/// `cancelled` answers `-32800` (the tool stopped after it began, as a
+/// server does on a client's cancel), anything else its result at once; a
+/// `notifications/cancelled` is counted and answered 202.
+async fn cancelling_upstream(seen: Arc<Seen>) -> String {
+    let app = axum::Router::new().route(
+        "/mcp",
+        axum::routing::post(move |axum::Json(message): axum::Json<Value>| {
+            let seen = seen.clone();
+            async move {
+                use axum::response::IntoResponse;
+                if message["method"] == "notifications/cancelled" {
+                    seen.cancels.fetch_add(1, Ordering::SeqCst);
+                    return http::StatusCode::ACCEPTED.into_response();
+                }
+                let n = seen.calls.fetch_add(1, Ordering::SeqCst) + 1;
+                *seen.arguments.lock().unwrap() = message["params"]["arguments"].clone();
+                let answer = match message["params"]["name"].as_str() {
+                    Some("cancelled") => json!({ "jsonrpc": "2.0", "id": message["id"],
+                        "error": { "code": -32800, "message": "Request cancelled" } }),
+                    Some("slow") => {
+                        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                        json!({ "jsonrpc": "2.0", "id": message["id"],
+                            "result": { "content": [{ "type": "text", "text": format!("call {n}") }] } })
+                    }
+                    _ => json!({ "jsonrpc": "2.0", "id": message["id"],
+                        "result": { "content": [{ "type": "text", "text": format!("call {n}") }] } }),
+                };
+                axum::Json(answer).into_response()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+/// A door on a new in-memory store in front of `up` (given as is: a base
+/// URL, or the endpoint's own).
+async fn plain_door(up: &str) -> axum::Router {
+    let args = common::proxy::proxy_args(&["--database-url", "sqlite::memory:"]);
+    let store = open_store(&args.store, true).await.unwrap();
+    door(up, Arc::new(common::faulty::Faulty::new(store))).await
+}
+
+/// `message` POSTed to the door as a client of `version` (none: no
+/// `MCP-Protocol-Version`); the status and the JSON message, if any.
+async fn post(app: &axum::Router, message: &Value, version: Option<&str>) -> (u16, Value) {
+    let mut req = Request::post("/mcp")
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream");
+    if let Some(version) = version {
+        req = req.header("mcp-protocol-version", version);
+    }
+    let res = app
+        .clone()
+        .oneshot(req.body(Body::from(message.to_string())).unwrap())
+        .await
+        .unwrap();
+    let status = res.status().as_u16();
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+fn tool_call(id: u64, tool: &str, arguments: Value, meta: Option<&str>) -> Value {
+    let mut message = json!({ "jsonrpc": "2.0", "id": id, "method": "tools/call",
+        "params": { "name": tool, "arguments": arguments } });
+    if let Some(key) = meta {
+        message["params"]["_meta"] = json!({ "dev.idemgate/idempotency-key": key });
+    }
+    message
+}
+
+/// A client's cancel of a guarded call is not forwarded: the tool runs to
+/// its end, its result is stored, and the retry gets it; a cancel of a call
+/// the door is not running goes to the server as it came.
+#[tokio::test]
+async fn a_cancel_of_a_running_guarded_call_is_absorbed_and_its_result_kept() {
+    common::logs::init();
+    let seen = Arc::new(Seen::default());
+    let app = plain_door(&cancelling_upstream(seen.clone()).await).await;
+    let key = fresh_key();
+
+    let first = {
+        let app = app.clone();
+        let call = tool_call(7, "slow", json!({ "amount": 5 }), Some(&key));
+        tokio::spawn(async move { post(&app, &call, None).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let cancel = json!({ "jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": { "requestId": 7, "reason": "timed out" } });
+    let (status, _) = post(&app, &cancel, None).await;
+    assert_eq!(status, 202);
+    assert_eq!(seen.cancels.load(Ordering::SeqCst), 0, "not forwarded");
+
+    let (_, first) = first.await.unwrap();
+    assert_eq!(first["result"]["content"][0]["text"], "call 1", "{first}");
+    let (_, retry) = post(
+        &app,
+        &tool_call(8, "slow", json!({ "amount": 5 }), Some(&key)),
+        None,
+    )
+    .await;
+    assert_eq!(retry["id"], 8);
+    assert_eq!(retry["result"], first["result"], "the replay: {retry}");
+    assert_eq!(seen.calls.load(Ordering::SeqCst), 1);
+
+    // Nothing of that id runs now: this cancel is the server's to read.
+    let (status, _) = post(&app, &cancel, None).await;
+    assert_eq!(status, 202);
+    assert_eq!(seen.cancels.load(Ordering::SeqCst), 1, "forwarded");
+}
+
+/// A JSON-RPC error that is not the call's result (`-32800` request
+/// cancelled: the tool began, then stopped) is never stored as the key's
+/// outcome: the key is held unknown, and no retry runs the tool again.
+#[tokio::test]
+async fn an_error_answer_after_the_tool_began_is_not_stored_and_holds_the_key() {
+    common::logs::init();
+    let seen = Arc::new(Seen::default());
+    let app = plain_door(&cancelling_upstream(seen.clone()).await).await;
+    let key = fresh_key();
+
+    let call = |id| tool_call(id, "cancelled", json!({ "amount": 5 }), Some(&key));
+    let (_, first) = post(&app, &call(1), None).await;
+    assert_eq!(
+        first["error"]["code"], -32800,
+        "the first gets the server's answer"
+    );
+    for (id, version) in [(2, None), (3, Some("2026-07-28"))] {
+        let (status, retry) = post(&app, &call(id), version).await;
+        assert_eq!(status, 200);
+        assert_eq!(retry["id"], id);
+        assert_eq!(retry["result"]["isError"], true, "{retry}");
+        let kind = retry["result"]["structuredContent"]["type"]
+            .as_str()
+            .unwrap();
+        assert!(kind.ends_with("/outcome-unknown"), "{retry}");
+    }
+    assert_eq!(seen.calls.load(Ordering::SeqCst), 1, "never run again");
+}
+
+/// Under 2026-07-28 every result the door writes carries
+/// `"resultType": "complete"` (a refusal, a replay of a result stored under
+/// an older version); under earlier versions none does.
+#[tokio::test]
+async fn results_the_door_writes_carry_result_type_under_2026_07_28_only() {
+    common::logs::init();
+    let seen = Arc::new(Seen::default());
+    let app = plain_door(&cancelling_upstream(seen.clone()).await).await;
+    let key = fresh_key();
+    let call = |id, amount| tool_call(id, "charge", json!({ "amount": amount }), Some(&key));
+
+    let (_, first) = post(&app, &call(1, 5), Some("2025-11-25")).await;
+    assert!(first["result"].get("resultType").is_none(), "{first}");
+    for version in ["2026-07-28", "2025-11-25", "2025-06-18"] {
+        let typed = version >= "2026-07-28";
+        let (_, replay) = post(&app, &call(2, 5), Some(version)).await;
+        assert_eq!(
+            replay["result"].get("resultType").is_some(),
+            typed,
+            "{version}: {replay}"
+        );
+        let (_, refusal) = post(&app, &call(3, 6), Some(version)).await;
+        assert_eq!(refusal["result"]["isError"], true, "{refusal}");
+        assert_eq!(
+            refusal["result"].get("resultType").and_then(Value::as_str),
+            typed.then_some("complete"),
+            "{version}: {refusal}"
+        );
+    }
+    // The version may be named in the request's `_meta` alone.
+    let mut by_meta = call(4, 7);
+    by_meta["params"]["_meta"]["io.modelcontextprotocol/protocolVersion"] = json!("2026-07-28");
+    let (_, refusal) = post(&app, &by_meta, None).await;
+    assert_eq!(refusal["result"]["resultType"], "complete", "{refusal}");
+    assert_eq!(seen.calls.load(Ordering::SeqCst), 1);
+}
+
+/// The runtime's key (`_meta`) beats the one a model invents per call,
+/// which never reaches the server; the server's endpoint URL as
+/// `--upstream` maps the door's `/mcp` onto it.
+#[tokio::test]
+async fn the_runtimes_key_beats_the_models_and_the_endpoint_url_is_an_upstream() {
+    common::logs::init();
+    let seen = Arc::new(Seen::default());
+    let up = cancelling_upstream(seen.clone()).await;
+    let app = plain_door(&format!("{up}/mcp")).await;
+    let key = fresh_key();
+    for id in 1..=3 {
+        let invented = format!("model-{id}");
+        let arguments = json!({ "amount": 5, "idempotency_key": invented });
+        let (status, answer) =
+            post(&app, &tool_call(id, "charge", arguments, Some(&key)), None).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["result"]["content"][0]["text"], "call 1", "{answer}");
+    }
+    assert_eq!(seen.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(*seen.arguments.lock().unwrap(), json!({ "amount": 5 }));
+}
+
+#[test]
+fn the_mcp_doors_default_wait_is_four_seconds_unless_set() {
+    let wait = |flags: &[&str]| {
+        let mut all = vec!["--upstream", "http://127.0.0.1:1"];
+        all.extend_from_slice(flags);
+        common::proxy::proxy_args(&all).default_wait().as_secs()
+    };
+    assert_eq!(wait(&["--protocol", "mcp"]), 4);
+    assert_eq!(wait(&["--protocol", "mcp", "--default-wait", "7"]), 7);
+    assert_eq!(wait(&["--protocol", "mcp", "--max-wait", "2"]), 2);
+    assert_eq!(wait(&[]), 10);
+}

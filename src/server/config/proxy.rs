@@ -128,6 +128,15 @@ pub struct ProxyArgs {
     )]
     pub mcp_tools: Option<Vec<String>>,
 
+    /// With --protocol mcp: add an optional `idempotency_key` argument to
+    /// each guarded tool's input schema in tools/list answers, for a model
+    /// to send. false leaves tools/list as the server wrote it, for a
+    /// runtime that sets the key itself (`_meta["dev.idemgate/idempotency-key"]`
+    /// or the key header) and keeps it out of the model's view.
+    #[arg(long, env = "IDEMGATE_MCP_ADVERTISE_KEY", value_name = "true|false",
+          default_value_t = true, action = clap::ArgAction::Set)]
+    pub mcp_advertise_key: bool,
+
     /// What a key's lease ending without news means (the proxy was killed,
     /// stalled or cut off from the database for longer than the lease):
     /// `hold` (the default) never sends it upstream again by itself, for the
@@ -147,7 +156,8 @@ pub struct ProxyArgs {
     /// request's answer, which it then gets replayed (at most
     /// IDEMGATE_MAX_WAIT), when it does not say itself with `Prefer: wait=N`;
     /// `Prefer: wait=0` asks for the immediate 409 request-in-flight, and 0
-    /// here answers every duplicate at once [default: 10, or
+    /// here answers every duplicate at once [default: 10, 4 with --protocol
+    /// mcp (the OpenAI Agents SDK's MCP session reads for 5 s), or
     /// IDEMGATE_MAX_WAIT if that is shorter].
     #[arg(
         long,
@@ -235,6 +245,11 @@ pub const ABANDON_AFTER: Duration = Duration::from_secs(300);
 /// `IDEMGATE_MAX_WAIT` is shorter.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
 
+/// [`DEFAULT_WAIT`] of the MCP door: a held tool call is answered before the
+/// official clients' request timeouts run out (the OpenAI Agents SDK's MCP
+/// session reads for 5 s).
+pub const MCP_DEFAULT_WAIT: Duration = Duration::from_secs(4);
+
 // === impl ProxyArgs ===
 
 impl ProxyArgs {
@@ -261,10 +276,16 @@ impl ProxyArgs {
     }
 
     /// How long a duplicate is held by default: `IDEMGATE_DEFAULT_WAIT` if
-    /// set, else [`DEFAULT_WAIT`], or `IDEMGATE_MAX_WAIT` if that is shorter.
+    /// set, else [`DEFAULT_WAIT`] ([`MCP_DEFAULT_WAIT`] for the MCP door),
+    /// or `IDEMGATE_MAX_WAIT` if that is shorter.
     pub fn default_wait(&self) -> Duration {
+        let default = if self.protocol == "mcp" {
+            MCP_DEFAULT_WAIT
+        } else {
+            DEFAULT_WAIT
+        };
         self.default_wait
-            .unwrap_or_else(|| DEFAULT_WAIT.min(Duration::from_secs(u64::from(self.max_wait()))))
+            .unwrap_or_else(|| default.min(Duration::from_secs(u64::from(self.max_wait()))))
     }
 
     /// The longest `Prefer: wait` honoured: `IDEMGATE_MAX_WAIT` if set, else

@@ -57,6 +57,9 @@ struct Upstream {
     /// The upstream URL's path without its trailing `/`, prefixed to every
     /// request's path.
     base_path: String,
+    /// The upstream URL is one endpoint (an MCP server's `/mcp`), not a
+    /// base: a request already under `base_path` goes there as it is.
+    endpoint: bool,
 }
 
 // === impl ProxyClient ===
@@ -119,9 +122,26 @@ impl ProxyClient {
                 scheme,
                 authority,
                 base_path: upstream.path().trim_end_matches('/').to_owned(),
+                endpoint: false,
             }),
             preserve_host,
         })
+    }
+
+    /// This client with its upstream URL taken as one endpoint rather than a
+    /// base: `--upstream http://host:8000/mcp` (the URL an MCP server gives)
+    /// maps the door's `/mcp` onto the server's `/mcp`, and `/` onto it too,
+    /// never onto `/mcp/mcp`; another path is still put under it.
+    #[must_use]
+    pub fn endpoint(mut self) -> ProxyClient {
+        let up = &self.upstream;
+        self.upstream = Arc::new(Upstream {
+            scheme: up.scheme.clone(),
+            authority: up.authority.clone(),
+            base_path: up.base_path.clone(),
+            endpoint: true,
+        });
+        self
     }
 
     /// Sends `req` upstream and returns the upstream's answer, or the proxy's
@@ -223,9 +243,28 @@ impl ProxyClient {
         Uri::builder()
             .scheme(up.scheme.clone())
             .authority(up.authority.clone())
-            .path_and_query(format!("{}{path_and_query}", up.base_path))
+            .path_and_query(up.path_for(path_and_query))
             .build()
             .map_err(|e| e.to_string())
+    }
+}
+
+// === impl Upstream ===
+
+impl Upstream {
+    /// The upstream's path and query for a request's (`/` and a path).
+    fn path_for(&self, path_and_query: &str) -> String {
+        let base = self.base_path.as_str();
+        if self.endpoint && !base.is_empty() {
+            let path = path_and_query.split('?').next().unwrap_or_default();
+            if path == base || path.starts_with(&format!("{base}/")) {
+                return path_and_query.to_owned();
+            }
+            if path == "/" {
+                return format!("{base}{}", &path_and_query[1..]);
+            }
+        }
+        format!("{base}{path_and_query}")
     }
 }
 
@@ -316,6 +355,22 @@ mod tests {
             false,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn an_endpoint_upstream_takes_its_own_path_and_the_root_as_it_is() {
+        let mcp = client("http://127.0.0.1:8000/mcp").endpoint();
+        let target = |t: &str| mcp.target(&t.parse().unwrap()).unwrap().to_string();
+        assert_eq!(target("/mcp"), "http://127.0.0.1:8000/mcp");
+        assert_eq!(target("/mcp/"), "http://127.0.0.1:8000/mcp/");
+        assert_eq!(target("/"), "http://127.0.0.1:8000/mcp");
+        assert_eq!(target("/?a=1"), "http://127.0.0.1:8000/mcp?a=1");
+        assert_eq!(target("/mcpx"), "http://127.0.0.1:8000/mcp/mcpx");
+        let bare = client("http://127.0.0.1:8000").endpoint();
+        assert_eq!(
+            bare.target(&"/mcp".parse().unwrap()).unwrap().to_string(),
+            "http://127.0.0.1:8000/mcp"
+        );
     }
 
     #[test]

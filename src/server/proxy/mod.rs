@@ -78,6 +78,7 @@ impl Proxy {
             args.preserve_host,
         )?;
         let mcp = args.protocol == "mcp";
+        let client = if mcp { client.endpoint() } else { client };
         let mut policy = layer_policy(args, routes);
         if mcp {
             // A tool call's fingerprint is its name and arguments; an MCP
@@ -102,6 +103,7 @@ impl Proxy {
                 client,
                 &layer,
                 args.mcp_tools.clone(),
+                args.mcp_advertise_key,
                 key_header,
                 require_key,
                 max_body_bytes,

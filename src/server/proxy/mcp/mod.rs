@@ -7,11 +7,13 @@
 //!   protocol headers) but two messages: `tools/list` answers, whose guarded
 //!   tools gain an optional `idempotency_key` argument in their input schema
 //!   (`tools.rs`), and `tools/call` requests of guarded tools.
-//! * A guarded call's key is its `idempotency_key` argument (removed before
-//!   it is forwarded, unless the tool declares it), or
-//!   `params._meta["dev.idemgate/idempotency-key"]`, or the key header; the
-//!   call then goes through the same layer as the HTTP door, with the key in
-//!   the header and a fingerprint over the tool's name and arguments (the
+//! * A guarded call's key is, first found, its
+//!   `params._meta["dev.idemgate/idempotency-key"]` or the key header (set
+//!   by a runtime, which mints keys from the attempt's identity), then its
+//!   `idempotency_key` argument (set by a model). The argument is removed
+//!   before the call is forwarded, unless the tool declares it. The call
+//!   then goes through the same layer as the HTTP door, with the key in the
+//!   header and a fingerprint over the tool's name and arguments (the
 //!   JSON-RPC `id` and `_meta` are ignored). A call without a key passes
 //!   through unguarded, as the HTTP door passes a request without one.
 //! * The layer's answer goes back as MCP clients take it: a first call's
@@ -20,9 +22,17 @@
 //!   accepts it (`application/json` or one server-sent event); a refusal as
 //!   a tool result with `isError` and the problem in `structuredContent`
 //!   (`key-reused`, `request-in-flight`, `outcome-unknown`, `key-invalid`);
-//!   a store or upstream that is away as a JSON-RPC error.
+//!   a store or upstream that is away as a JSON-RPC error. Every result the
+//!   door writes is valid under the protocol version the request names
+//!   (`protocol.rs`).
+//! * A `notifications/cancelled` for a guarded call the server is running
+//!   is answered `202` and not forwarded: the call runs to its end and its
+//!   result is stored, as when an HTTP client hangs up. An answer that is
+//!   not the call's result (a JSON-RPC error, a broken stream) is never
+//!   stored (`upstream.rs`).
 
 mod messages;
+mod protocol;
 mod tools;
 mod upstream;
 
@@ -38,8 +48,9 @@ use serde_json::{Map, Value, json};
 use tower::{Layer, ServiceExt};
 
 use self::messages::Form;
+use self::protocol::Protocol;
 use self::tools::{Catalogue, KEY_ARGUMENT};
-use self::upstream::{CallId, McpUpstream};
+use self::upstream::{CallId, McpUpstream, Running};
 use crate::layer::{Idempotency, IdempotencyLayer};
 use crate::problem::{ApiError, OwnProblem};
 use crate::server::proxy::ProxyClient;
@@ -57,6 +68,7 @@ const UNAVAILABLE: i64 = -32000;
 struct Door {
     client: ProxyClient,
     guarded: Idempotency<McpUpstream>,
+    running: Arc<Running>,
     catalogue: Catalogue,
     key_header: HeaderName,
     require_key: bool,
@@ -64,21 +76,26 @@ struct Door {
 }
 
 /// The router of the MCP door: `client` to the upstream, guarded calls
-/// through `layer`.
+/// through `layer`; `advertise_key` adds the key argument to guarded tools'
+/// schemas in `tools/list` answers.
 pub fn router(
     client: ProxyClient,
     layer: &IdempotencyLayer,
     guarded_tools: Option<Vec<String>>,
+    advertise_key: bool,
     key_header: HeaderName,
     require_key: bool,
     max_body_bytes: usize,
 ) -> Router {
+    let running = Arc::new(Running::default());
     let door = Door {
         guarded: layer.layer(McpUpstream {
             client: client.clone(),
+            running: running.clone(),
         }),
         client,
-        catalogue: Catalogue::new(guarded_tools),
+        running,
+        catalogue: Catalogue::new(guarded_tools, advertise_key),
         key_header,
         require_key,
         max_body_bytes,
@@ -122,6 +139,20 @@ async fn handle(State(door): State<Arc<Door>>, req: Request<Body>) -> Response {
             let id = id.clone();
             let message = message.unwrap_or_default();
             door.call(parts, bytes, message, id).await
+        }
+        (Some("notifications/cancelled"), None)
+            if message
+                .as_ref()
+                .and_then(|m| m.pointer("/params/requestId"))
+                .is_some_and(|id| door.running.is_running(&parts.headers, id)) =>
+        {
+            // The call runs to its end and its result is stored: a
+            // cancelled tool may already have acted.
+            tracing::info!(
+                "a client cancelled a guarded tool call the server is running; the call runs to \
+                 its end, and its result is kept for the retry"
+            );
+            StatusCode::ACCEPTED.into_response()
         }
         (Some("tools/list"), Some(id)) => {
             let id = id.clone();
@@ -178,7 +209,7 @@ impl Door {
         mut message: Value,
         id: Value,
     ) -> Response {
-        let accept = parts.headers.clone();
+        let asker = Asker::of(&parts.headers, &message, id.clone());
         let Some(name) = message.pointer("/params/name").and_then(Value::as_str) else {
             return self
                 .forward(Request::from_parts(parts, Body::from(bytes)))
@@ -191,11 +222,11 @@ impl Door {
                 .await;
         }
         let tool = self.catalogue.tool(&name);
-        let key = match take_key(&mut message, !tool.declares_key) {
+        let asker = asker.with_typed_output(tool.typed_output);
+        let in_header = parts.headers.contains_key(&self.key_header);
+        let key = match take_key(&mut message, !tool.declares_key, in_header) {
             Ok(key) => key,
-            Err(why) => {
-                return refused(&id, &accept, tool.typed_output, &ApiError::KeyInvalid(why));
-            }
+            Err(why) => return asker.refused(&ApiError::KeyInvalid(why)),
         };
         match key {
             Some(key) => match sf_string(&key) {
@@ -206,10 +237,10 @@ impl Door {
                     let e = ApiError::KeyInvalid(
                         "the idempotency key must be printable ASCII (1 to 255 characters)".into(),
                     );
-                    return refused(&id, &accept, tool.typed_output, &e);
+                    return asker.refused(&e);
                 }
             },
-            None if parts.headers.contains_key(&self.key_header) || self.require_key => {}
+            None if in_header || self.require_key => {}
             None => {
                 return self
                     .forward(Request::from_parts(parts, Body::from(bytes)))
@@ -228,30 +259,37 @@ impl Door {
             Ok(res) => res,
             Err(never) => match never {},
         };
-        answered(res, &id, &accept, tool.typed_output).await
+        answered(res, &asker).await
     }
 }
 
-/// Takes the call's key out of its arguments (leaving it where the tool
-/// declares it, `strip` false), or reads it from its `_meta`.
-fn take_key(message: &mut Value, strip: bool) -> Result<Option<String>, String> {
-    let arguments = message
+/// The call's key, first found: its `_meta["dev.idemgate/idempotency-key"]`
+/// and the key header (`in_header`: then `None`, the layer reads it), set
+/// by a runtime; then its `idempotency_key` argument, set by a model. The
+/// argument is taken out of the call either way (`strip`: unless the tool
+/// declares it), so the server never sees a key the runtime's overrode.
+fn take_key(message: &mut Value, strip: bool, in_header: bool) -> Result<Option<String>, String> {
+    let argument = message
         .pointer_mut("/params/arguments")
-        .and_then(Value::as_object_mut);
-    if let Some(arguments) = arguments
-        && let Some(key) = arguments.get(KEY_ARGUMENT)
-    {
-        let Value::String(key) = key.clone() else {
-            return Err(format!("the {KEY_ARGUMENT} argument must be a string"));
-        };
-        if strip {
-            arguments.remove(KEY_ARGUMENT);
-        }
-        return Ok(Some(key));
-    }
+        .and_then(Value::as_object_mut)
+        .and_then(|arguments| {
+            if strip {
+                arguments.remove(KEY_ARGUMENT)
+            } else {
+                arguments.get(KEY_ARGUMENT).cloned()
+            }
+        });
     match message.pointer(&format!("/params/_meta/{}", META_KEY.replace('/', "~1"))) {
-        Some(Value::String(key)) => Ok(Some(key.clone())),
-        Some(_) => Err(format!("_meta[\"{META_KEY}\"] must be a string")),
+        Some(Value::String(key)) => return Ok(Some(key.clone())),
+        Some(_) => return Err(format!("_meta[\"{META_KEY}\"] must be a string")),
+        None => {}
+    }
+    if in_header {
+        return Ok(None);
+    }
+    match argument {
+        Some(Value::String(key)) => Ok(Some(key)),
+        Some(_) => Err(format!("the {KEY_ARGUMENT} argument must be a string")),
         None => Ok(None),
     }
 }
@@ -265,8 +303,108 @@ fn sf_string(key: &str) -> Option<HeaderValue> {
     HeaderValue::from_str(&quoted).ok()
 }
 
+/// Who asked for a guarded call, as far as its answer depends on it: the
+/// call's JSON-RPC `id`, the forms its `Accept` takes, its protocol version,
+/// and whether its tool's output schema would refuse a problem.
+struct Asker {
+    id: Value,
+    headers: HeaderMap,
+    protocol: Protocol,
+    typed_output: bool,
+}
+
+impl Asker {
+    fn of(headers: &HeaderMap, message: &Value, id: Value) -> Asker {
+        let mut accept = HeaderMap::new();
+        for value in headers.get_all(http::header::ACCEPT) {
+            accept.append(http::header::ACCEPT, value.clone());
+        }
+        Asker {
+            id,
+            headers: accept,
+            protocol: Protocol::of(headers, message),
+            typed_output: false,
+        }
+    }
+
+    fn with_typed_output(mut self, typed_output: bool) -> Asker {
+        self.typed_output = typed_output;
+        self
+    }
+
+    /// The form to answer in, `preferred` where the asker takes it.
+    fn form(&self, preferred: Form) -> Form {
+        Form::for_request(&self.headers, preferred)
+    }
+
+    /// A JSON-RPC result of this call: `result` made complete under its
+    /// protocol.
+    fn result(&self, mut result: Value) -> Value {
+        self.protocol.complete(&mut result);
+        messages::result(&self.id, result)
+    }
+
+    /// A refusal of the door's own.
+    fn refused(&self, e: &ApiError) -> Response {
+        let problem = serde_json::to_value(e.problem(crate::problem::DEFAULT_PROBLEM_BASE))
+            .unwrap_or_default();
+        self.problem_answer(e.status(), problem)
+    }
+
+    /// An idemgate problem as an MCP answer: a refusal the model can read (a
+    /// tool result with `isError`), or, for what is no refusal of the call
+    /// (a store or upstream away, a fault), a JSON-RPC error.
+    ///
+    /// The refusal's problem goes in `structuredContent`, and in
+    /// `_meta["dev.idemgate/problem"]`; for a tool whose `outputSchema` a
+    /// problem would not satisfy (`typed_output`), only in `_meta` under a
+    /// protocol before 2026-07-28: the TypeScript SDK of those versions
+    /// checks an error result's `structuredContent` against that schema
+    /// too, and would turn the refusal into a protocol error the model never
+    /// sees.
+    fn problem_answer(&self, status: StatusCode, problem: Value) -> Response {
+        let title = problem["title"].as_str().unwrap_or("Refused").to_owned();
+        let detail = problem["detail"].as_str().unwrap_or_default().to_owned();
+        let slug = problem["type"]
+            .as_str()
+            .and_then(|t| t.rsplit('/').next())
+            .unwrap_or_default()
+            .to_owned();
+        let message = if status.is_client_error() && status != StatusCode::PAYLOAD_TOO_LARGE {
+            let mut text = format!("idemgate refused this call ({slug}): {detail}");
+            if !text.ends_with('.') {
+                text.push('.');
+            }
+            if let Some(secs) = problem["retry_after_seconds"].as_u64() {
+                text.push_str(&format!(
+                    " Repeat the call with the same idempotency_key in {secs} s."
+                ));
+            }
+            let structured: Map<String, Value> = problem.as_object().cloned().unwrap_or_default();
+            let mut result = json!({
+                "content": [{ "type": "text", "text": text }],
+                "isError": true,
+                "_meta": { PROBLEM_META: structured },
+            });
+            if !self.typed_output || self.protocol.structures_every_error() {
+                result["structuredContent"] = Value::Object(structured);
+            }
+            self.result(result)
+        } else {
+            messages::error(
+                &self.id,
+                UNAVAILABLE,
+                &format!("idemgate: {title}: {detail}"),
+                Some(problem),
+            )
+        };
+        messages::answer(self.form(Form::Json), &message, HeaderMap::new())
+    }
+}
+
 /// The layer's answer to a guarded call, as its MCP client takes it.
-async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: bool) -> Response {
+async fn answered(res: Response, asker: &Asker) -> Response {
+    let id = &asker.id;
     if let Some(OwnProblem(_)) = res.extensions().get::<OwnProblem>().copied() {
         let (parts, body) = res.into_parts();
         let problem = body
@@ -275,7 +413,7 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: 
             .ok()
             .and_then(|b| serde_json::from_slice::<Value>(&b.to_bytes()).ok())
             .unwrap_or_else(|| json!({ "status": parts.status.as_u16() }));
-        return problem_answer(id, request, parts.status, problem, typed_output);
+        return asker.problem_answer(parts.status, problem);
     }
     let replayed = res
         .headers()
@@ -291,7 +429,7 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: 
     if (status.is_client_error() || status.is_server_error())
         && (replayed || status != StatusCode::NOT_FOUND)
     {
-        return error_status(res, id, request, replayed).await;
+        return error_status(res, asker, replayed).await;
     }
     if !replayed {
         return res;
@@ -309,11 +447,7 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: 
              keep (IDEMGATE_MAX_BODY_BYTES), so it cannot be given again",
             None,
         );
-        return messages::answer(
-            Form::for_request(request, Form::Json),
-            &message,
-            HeaderMap::new(),
-        );
+        return messages::answer(asker.form(Form::Json), &message, HeaderMap::new());
     }
     let (parts, body) = res.into_parts();
     let Some(stored_form) = Form::of(&parts.headers) else {
@@ -335,12 +469,16 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: 
         Some(stored) => {
             let mut message = stored.clone();
             message["id"] = id.clone();
+            // Stored under one protocol version, replayed under another.
+            if let Some(result) = message.get_mut("result") {
+                asker.protocol.complete(result);
+            }
             message
         }
         // What an operator settled the key with (`idemgate keys resolve
         // --complete`) may be the tool's result alone.
         None => match messages.last() {
-            Some(result @ Value::Object(_)) => messages::result(id, result.clone()),
+            Some(result @ Value::Object(_)) => asker.result(result.clone()),
             _ => return Response::from_parts(parts, Body::from(bytes)),
         },
     };
@@ -348,7 +486,7 @@ async fn answered(res: Response, id: &Value, request: &HeaderMap, typed_output: 
     headers.remove(http::header::ETAG);
     // The first caller's session is not the repeat's.
     headers.remove(MCP_SESSION_ID);
-    messages::answer(Form::for_request(request, stored_form), &message, headers)
+    messages::answer(asker.form(stored_form), &message, headers)
 }
 
 /// The session header, never handed from one session's answer to another.
@@ -357,7 +495,8 @@ const MCP_SESSION_ID: &str = "mcp-session-id";
 /// An answer with an HTTP error status, as a JSON-RPC message at 200: the
 /// server's own JSON-RPC message where the body holds one (with the call's
 /// `id`), else a JSON-RPC error that names the status.
-async fn error_status(res: Response, id: &Value, request: &HeaderMap, replayed: bool) -> Response {
+async fn error_status(res: Response, asker: &Asker, replayed: bool) -> Response {
+    let id = &asker.id;
     let (parts, body) = res.into_parts();
     let status = parts.status;
     let bytes = body
@@ -377,6 +516,9 @@ async fn error_status(res: Response, id: &Value, request: &HeaderMap, replayed: 
     let message = match found {
         Some(mut message) => {
             message["id"] = id.clone();
+            if let Some(result) = message.get_mut("result") {
+                asker.protocol.complete(result);
+            }
             message
         }
         None => {
@@ -407,74 +549,7 @@ async fn error_status(res: Response, id: &Value, request: &HeaderMap, replayed: 
     if replayed {
         headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
-    messages::answer(
-        Form::for_request(request, form.unwrap_or(Form::Json)),
-        &message,
-        headers,
-    )
-}
-
-/// A refusal of the door's own.
-fn refused(id: &Value, request: &HeaderMap, typed_output: bool, e: &ApiError) -> Response {
-    let problem =
-        serde_json::to_value(e.problem(crate::problem::DEFAULT_PROBLEM_BASE)).unwrap_or_default();
-    problem_answer(id, request, e.status(), problem, typed_output)
-}
-
-/// An idemgate problem as an MCP answer: a refusal the model can read (a
-/// tool result with `isError`), or, for what is no refusal of the call (a
-/// store or upstream away, a fault), a JSON-RPC error.
-///
-/// The refusal's problem goes in `structuredContent`, and in
-/// `_meta["dev.idemgate/problem"]`; for a tool whose `outputSchema` a
-/// problem would not satisfy (`typed_output`), only in `_meta`: the
-/// TypeScript SDK checks an error result's `structuredContent` against that
-/// schema too, and would turn the refusal into a protocol error the model
-/// never sees.
-fn problem_answer(
-    id: &Value,
-    request: &HeaderMap,
-    status: StatusCode,
-    problem: Value,
-    typed_output: bool,
-) -> Response {
-    let title = problem["title"].as_str().unwrap_or("Refused").to_owned();
-    let detail = problem["detail"].as_str().unwrap_or_default().to_owned();
-    let slug = problem["type"]
-        .as_str()
-        .and_then(|t| t.rsplit('/').next())
-        .unwrap_or_default()
-        .to_owned();
-    let form = Form::for_request(request, Form::Json);
-    let message = if status.is_client_error() && status != StatusCode::PAYLOAD_TOO_LARGE {
-        let mut text = format!("idemgate refused this call ({slug}): {detail}");
-        if !text.ends_with('.') {
-            text.push('.');
-        }
-        if let Some(secs) = problem["retry_after_seconds"].as_u64() {
-            text.push_str(&format!(
-                " Repeat the call with the same idempotency_key in {secs} s."
-            ));
-        }
-        let structured: Map<String, Value> = problem.as_object().cloned().unwrap_or_default();
-        let mut result = json!({
-            "content": [{ "type": "text", "text": text }],
-            "isError": true,
-            "_meta": { PROBLEM_META: structured },
-        });
-        if !typed_output {
-            result["structuredContent"] = Value::Object(structured);
-        }
-        messages::result(id, result)
-    } else {
-        messages::error(
-            id,
-            UNAVAILABLE,
-            &format!("idemgate: {title}: {detail}"),
-            Some(problem),
-        )
-    };
-    messages::answer(form, &message, HeaderMap::new())
+    messages::answer(asker.form(form.unwrap_or(Form::Json)), &message, headers)
 }
 
 #[cfg(test)]
@@ -482,20 +557,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_key_comes_from_the_argument_or_meta_and_the_argument_is_removed() {
+    fn the_runtimes_key_comes_first_and_the_argument_is_removed_all_the_same() {
         let mut call = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
             "params": { "name": "charge", "arguments": { "amount": 5, "idempotency_key": "k1" } } });
-        assert_eq!(take_key(&mut call, true), Ok(Some("k1".into())));
+        assert_eq!(take_key(&mut call, true, false), Ok(Some("k1".into())));
         assert_eq!(call["params"]["arguments"], json!({ "amount": 5 }));
         let mut own = json!({ "params": { "arguments": { "idempotency_key": "k2" } } });
-        assert_eq!(take_key(&mut own, false), Ok(Some("k2".into())));
+        assert_eq!(take_key(&mut own, false, false), Ok(Some("k2".into())));
         assert_eq!(own["params"]["arguments"]["idempotency_key"], "k2");
         let mut meta = json!({ "params": { "arguments": {},
             "_meta": { "dev.idemgate/idempotency-key": "k3" } } });
-        assert_eq!(take_key(&mut meta, true), Ok(Some("k3".into())));
+        assert_eq!(take_key(&mut meta, true, false), Ok(Some("k3".into())));
         let mut bad = json!({ "params": { "arguments": { "idempotency_key": 7 } } });
-        assert!(take_key(&mut bad, true).is_err());
-        assert_eq!(take_key(&mut json!({ "params": {} }), true), Ok(None));
+        assert!(take_key(&mut bad, true, false).is_err());
+        assert_eq!(
+            take_key(&mut json!({ "params": {} }), true, false),
+            Ok(None)
+        );
+
+        // The runtime's key beats the model's, which the server never sees.
+        let mut both = json!({ "params": {
+            "arguments": { "amount": 5, "idempotency_key": "invented" },
+            "_meta": { "dev.idemgate/idempotency-key": "runtime" } } });
+        assert_eq!(take_key(&mut both, true, false), Ok(Some("runtime".into())));
+        assert_eq!(both["params"]["arguments"], json!({ "amount": 5 }));
+        let mut header = json!({ "params": {
+            "arguments": { "amount": 5, "idempotency_key": 7 } } });
+        assert_eq!(take_key(&mut header, true, true), Ok(None));
+        assert_eq!(header["params"]["arguments"], json!({ "amount": 5 }));
     }
 
     #[test]

@@ -36,11 +36,14 @@ pub(super) struct Tool {
 pub(super) struct Catalogue {
     /// `IDEMGATE_MCP_TOOLS`: `None` guards what is not read-only.
     named: Option<Vec<String>>,
+    /// `IDEMGATE_MCP_ADVERTISE_KEY`: add the key argument to guarded tools'
+    /// input schemas.
+    advertise: bool,
     tools: RwLock<HashMap<String, Tool>>,
 }
 
 impl Catalogue {
-    pub(super) fn new(named: Option<Vec<String>>) -> Catalogue {
+    pub(super) fn new(named: Option<Vec<String>>, advertise: bool) -> Catalogue {
         let named = named.map(|names| {
             names
                 .into_iter()
@@ -50,6 +53,7 @@ impl Catalogue {
         });
         Catalogue {
             named,
+            advertise,
             tools: RwLock::default(),
         }
     }
@@ -71,7 +75,7 @@ impl Catalogue {
     }
 
     /// Learns the tools of a `tools/list` result and adds the key argument
-    /// to each guarded one's input schema.
+    /// to each guarded one's input schema (unless told not to advertise it).
     pub(super) fn list(&self, result: &mut Value) {
         let Some(tools) = result.get_mut("tools").and_then(Value::as_array_mut) else {
             return;
@@ -104,6 +108,9 @@ impl Catalogue {
         {
             let mut known = self.tools.write().unwrap_or_else(|e| e.into_inner());
             known.extend(learnt.iter().cloned());
+        }
+        if !self.advertise {
+            return;
         }
         for (tool, (name, known)) in tools
             .iter_mut()
@@ -184,7 +191,7 @@ mod tests {
 
     #[test]
     fn guarded_tools_gain_the_key_argument_and_read_only_ones_do_not() {
-        let catalogue = Catalogue::new(None);
+        let catalogue = Catalogue::new(None, true);
         assert!(catalogue.guarded("never_listed"));
         let mut result = listed();
         catalogue.list(&mut result);
@@ -201,6 +208,16 @@ mod tests {
         assert!(catalogue.tool("own_key").declares_key);
         assert!(catalogue.tool("own_key").typed_output);
         assert!(!catalogue.tool("charge").typed_output);
+    }
+
+    #[test]
+    fn without_advertising_the_answer_stays_as_the_server_wrote_it() {
+        let catalogue = Catalogue::new(None, false);
+        let mut result = listed();
+        catalogue.list(&mut result);
+        assert_eq!(result, listed());
+        assert!(catalogue.guarded("charge"));
+        assert!(!catalogue.guarded("balance"));
     }
 
     #[test]
@@ -223,7 +240,7 @@ mod tests {
 
     #[test]
     fn named_tools_are_the_only_guarded_ones() {
-        let catalogue = Catalogue::new(Some(vec!["balance".into()]));
+        let catalogue = Catalogue::new(Some(vec!["balance".into()]), true);
         let mut result = listed();
         catalogue.list(&mut result);
         assert!(catalogue.guarded("balance"));
@@ -233,6 +250,6 @@ mod tests {
                 .get(KEY_ARGUMENT)
                 .is_none()
         );
-        assert!(Catalogue::new(Some(vec!["*".into()])).guarded("anything"));
+        assert!(Catalogue::new(Some(vec!["*".into()]), true).guarded("anything"));
     }
 }

@@ -6,14 +6,18 @@
 //! * A JSON-RPC error that says the call never reached the tool (parse
 //!   error, invalid request, method not found, invalid params) or a `4xx`
 //!   (no session, a bad header): not executed, the key is released.
-//! * A body that breaks off, or a `2xx` without the call's response: the
-//!   tool may have run, so the outcome is unknown (§2).
+//! * Any other JSON-RPC error (`-32800` request cancelled, `-32603`), a body
+//!   that breaks off, or a `2xx` without the call's response: the tool may
+//!   have run and this is not its result, so it is never stored; the
+//!   outcome is unknown (§2).
 //! * A release status (`IDEMGATE_RELEASE_STATUSES`) is released by the
 //!   layer; any other `5xx` is stored, as the HTTP door stores a `500`.
 //! * Anything else, a tool result with `isError` included, is stored: the
 //!   tool ran.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use axum::body::Body;
@@ -43,6 +47,61 @@ pub(super) struct CallId(pub Value);
 #[derive(Clone)]
 pub(super) struct McpUpstream {
     pub client: ProxyClient,
+    pub running: Arc<Running>,
+}
+
+/// The guarded calls the MCP server is running, by session and JSON-RPC
+/// id, so that a client's `notifications/cancelled` for one is not
+/// forwarded: a cancelled tool may already have acted, and its answer
+/// would then not be its result.
+#[derive(Debug, Default)]
+pub(super) struct Running {
+    calls: Mutex<HashMap<(String, String), usize>>,
+}
+
+/// A call [`Running`] until dropped.
+struct RunningCall {
+    running: Arc<Running>,
+    call: (String, String),
+}
+
+impl Running {
+    /// The key of call `id` on the session of `headers`.
+    fn call(headers: &http::HeaderMap, id: &Value) -> (String, String) {
+        let session = headers
+            .get(super::MCP_SESSION_ID)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        (session.to_owned(), id.to_string())
+    }
+
+    fn start(self: &Arc<Running>, headers: &http::HeaderMap, id: &Value) -> RunningCall {
+        let call = Running::call(headers, id);
+        let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        *calls.entry(call.clone()).or_default() += 1;
+        RunningCall {
+            running: self.clone(),
+            call,
+        }
+    }
+
+    /// Whether call `id` on the session of `headers` is running.
+    pub(super) fn is_running(&self, headers: &http::HeaderMap, id: &Value) -> bool {
+        let calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        calls.contains_key(&Running::call(headers, id))
+    }
+}
+
+impl Drop for RunningCall {
+    fn drop(&mut self) {
+        let mut calls = self.running.calls.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = calls.get_mut(&self.call) {
+            *n -= 1;
+            if *n == 0 {
+                calls.remove(&self.call);
+            }
+        }
+    }
 }
 
 impl Service<Request<Body>> for McpUpstream {
@@ -56,8 +115,12 @@ impl Service<Request<Body>> for McpUpstream {
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let client = self.client.clone();
+        let running = self.running.clone();
         Box::pin(async move {
             let id = req.extensions().get::<CallId>().map(|c| c.0.clone());
+            // Until the whole answer is read: the call runs on if its client
+            // hangs up, in the layer's own task.
+            let _running = id.as_ref().map(|id| running.start(req.headers(), id));
             let res = client.oneshot(req).await?;
             Ok(told_apart(res, id).await)
         })
@@ -112,7 +175,16 @@ async fn told_apart(res: Response, id: Option<Value>) -> Response {
             let res = whole(parts, bytes);
             match code {
                 Some(code) if NOT_RUN.contains(&code) => marked(res, false),
-                _ => res,
+                Some(code) => {
+                    tracing::warn!(
+                        code,
+                        "the MCP server answered a tool call with a JSON-RPC error, not its \
+                         result; whether the tool ran is unknown"
+                    );
+                    marked(res, true)
+                }
+                None if response.get("error").is_some() => marked(res, true),
+                None => res,
             }
         }
         None if status.is_success() && status != http::StatusCode::ACCEPTED => {
