@@ -32,8 +32,8 @@ pub fn router(state: AppState) -> axum::Router {
         state.engine.clone(),
         state.admin.clone(),
         state.max_body_bytes,
-    )
-    .beside_docs();
+        true,
+    );
     api::router(state).merge(console::router(console))
 }
 

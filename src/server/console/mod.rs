@@ -48,28 +48,19 @@ struct ConsoleInner {
 
 impl Console {
     /// The console over `engine`, behind `admin` (the listener's rule for
-    /// the operators' endpoints).
-    pub fn new(engine: Arc<Engine>, admin: AdminAccess, max_body_bytes: usize) -> Console {
+    /// the operators' endpoints); `docs`: the listener serves the API's
+    /// `/docs` page too, and the page links to it.
+    pub fn new(
+        engine: Arc<Engine>,
+        admin: AdminAccess,
+        max_body_bytes: usize,
+        docs: bool,
+    ) -> Console {
         Console(Arc::new(ConsoleInner {
             engine,
             admin,
             max_body_bytes,
-            docs: false,
-        }))
-    }
-
-    /// The console on a listener that serves the API's `/docs` page too:
-    /// the page links to it.
-    pub fn beside_docs(self) -> Console {
-        let inner = Arc::try_unwrap(self.0).unwrap_or_else(|shared| ConsoleInner {
-            engine: shared.engine.clone(),
-            admin: shared.admin.clone(),
-            max_body_bytes: shared.max_body_bytes,
-            docs: shared.docs,
-        });
-        Console(Arc::new(ConsoleInner {
-            docs: true,
-            ..inner
+            docs,
         }))
     }
 }

@@ -4,9 +4,11 @@
 use chrono::{DateTime, SecondsFormat, Utc};
 use maud::{DOCTYPE, Markup, html};
 
+use super::PAGE_SIZE;
 use crate::problem::ApiError;
 use crate::server::operations::list::StateFilter;
 use crate::server::operations::{Counts, KeyList, KeyView, ListQuery, Shown, ShownState};
+use crate::server::views::LeaseExpiry;
 use crate::store::StoredResponse;
 
 /// htmx's settings: no inline styles (the page's policy allows none), no
@@ -236,12 +238,10 @@ pub fn queue(page: &KeyList, query: &ListQuery) -> Markup {
                 button.secondary type="button" hx-get=(next) hx-include="#filters"
                     hx-target="#queue-section" { "Next page" }
             }
-            span.muted { (PAGE_NOTE) (filters_note(query)) }
+            span.muted { (PAGE_SIZE) " keys a page. " (filters_note(query)) }
         }
     }
 }
-
-const PAGE_NOTE: &str = "50 keys a page. ";
 
 fn filters_note(query: &ListQuery) -> String {
     let state = match query.state {
@@ -554,13 +554,9 @@ fn why(key: &KeyView, now: DateTime<Utc>) -> Markup {
 }
 
 fn lease_expiry(key: &KeyView) -> &'static str {
-    match serde_json::to_value(key.on_lease_expiry)
-        .ok()
-        .as_ref()
-        .and_then(|v| v.as_str())
-    {
-        Some("takeover") => "takeover: the next request runs it again",
-        _ => "hold: unknown until settled",
+    match key.on_lease_expiry {
+        LeaseExpiry::Takeover => "takeover: the next request runs it again",
+        LeaseExpiry::Hold => "hold: unknown until settled",
     }
 }
 

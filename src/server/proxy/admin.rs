@@ -34,6 +34,7 @@ pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Ro
         state.engine.clone(),
         state.admin.clone(),
         state.max_body_bytes,
+        false,
     ));
     api::admin_router(state)
         .merge(console)
