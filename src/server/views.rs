@@ -257,7 +257,7 @@ pub struct UnknownBody {
 }
 
 /// Why and when a key's holder marked it unknown.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct MarkedUnknownView {
     /// The holder's reason.
     pub reason: String,

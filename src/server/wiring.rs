@@ -61,6 +61,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     state.admin.log("serve");
+    // `idemgate keys`, refused the SQLite file this process holds, then says
+    // where to ask instead.
+    #[cfg(feature = "sqlite")]
+    crate::store::SqliteStore::announce_admin(
+        &args.store.database_url,
+        &format!("http://{}", listener.local_addr()?),
+    );
     let pruner = open::spawn_pruner(&args.run, store);
     // Make the metric visible before the first pass.
     crate::telemetry::record_pruned(0);

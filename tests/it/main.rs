@@ -24,6 +24,7 @@ mod examples;
 mod harness_selftest;
 mod hostile;
 mod keep_alive;
+mod keys_server;
 mod layer;
 mod lifecycle;
 mod limits;

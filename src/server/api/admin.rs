@@ -86,7 +86,7 @@ pub async fn list_keys(
     tag = "admin",
     params(
         ("tenant" = String, Path, description = "The key's tenant, as stored."),
-        ("key_hash" = String, Path, description = "The lowercase hex SHA-256 of the key (64 digits)."),
+        ("key_hash" = String, Path, description = "The lowercase hex SHA-256 of the key: all 64 digits, or a prefix of at least 8 that names one key of the tenant."),
     ),
     responses(
         (status = 200, description = "The key.", body = KeyView),
@@ -102,6 +102,7 @@ pub async fn show_key(
     _operator: Operator,
     Path((tenant, key_hash)): Path<(String, String)>,
 ) -> Result<axum::Json<KeyView>> {
+    let key_hash = operations::expand_key_hash(&state.engine, &tenant, &key_hash).await?;
     Ok(axum::Json(
         operations::show(&state.engine, &tenant, &key_hash).await?,
     ))
@@ -117,7 +118,7 @@ pub async fn show_key(
     tag = "admin",
     params(
         ("tenant" = String, Path, description = "The key's tenant, as stored."),
-        ("key_hash" = String, Path, description = "The lowercase hex SHA-256 of the key (64 digits)."),
+        ("key_hash" = String, Path, description = "The lowercase hex SHA-256 of the key: all 64 digits, or a prefix of at least 8 that names one key of the tenant."),
     ),
     request_body(content = ResolveBody, content_type = "application/json"),
     responses(
@@ -136,6 +137,7 @@ pub async fn resolve_key(
     Path((tenant, key_hash)): Path<(String, String)>,
     ApiJson(body): ApiJson<ResolveBody>,
 ) -> Result<axum::Json<KeyView>> {
+    let key_hash = operations::expand_key_hash(&state.engine, &tenant, &key_hash).await?;
     let view = operations::resolve(
         &state.engine,
         &tenant,

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
+use secrecy::SecretString;
 
 use super::{SealArgs, StoreArgs};
 
@@ -38,6 +39,24 @@ pub struct Database {
     /// Print JSON (the admin endpoints' shapes) instead of a table.
     #[arg(long)]
     pub json: bool,
+
+    /// Ask a running idemgate instead of the database: the URL of `serve`'s
+    /// listener (http://127.0.0.1:8080) or of the proxy's admin listener
+    /// (http://127.0.0.1:9090), whose admin endpoints answer as this command
+    /// does. The way to reach a SQLite file that a running process holds.
+    #[arg(long, value_name = "URL")]
+    pub server: Option<String>,
+
+    /// With --server: an admin token of that server (one of its
+    /// IDEMGATE_ADMIN_TOKENS); none where its admin endpoints are open
+    /// (loopback, no tokens).
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<SecretString>,
 }
 
 /// `keys list`.

@@ -1,8 +1,10 @@
 //! `idemgate keys list | show | resolve`: the operators' work on stuck keys,
-//! straight against `DATABASE_URL` (the admin endpoints do the same over
-//! HTTP; both run `crate::server::operations`). Output is a table a person
-//! reads, with ages in words, or JSON (`--json`) in the admin endpoints'
-//! shapes for scripts.
+//! straight against `DATABASE_URL`, or with `--server URL` through a running
+//! idemgate's admin endpoints (`remote.rs`), which run the same
+//! `crate::server::operations`. Output is a table a person reads, with ages
+//! in words, or JSON (`--json`) in the admin endpoints' shapes for scripts.
+
+mod remote;
 
 use std::io::Write as _;
 
@@ -29,30 +31,142 @@ pub async fn run(command: KeysCommand) -> anyhow::Result<()> {
     }
 }
 
-/// The engine over the database `db` names, migrated (as `prune` does).
-async fn engine(db: &Database) -> anyhow::Result<Engine> {
-    let store = open_store_as(&db.store, Opening::Existing)
-        .await
-        .map_err(|e| {
-            if db.store.database_url.trim().starts_with("sqlite") && e.to_string().contains("lock")
-            {
-                e.context(
-                    "a running idemgate holds this SQLite file: ask it instead, on its admin \
-                 endpoints (GET /v1/admin/keys?state=unknown on serve's listener, or on the \
-                 proxy's admin listener)",
-                )
-            } else {
-                e
+/// Where the keys are asked for: the database, or a running idemgate.
+enum Keys {
+    Database(Box<Engine>),
+    Server(remote::Remote),
+}
+
+impl Keys {
+    /// The source `db` names: `--server`, else the database, migrated (as
+    /// `prune` does).
+    async fn of(db: &Database) -> anyhow::Result<Keys> {
+        if let Some(url) = &db.server {
+            return Ok(Keys::Server(remote::Remote::new(url, db.token.clone())?));
+        }
+        let store = open_store_as(&db.store, Opening::Existing)
+            .await
+            .map_err(|e| {
+                if db.store.database_url.trim().starts_with("sqlite")
+                    && e.to_string().contains("is in use")
+                {
+                    let asked = ask_instead(&e.to_string());
+                    e.context(asked)
+                } else {
+                    e
+                }
+            })?;
+        let sealer = db.seal.sealer()?;
+        Ok(Keys::Database(Box::new(
+            Engine::new(store, Limits::default())
+                .with_replay_cache(0)
+                .with_sealer(sealer),
+        )))
+    }
+
+    async fn list(&self, query: &ListQuery) -> anyhow::Result<KeyList> {
+        match self {
+            Keys::Database(engine) => operations::list(engine, query).await.map_err(refused),
+            Keys::Server(server) => server.list(query).await,
+        }
+    }
+
+    /// The view of `(tenant, hash)`, `hash` all 64 digits or a prefix.
+    async fn show(&self, tenant: &str, hash: &str) -> anyhow::Result<KeyView> {
+        match self {
+            Keys::Database(engine) => {
+                let hash = operations::expand_key_hash(engine, tenant, hash)
+                    .await
+                    .map_err(refused)?;
+                operations::show(engine, tenant, &hash)
+                    .await
+                    .map_err(refused)
             }
-        })?;
-    let sealer = db.seal.sealer()?;
-    Ok(Engine::new(store, Limits::default())
-        .with_replay_cache(0)
-        .with_sealer(sealer))
+            Keys::Server(server) => server.show(tenant, hash).await,
+        }
+    }
+
+    /// Settles `(tenant, hash)`; `by` is recorded where the database is
+    /// asked (a server records its token's name).
+    async fn resolve(
+        &self,
+        tenant: &str,
+        hash: &str,
+        body: ResolveBody,
+        by: &str,
+    ) -> anyhow::Result<KeyView> {
+        match self {
+            Keys::Database(engine) => {
+                let hash = operations::expand_key_hash(engine, tenant, hash)
+                    .await
+                    .map_err(refused)?;
+                operations::resolve(engine, tenant, &hash, body, by, usize::MAX)
+                    .await
+                    .map_err(refused)
+            }
+            Keys::Server(server) => server.resolve(tenant, hash, &body).await,
+        }
+    }
+}
+
+/// What to run instead when a running idemgate holds the SQLite file: this
+/// command with `--server` and the URL the holder announced in its lock file
+/// (`refusal` quotes it), else its default listener's.
+fn ask_instead(refusal: &str) -> String {
+    let url = refusal
+        .split("It answers the operators' endpoints at ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(|url| url.trim_end_matches('.').to_owned());
+    let command = command_with_server(
+        std::env::args().skip(1),
+        url.as_deref().unwrap_or("http://127.0.0.1:8080"),
+    );
+    match url {
+        Some(_) => format!("a running idemgate holds this SQLite file: ask it instead: {command}"),
+        None => format!(
+            "a running idemgate holds this SQLite file: ask it instead, on its admin endpoints \
+             (serve's listener, or the proxy's admin listener; add --token or \
+             IDEMGATE_ADMIN_TOKEN if it has admin tokens), e.g. {command}"
+        ),
+    }
+}
+
+/// `idemgate` and `args` (this command's, after the program), without its
+/// `--database-url`, and with `--server URL`.
+fn command_with_server(args: impl Iterator<Item = String>, url: &str) -> String {
+    let mut words = vec!["idemgate".to_owned()];
+    let mut skip_value = false;
+    for arg in args {
+        if skip_value {
+            skip_value = false;
+            continue;
+        }
+        if arg == "--database-url" {
+            skip_value = true;
+            continue;
+        }
+        if arg.starts_with("--database-url=") {
+            continue;
+        }
+        let quoted = if arg.is_empty()
+            || arg
+                .chars()
+                .any(|c| c.is_whitespace() || "'\"$`\\|&;<>()*?!#~".contains(c))
+        {
+            format!("'{}'", arg.replace('\'', "'\\''"))
+        } else {
+            arg
+        };
+        words.push(quoted);
+    }
+    words.push("--server".to_owned());
+    words.push(url.to_owned());
+    words.join(" ")
 }
 
 async fn list(args: ListArgs) -> anyhow::Result<()> {
-    let engine = engine(&args.db).await?;
+    let keys = Keys::of(&args.db).await?;
     let mut query = ListQuery {
         state: args.state.map(StateFilter::from),
         tenant: args.tenant.clone(),
@@ -66,7 +180,7 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
         now: chrono::Utc::now(),
     };
     loop {
-        let page = operations::list(&engine, &query).await.map_err(refused)?;
+        let page = keys.list(&query).await?;
         all.keys.extend(page.keys);
         all.next = page.next;
         all.now = page.now;
@@ -131,13 +245,8 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
 
 async fn show(args: ShowArgs) -> anyhow::Result<()> {
     let (tenant, hash) = key_of(&args.key)?;
-    let engine = engine(&args.db).await?;
-    let hash = operations::expand_key_hash(&engine, &tenant, &hash)
-        .await
-        .map_err(refused)?;
-    let view = operations::show(&engine, &tenant, &hash)
-        .await
-        .map_err(refused)?;
+    let keys = Keys::of(&args.db).await?;
+    let view = keys.show(&tenant, &hash).await?;
     if args.db.json {
         return print_json(&view);
     }
@@ -192,10 +301,7 @@ async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
         .clone()
         .or_else(|| std::env::var("USER").ok())
         .unwrap_or_else(|| "idemgate keys".to_owned());
-    let engine = engine(&args.db).await?;
-    let hash = operations::expand_key_hash(&engine, &tenant, &hash)
-        .await
-        .map_err(refused)?;
+    let keys = Keys::of(&args.db).await?;
     let body = ResolveBody {
         action: if args.complete {
             Action::Complete
@@ -205,10 +311,11 @@ async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
         reason: args.reason.clone(),
         response,
     };
-    let max_body = usize::MAX;
-    let view = operations::resolve(&engine, &tenant, &hash, body, &by, max_body)
-        .await
-        .map_err(refused)?;
+    let view = keys.resolve(&tenant, &hash, body, &by).await?;
+    let by = match &keys {
+        Keys::Database(_) => by,
+        Keys::Server(_) => view.resolution.as_ref().map_or(by, |r| r.by.clone()),
+    };
     if args.db.json {
         return print_json(&view);
     }
@@ -384,6 +491,32 @@ pub fn words(span: chrono::TimeDelta) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_command_to_ask_instead_keeps_the_words_and_drops_the_database() {
+        let args = |line: &str| line.split(' ').map(str::to_owned).collect::<Vec<_>>();
+        assert_eq!(
+            command_with_server(
+                args("keys list --state stuck --database-url sqlite://a.db").into_iter(),
+                "http://127.0.0.1:9090"
+            ),
+            "idemgate keys list --state stuck --server http://127.0.0.1:9090"
+        );
+        assert_eq!(
+            command_with_server(
+                vec![
+                    "keys".into(),
+                    "resolve".into(),
+                    "--database-url=sqlite://a.db".into(),
+                    "--reason".into(),
+                    "it's done".into(),
+                ]
+                .into_iter(),
+                "http://h:1"
+            ),
+            "idemgate keys resolve --reason 'it'\\''s done' --server http://h:1"
+        );
+    }
 
     #[test]
     fn spans_in_words() {

@@ -55,6 +55,18 @@ pub enum StateFilter {
     Completed,
 }
 
+impl StateFilter {
+    /// The state as the query spells it (`stuck`, `in_flight`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StateFilter::Stuck => "stuck",
+            StateFilter::InFlight => "in_flight",
+            StateFilter::Unknown => "unknown",
+            StateFilter::Completed => "completed",
+        }
+    }
+}
+
 impl From<ListState> for StateFilter {
     /// The filter of `keys list --state`.
     fn from(state: ListState) -> StateFilter {
@@ -68,7 +80,7 @@ impl From<ListState> for StateFilter {
 }
 
 /// One page of keys.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct KeyList {
     /// The keys, oldest first.
     pub keys: Vec<KeyView>,

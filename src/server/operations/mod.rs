@@ -28,7 +28,7 @@ pub use resolve::{ResolveBody, resolve};
 pub use show::{Shown, show, show_with_response};
 
 /// What an operator sees of one key: never the raw key.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, ToSchema)]
 pub struct KeyView {
     /// The tenant, as stored (the proxy's is the hex SHA-256 of its tenant
     /// header, or `anonymous`).
@@ -64,7 +64,7 @@ pub struct KeyView {
 }
 
 /// A key's state, as an operator sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ShownState {
     /// A holder owns it under a live lease (or, under `takeover`, its lease
@@ -91,7 +91,7 @@ impl ShownState {
 }
 
 /// Who settled a key, how, when and why.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, ToSchema)]
 pub struct ResolutionView {
     /// `release` or `complete`.
     pub action: Action,

@@ -177,6 +177,13 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         })?;
     let store = open::open_store(&args.store, !args.run.no_migrate).await?;
     let proxy = Proxy::build(&args, routes, store.clone())?;
+    // `idemgate keys`, refused the SQLite file this process holds, then says
+    // where to ask instead.
+    #[cfg(feature = "sqlite")]
+    crate::store::SqliteStore::announce_admin(
+        &args.store.database_url,
+        &format!("http://{}", admin.local_addr()?),
+    );
     let pruner = open::spawn_pruner(&args.run, store);
     telemetry::record_pruned(0);
     tracing::info!(

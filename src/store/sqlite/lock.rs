@@ -34,7 +34,7 @@ static HELD: Mutex<BTreeMap<PathBuf, Held>> = Mutex::new(BTreeMap::new());
 
 struct Held {
     /// Open while the lock lasts: closing it releases the lock.
-    _file: File,
+    file: File,
     users: usize,
 }
 
@@ -89,13 +89,7 @@ impl FileLock {
             // lock table names the holder first.
             tracing::debug!(lock = %path.display(), error = %e, "cannot write the pid into the lock file");
         }
-        held.insert(
-            key.clone(),
-            Held {
-                _file: file,
-                users: 1,
-            },
-        );
+        held.insert(key.clone(), Held { file, users: 1 });
         Ok(FileLock { key })
     }
 }
@@ -166,6 +160,31 @@ fn name_holder(mut file: &File) -> std::io::Result<()> {
     file.write_all(format!("{}\n", std::process::id()).as_bytes())
 }
 
+/// Says in the lock file of `database`, where this process holds it, the
+/// URL at which it answers the operators' endpoints (`serve`'s listener, the
+/// proxy's admin listener), so that a second process refused the file (`idemgate
+/// keys`) can say where to ask instead. Nothing where this process holds no
+/// such lock (another store, an in-memory database).
+pub(crate) fn announce_admin(database: &Path, admin_url: &str) -> std::io::Result<()> {
+    let key = std::fs::canonicalize(lock_path(&real_path(database)))?;
+    let held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(h) = held.get(&key) else {
+        return Ok(());
+    };
+    let mut file = &h.file;
+    file.set_len(0)?;
+    std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(0))?;
+    file.write_all(format!("{}\n{admin_url}\n", std::process::id()).as_bytes())
+}
+
+/// Where the holder of `lock` answers the operators' endpoints, as it
+/// announced it in the lock file.
+pub(crate) fn holder_admin_url(lock: &Path) -> Option<String> {
+    let content = std::fs::read_to_string(lock).ok()?;
+    let url = content.lines().nth(1)?.trim();
+    (url.starts_with("http://") || url.starts_with("https://")).then(|| url.to_owned())
+}
+
 /// The refusal: which file, which process holds it, and what to do.
 fn in_use(database: &Path, lock: &Path, file: &File) -> String {
     let holder = match holder_pid(lock, file) {
@@ -175,8 +194,12 @@ fn in_use(database: &Path, lock: &Path, file: &File) -> String {
         },
         None => "another process".to_owned(),
     };
+    let ask = match holder_admin_url(lock) {
+        Some(url) => format!(" It answers the operators' endpoints at {url}."),
+        None => String::new(),
+    };
     format!(
-        "{} is in use: {holder} holds its lock file {}. One idemgate process per SQLite \
+        "{} is in use: {holder} holds its lock file {}.{ask} One idemgate process per SQLite \
          file: stop that one first (a running serve or proxy applies the migrations at its \
          start and prunes by itself), give this one a file of its own \
          (DATABASE_URL=sqlite://other.db), or use PostgreSQL, which any number of processes \

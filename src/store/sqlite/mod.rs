@@ -133,6 +133,23 @@ impl SqliteStore {
         SqliteStore::open_with(url, false).await
     }
 
+    /// Says in the lock file of the database `url` names, where this
+    /// process holds it, the URL at which this process answers the
+    /// operators' endpoints: a second process refused the file (`idemgate
+    /// keys`) then says where to ask instead. Nothing for an in-memory
+    /// database, or a file this process has not opened.
+    pub fn announce_admin(url: &str, admin_url: &str) {
+        let Ok(options) = SqliteConnectOptions::from_str(url) else {
+            return;
+        };
+        if is_in_memory(url, &options) {
+            return;
+        }
+        if let Err(e) = lock::announce_admin(options.get_filename(), admin_url) {
+            tracing::debug!(error = %e, "cannot write the admin URL into the lock file");
+        }
+    }
+
     async fn open_with(url: &str, create: bool) -> Result<SqliteStore> {
         let mut base = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::other(format!("invalid SQLite URL: {e}")).because(e))?
