@@ -34,7 +34,14 @@ pub fn router(state: AppState) -> axum::Router {
         state.max_body_bytes,
         true,
     );
-    api::router(state).merge(console::router(console))
+    api::router(state)
+        .merge(console::router(console))
+        // A person who opens the server's address finds the console (which
+        // links the API's docs).
+        .route(
+            "/",
+            axum::routing::get(|| async { axum::response::Redirect::to("/console") }),
+        )
 }
 
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.

@@ -556,3 +556,16 @@ mod proxy_door {
         the_proxys_admin_listener_serves_the_console_under_the_rule(Backend::sqlite().await).await;
     }
 }
+
+/// A person who opens serve's address in a browser is sent to the console,
+/// not a 404.
+#[tokio::test]
+async fn the_servers_root_leads_to_the_console() {
+    let b = Backend::sqlite().await;
+    let app = TestApp::new(&b.url(), &[]).await;
+    let res = app.send("GET", "/", &[], None).await;
+    assert_eq!(res.status, 303, "{}", res.text);
+    assert_eq!(res.headers["location"], "/console");
+    let page = app.send("GET", "/console", &[], None).await;
+    assert_eq!(page.status, 200);
+}

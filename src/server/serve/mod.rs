@@ -187,11 +187,13 @@ pub async fn serve(
             }
         });
     }
-    drop(listener);
-    tracing::info!(
+    // Said once per process by `shutdown_signal`; a proxy has two listeners.
+    tracing::debug!(
+        listen = ?listener.local_addr().ok(),
         grace_seconds = serving.grace.as_secs(),
-        "shutting down: finishing in-flight requests"
+        "listener closed: finishing its in-flight requests"
     );
+    drop(listener);
     if tokio::time::timeout(serving.grace, drain.drain())
         .await
         .is_err()
@@ -221,4 +223,8 @@ pub async fn shutdown_signal() {
         () = ctrl_c => {}
         () = term => {}
     }
+    tracing::info!(
+        "shutting down: the listeners close, and in-flight requests finish \
+         (within IDEMGATE_SHUTDOWN_GRACE)"
+    );
 }
