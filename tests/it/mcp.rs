@@ -238,6 +238,10 @@ struct Seen {
     cancels: AtomicUsize,
     /// The arguments of the last tool call.
     arguments: std::sync::Mutex<Value>,
+    /// Sessions ended (`DELETE`), and how many calls had ended by then.
+    deleted: std::sync::Mutex<Vec<usize>>,
+    /// Tool calls answered.
+    answered: AtomicUsize,
 }
 
 /// An MCP-ish upstream at `/mcp`: `slow` answers its result after 300 ms,
@@ -245,9 +249,18 @@ struct Seen {
 /// server does on a client's cancel), anything else its result at once; a
 /// `notifications/cancelled` is counted and answered 202.
 async fn cancelling_upstream(seen: Arc<Seen>) -> String {
+    let deletes = seen.clone();
     let app = axum::Router::new().route(
         "/mcp",
-        axum::routing::post(move |axum::Json(message): axum::Json<Value>| {
+        axum::routing::delete(move || {
+            let seen = deletes.clone();
+            async move {
+                let answered = seen.answered.load(Ordering::SeqCst);
+                seen.deleted.lock().unwrap().push(answered);
+                http::StatusCode::OK
+            }
+        })
+        .post(move |axum::Json(message): axum::Json<Value>| {
             let seen = seen.clone();
             async move {
                 use axum::response::IntoResponse;
@@ -268,6 +281,7 @@ async fn cancelling_upstream(seen: Arc<Seen>) -> String {
                     _ => json!({ "jsonrpc": "2.0", "id": message["id"],
                         "result": { "content": [{ "type": "text", "text": format!("call {n}") }] } }),
                 };
+                seen.answered.fetch_add(1, Ordering::SeqCst);
                 axum::Json(answer).into_response()
             }
         }),
@@ -289,11 +303,24 @@ async fn plain_door(up: &str) -> axum::Router {
 /// `message` POSTed to the door as a client of `version` (none: no
 /// `MCP-Protocol-Version`); the status and the JSON message, if any.
 async fn post(app: &axum::Router, message: &Value, version: Option<&str>) -> (u16, Value) {
+    post_in(app, message, version, None).await
+}
+
+/// [`post`] on the MCP session `session`.
+async fn post_in(
+    app: &axum::Router,
+    message: &Value,
+    version: Option<&str>,
+    session: Option<&str>,
+) -> (u16, Value) {
     let mut req = Request::post("/mcp")
         .header("content-type", "application/json")
         .header("accept", "application/json, text/event-stream");
     if let Some(version) = version {
         req = req.header("mcp-protocol-version", version);
+    }
+    if let Some(session) = session {
+        req = req.header("mcp-session-id", session);
     }
     let res = app
         .clone()
@@ -456,4 +483,68 @@ fn the_mcp_doors_default_wait_is_four_seconds_unless_set() {
     assert_eq!(wait(&["--protocol", "mcp", "--default-wait", "7"]), 7);
     assert_eq!(wait(&["--protocol", "mcp", "--max-wait", "2"]), 2);
     assert_eq!(wait(&[]), 10);
+}
+
+/// A client that gives up on a call closes its session (the Python SDK's
+/// DELETE on close), and a server ends a session's running calls with it:
+/// the door answers that DELETE itself and sends it once the session's
+/// guarded calls have ended, so the tool runs to its end and the retry gets
+/// its result. A session with nothing running is ended at once.
+#[tokio::test]
+async fn a_sessions_delete_waits_for_its_guarded_calls() {
+    common::logs::init();
+    let seen = Arc::new(Seen::default());
+    let app = plain_door(&cancelling_upstream(seen.clone()).await).await;
+    let key = fresh_key();
+    let delete = |session: &'static str| {
+        let app = app.clone();
+        async move {
+            let req = Request::delete("/mcp")
+                .header("mcp-session-id", session)
+                .body(Body::empty())
+                .unwrap();
+            app.oneshot(req).await.unwrap().status().as_u16()
+        }
+    };
+
+    let first = {
+        let app = app.clone();
+        let call = tool_call(1, "slow", json!({ "amount": 5 }), Some(&key));
+        tokio::spawn(async move { post_in(&app, &call, None, Some("s1")).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert_eq!(delete("s1").await, 200);
+    assert!(
+        seen.deleted.lock().unwrap().is_empty(),
+        "held while the call runs"
+    );
+    let (_, first) = first.await.unwrap();
+    assert_eq!(first["result"]["content"][0]["text"], "call 1", "{first}");
+    for _ in 0..50 {
+        if !seen.deleted.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        *seen.deleted.lock().unwrap(),
+        vec![1],
+        "sent after the call ended"
+    );
+
+    let (_, retry) = post(
+        &app,
+        &tool_call(2, "slow", json!({ "amount": 5 }), Some(&key)),
+        None,
+    )
+    .await;
+    assert_eq!(retry["result"], first["result"], "the replay: {retry}");
+    assert_eq!(seen.calls.load(Ordering::SeqCst), 1);
+
+    assert_eq!(delete("s2").await, 200);
+    assert_eq!(
+        seen.deleted.lock().unwrap().len(),
+        2,
+        "nothing ran: at once"
+    );
 }

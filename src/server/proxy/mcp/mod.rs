@@ -27,9 +27,11 @@
 //!   (`protocol.rs`).
 //! * A `notifications/cancelled` for a guarded call the server is running
 //!   is answered `202` and not forwarded: the call runs to its end and its
-//!   result is stored, as when an HTTP client hangs up. An answer that is
-//!   not the call's result (a JSON-RPC error, a broken stream) is never
-//!   stored (`upstream.rs`).
+//!   result is stored, as when an HTTP client hangs up. A session's `DELETE`
+//!   while a guarded call of it runs is answered `200` here and sent to the
+//!   server once those calls have ended (a server ends a session's calls
+//!   with it). An answer that is not the call's result (a JSON-RPC error, a
+//!   broken stream) is never stored (`upstream.rs`).
 
 mod messages;
 mod protocol;
@@ -107,7 +109,37 @@ pub fn router(
 /// id (new on every call) and `_meta` (progress tokens, the key).
 pub const FINGERPRINT_IGNORE: [&str; 2] = ["/id", "/params/_meta"];
 
+/// How long a session's `DELETE` waits for its guarded calls before it is
+/// sent to the server all the same.
+const SESSION_END_BOUND: std::time::Duration = std::time::Duration::from_secs(300);
+
 async fn handle(State(door): State<Arc<Door>>, req: Request<Body>) -> Response {
+    if req.method() == Method::DELETE
+        && let Some(session) = req
+            .headers()
+            .get(MCP_SESSION_ID)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+        && door.running.session_busy(&session)
+    {
+        // A server ends a session's running calls with it (the Python SDK
+        // cancels their handlers), and a client closes its session as soon
+        // as it gives up on a call: the DELETE is answered here, and sent
+        // once the session's guarded calls have ended, so that each runs
+        // to its end and its result is kept for the retry.
+        tracing::info!(
+            "a client ended its MCP session while a guarded call of it runs; the session ends \
+             at the server when its guarded calls have"
+        );
+        let door = door.clone();
+        tokio::spawn(async move {
+            door.running
+                .session_ended(&session, SESSION_END_BOUND)
+                .await;
+            let _ = door.forward(req).await;
+        });
+        return StatusCode::OK.into_response();
+    }
     if req.method() != Method::POST {
         return door.forward(req).await;
     }

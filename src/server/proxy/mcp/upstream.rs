@@ -57,6 +57,8 @@ pub(super) struct McpUpstream {
 #[derive(Debug, Default)]
 pub(super) struct Running {
     calls: Mutex<HashMap<(String, String), usize>>,
+    /// Told each time a call ends.
+    ended: tokio::sync::Notify,
 }
 
 /// A call [`Running`] until dropped.
@@ -90,6 +92,26 @@ impl Running {
         let calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         calls.contains_key(&Running::call(headers, id))
     }
+
+    /// Whether a guarded call of `session` is running.
+    pub(super) fn session_busy(&self, session: &str) -> bool {
+        let calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        calls.keys().any(|(s, _)| s == session)
+    }
+
+    /// Until no guarded call of `session` runs, or `bound` has passed.
+    pub(super) async fn session_ended(&self, session: &str, bound: std::time::Duration) {
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            let ended = self.ended.notified();
+            if !self.session_busy(session) {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, ended).await.is_err() {
+                return;
+            }
+        }
+    }
 }
 
 impl Drop for RunningCall {
@@ -101,6 +123,8 @@ impl Drop for RunningCall {
                 calls.remove(&self.call);
             }
         }
+        drop(calls);
+        self.running.ended.notify_waiters();
     }
 }
 
