@@ -29,7 +29,8 @@ pub async fn run(command: KeysCommand) -> anyhow::Result<()> {
     }
 }
 
-/// The engine over the database `db` names, migrated (as `prune` does).
+/// The engine over the database `db` names, opened as `prune` opens it (a
+/// PostgreSQL database is not migrated).
 async fn engine(db: &Database) -> anyhow::Result<Engine> {
     let store = open_store_as(&db.store, Opening::Existing)
         .await
