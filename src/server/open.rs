@@ -113,9 +113,16 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
             } else if migrate {
                 // The store's message names the cause and what to do about it.
                 store.migrate().await.map_err(|e| {
+                    // insufficient_privilege: a role granted only what serving needs.
+                    let owner = if e.reason().contains("SQLSTATE 42501") {
+                        ": migrations need a role that owns the schema (README: Least privilege)"
+                    } else {
+                        ""
+                    };
                     anyhow::anyhow!(
                         "could not apply migrations to the PostgreSQL database named by \
-                         DATABASE_URL (`serve` and `proxy` skip this step with --no-migrate): {}",
+                         DATABASE_URL (`serve` and `proxy` skip this step with --no-migrate): \
+                         {}{owner}",
                         e.reason()
                     )
                 })?;

@@ -29,6 +29,8 @@ pub(super) struct Conns {
     /// The second attempt's options, under `sslmode=allow` and `prefer`
     /// (see the `tls` module).
     pub(super) fallback: Option<PgConnectOptions>,
+    /// `sslmode` as `DATABASE_URL` gave it, for messages.
+    pub(super) sslmode: &'static str,
     /// Where `options` lead, for messages.
     pub(super) target: Target,
     pub(super) idle: Mutex<Vec<PgConnection>>,

@@ -95,6 +95,7 @@ impl PgStore {
             target: Target::of(&options),
             options,
             fallback,
+            sslmode: attempts.given,
             idle: Mutex::new(Vec::with_capacity(max as usize)),
             permits: Semaphore::new(max as usize),
             acquire_timeout: settings.acquire_timeout,
@@ -240,7 +241,12 @@ impl PgStore {
                 drop(conn);
                 None
             }
-            Ok(Err(e)) => tls::refusal(&e, &self.conns.options, &self.conns.target),
+            Ok(Err(e)) => tls::refusal(
+                &e,
+                self.conns.sslmode,
+                &self.conns.options,
+                &self.conns.target,
+            ),
             Err(_) => None,
         }
     }

@@ -69,6 +69,9 @@ impl Given {
 /// `allow` and `prefer`, those of the second.
 #[derive(Debug, Clone)]
 pub(super) struct Attempts {
+    /// `sslmode` as given (or its default), for messages: `require` with a
+    /// root certificate is made `verify-ca`, and says `require`.
+    pub(super) given: &'static str,
     pub(super) first: PgConnectOptions,
     pub(super) fallback: Option<PgConnectOptions>,
 }
@@ -120,6 +123,7 @@ pub(super) fn options(url: &str) -> Result<Attempts, String> {
         (None, Some(_)) => return Err("sslkey is given without sslcert: give both".into()),
         (None, None) => {}
     }
+    let said = mode_word(mode);
     // libpq: "require" with a root certificate verifies as "verify-ca".
     let mode = match mode {
         PgSslMode::Require if given.root_cert.is_some() && !system => PgSslMode::VerifyCa,
@@ -132,6 +136,7 @@ pub(super) fn options(url: &str) -> Result<Attempts, String> {
         _ => None,
     };
     Ok(Attempts {
+        given: said,
         first: options,
         fallback,
     })
@@ -159,8 +164,12 @@ fn tls_error(e: &sqlx::Error) -> Option<&rustls::Error> {
 /// to wait for, in words naming the setting: a certificate that does not
 /// verify, a server without TLS under a mode that needs it, a client
 /// certificate refused in the handshake. `None` for anything else.
-pub(super) fn refusal(e: &sqlx::Error, options: &PgConnectOptions, at: &Target) -> Option<String> {
-    let mode = mode_word(options.get_ssl_mode());
+pub(super) fn refusal(
+    e: &sqlx::Error,
+    mode: &str,
+    options: &PgConnectOptions,
+    at: &Target,
+) -> Option<String> {
     let server = at.server();
     if let sqlx::Error::Tls(inner) = e
         && inner.to_string().contains("does not support TLS")
