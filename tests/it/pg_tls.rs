@@ -357,6 +357,7 @@ async fn a_client_certificate_is_presented_when_sslcert_and_sslkey_are_given() {
     );
     let said = fails(&without, &["prune"]);
     assert!(said.contains("certificate"), "{said}");
+    assert!(said.contains("sslcert and sslkey"), "{said}");
 
     let stranger = pg.url(
         CERT_ROLE,
