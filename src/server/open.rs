@@ -23,7 +23,10 @@ pub enum Opening {
     NoMigrate,
     /// A command that reads a database someone else set up (`keys`,
     /// `prune`): a SQLite file that is not there is an error naming its
-    /// path, and nothing is created; one that is there is migrated.
+    /// path, and nothing is created; one that is there is migrated. A
+    /// PostgreSQL database is never migrated (the role may own nothing): one
+    /// without the tables, or behind this version's migrations, is an error
+    /// that names `idemgate migrate`.
     Existing,
 }
 
@@ -76,12 +79,50 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                 setting: "database_url",
                 problem: format!("not a usable PostgreSQL URL: {}", e.reason()),
             })?;
-            if migrate {
+            // A TLS setting the server does not satisfy is no outage to wait
+            // out: refused now, naming the setting.
+            if let Some(why) = store.refusal_at_start().await {
+                return Err(ConfigError {
+                    setting: "database_url",
+                    problem: why,
+                }
+                .into());
+            }
+            if opening == Opening::Existing {
+                // `prune` and `keys` never migrate: the role they run as may
+                // own nothing (only `idemgate migrate` needs the owner).
+                match store.not_set_up().await {
+                    Ok(None) => {}
+                    Ok(Some(why)) => {
+                        return Err(ConfigError {
+                            setting: "database_url",
+                            problem: format!(
+                                "{why}: run `idemgate migrate` on it first (with the same \
+                                 DATABASE_URL, as the role that owns the schema)"
+                            ),
+                        }
+                        .into());
+                    }
+                    Err(e) => {
+                        return Err(anyhow::anyhow!(
+                            "cannot read the PostgreSQL database named by DATABASE_URL: {}",
+                            e.reason()
+                        ));
+                    }
+                }
+            } else if migrate {
                 // The store's message names the cause and what to do about it.
                 store.migrate().await.map_err(|e| {
+                    // insufficient_privilege: a role granted only what serving needs.
+                    let owner = if e.reason().contains("SQLSTATE 42501") {
+                        ": migrations need a role that owns the schema (README: Least privilege)"
+                    } else {
+                        ""
+                    };
                     anyhow::anyhow!(
                         "could not apply migrations to the PostgreSQL database named by \
-                         DATABASE_URL (`serve` and `proxy` skip this step with --no-migrate): {}",
+                         DATABASE_URL (`serve` and `proxy` skip this step with --no-migrate): \
+                         {}{owner}",
                         e.reason()
                     )
                 })?;

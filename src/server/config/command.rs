@@ -52,8 +52,9 @@ pub enum Command {
     /// Apply pending database migrations and exit.
     #[command(mut_args = one_shot_help)]
     Migrate(StoreArgs),
-    /// Delete every expired key once and exit (for cron). Pending migrations
-    /// are applied first.
+    /// Delete every expired key once and exit (for cron). A SQLite file's
+    /// pending migrations are applied first; a PostgreSQL database must have
+    /// them already (`idemgate migrate`, as the schema's owner).
     #[command(mut_args = one_shot_help)]
     Prune(StoreArgs),
     /// See and settle stuck keys (unknown, or in flight past their lease)

@@ -38,8 +38,8 @@ enum Keys {
 }
 
 impl Keys {
-    /// The source `db` names: `--server`, else the database, migrated (as
-    /// `prune` does).
+    /// The source `db` names: `--server`, else the database, opened as
+    /// `prune` opens it (a PostgreSQL database is not migrated).
     async fn of(db: &Database) -> anyhow::Result<Keys> {
         if let Some(url) = &db.server {
             return Ok(Keys::Server(remote::Remote::new(url, db.token.clone())?));

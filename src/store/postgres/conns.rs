@@ -26,6 +26,11 @@ use crate::store::{Result, StoreError};
 /// (the database restarted).
 pub(super) struct Conns {
     pub(super) options: PgConnectOptions,
+    /// The second attempt's options, under `sslmode=allow` and `prefer`
+    /// (see the `tls` module).
+    pub(super) fallback: Option<PgConnectOptions>,
+    /// `sslmode` as `DATABASE_URL` gave it, for messages.
+    pub(super) sslmode: &'static str,
     /// Where `options` lead, for messages.
     pub(super) target: Target,
     pub(super) idle: Mutex<Vec<PgConnection>>,
@@ -70,10 +75,11 @@ impl Conns {
         let conn = match idle {
             Some(conn) => conn,
             None => {
-                let conn = tokio::time::timeout_at(deadline, self.options.connect())
+                let conn = tokio::time::timeout_at(deadline, self.connect())
                     .await
                     .map_err(|_| self.target.no_answer(self.acquire_timeout))?
-                    .map_err(|e| connect_failed(e, &self.target))?;
+                    .map_err(|e| connect_failed(e, &self.target))?
+                    .0;
                 self.open.fetch_add(1, Ordering::Relaxed);
                 conn
             }
@@ -84,6 +90,23 @@ impl Conns {
             reuse: false,
             _permit: permit,
         })
+    }
+}
+
+impl Conns {
+    /// A new connection, as libpq's `sslmode` says: the first attempt's
+    /// options, then the fallback's when the server turned the first away
+    /// (`allow`, `prefer`). `true` with it when the fallback's made it.
+    pub(super) async fn connect(&self) -> Result<(PgConnection, bool), sqlx::Error> {
+        match self.options.connect().await {
+            Ok(conn) => Ok((conn, false)),
+            Err(e) => match &self.fallback {
+                Some(fallback) if super::tls::worth_a_second_attempt(&e) => {
+                    fallback.connect().await.map(|conn| (conn, true))
+                }
+                _ => Err(e),
+            },
+        }
     }
 }
 

@@ -119,6 +119,15 @@ pub(super) fn sorted(e: &sqlx::Error, at: &Target) -> StoreError {
                         at.host_flags
                     ))
                 }
+                // pg_hba.conf's `cert` method: no client certificate, or
+                // one whose common name is not the role.
+                "28000" if db.message().contains("certificate") => {
+                    StoreError::unavailable(format!(
+                        "{refused}: give the role's client certificate and key as sslcert \
+                         and sslkey in DATABASE_URL (its common name must be the role's, {})",
+                        shell_word(&at.user)
+                    ))
+                }
                 "28000" => StoreError::unavailable(format!(
                     "{refused}: check the user and password in DATABASE_URL, and the rules \
                      of the server's pg_hba.conf"

@@ -2,7 +2,6 @@
 //! processes by the primary key's row lock, with the database's `now()` as the
 //! one clock all processes share.
 
-use std::str::FromStr;
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -17,6 +16,7 @@ mod errors;
 mod rows;
 pub mod sql;
 mod store;
+mod tls;
 mod write_batch;
 
 use super::{Result, StoreError};
@@ -66,19 +66,24 @@ impl PgStore {
     /// Builds a pool for `url` without connecting yet: the server can start,
     /// and recover, while the database is away.
     pub fn connect_lazy(url: &str, settings: &PgSettings) -> Result<PgStore> {
-        let options = PgConnectOptions::from_str(url)
-            .map_err(|e| StoreError::other(format!("invalid PostgreSQL URL: {e}")).because(e))?
-            .options([
-                (
-                    "statement_timeout",
-                    format!("{}", settings.statement_timeout.as_millis()),
-                ),
-                // The server's NOTICEs (the migrations' `relation
-                // "_sqlx_migrations" already exists, skipping`) are no news
-                // to an operator; warnings and errors still come through.
-                ("client_min_messages", "warning".to_owned()),
-            ])
-            .log_statements(tracing::log::LevelFilter::Trace);
+        let attempts = tls::options(url)
+            .map_err(|e| StoreError::other(format!("invalid PostgreSQL URL: {e}")))?;
+        let with_session = |options: PgConnectOptions| {
+            options
+                .options([
+                    (
+                        "statement_timeout",
+                        format!("{}", settings.statement_timeout.as_millis()),
+                    ),
+                    // The server's NOTICEs (the migrations' `relation
+                    // "_sqlx_migrations" already exists, skipping`) are no news
+                    // to an operator; warnings and errors still come through.
+                    ("client_min_messages", "warning".to_owned()),
+                ])
+                .log_statements(tracing::log::LevelFilter::Trace)
+        };
+        let options = with_session(attempts.first);
+        let fallback = attempts.fallback.map(with_session);
         let pool = PgPoolOptions::new()
             .max_connections(2)
             .min_connections(0)
@@ -89,6 +94,8 @@ impl PgStore {
         let conns = Arc::new(Conns {
             target: Target::of(&options),
             options,
+            fallback,
+            sslmode: attempts.given,
             idle: Mutex::new(Vec::with_capacity(max as usize)),
             permits: Semaphore::new(max as usize),
             acquire_timeout: settings.acquire_timeout,
@@ -163,6 +170,7 @@ impl PgStore {
         let target = &self.conns.target;
         let mut conn = match self.pool.acquire().await {
             Ok(conn) => conn,
+            Err(sqlx::Error::PoolTimedOut) => return Err(self.why_no_connection().await),
             Err(e) => {
                 let missing_database = e
                     .as_database_error()
@@ -179,12 +187,28 @@ impl PgStore {
             .await
             .map_err(|e| classify(e, target))?;
         let why = if table {
-            let applied: Vec<i64> =
+            let applied: Result<Vec<i64>, sqlx::Error> =
                 sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
                     .fetch_all(&mut *conn)
-                    .await
-                    .map_err(|e| classify(e, target))?;
-            super::missing_migrations(&MIGRATOR, &applied)
+                    .await;
+            match applied {
+                Ok(applied) => super::missing_migrations(&MIGRATOR, &applied),
+                // insufficient_privilege: a role granted too little.
+                Err(e)
+                    if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42501") =>
+                {
+                    Some(format!(
+                        "keeps its list of migrations (_sqlx_migrations) where the role {} may \
+                         not read it ({}): grant the role what README's \"Least privilege\" \
+                         lists, SELECT on _sqlx_migrations among it",
+                        errors::shell_word(&target.user),
+                        e.as_database_error()
+                            .map(|d| d.message())
+                            .unwrap_or_default()
+                    ))
+                }
+                Err(e) => return Err(classify(e, target)),
+            }
         } else {
             Some("has no idemgate tables".into())
         };
@@ -195,6 +219,36 @@ impl PgStore {
                 target.server()
             )
         }))
+    }
+
+    /// What no waiting mends, found at start with one connection: a TLS
+    /// setting of `DATABASE_URL` the server does not satisfy (a certificate
+    /// that does not verify under `verify-ca`/`verify-full`, a server without
+    /// TLS under `require`, a client certificate refused), in words naming
+    /// the setting. `None` when the connection was made, or failed as an
+    /// outage does (down, unreachable, silent): the doors answer 503 until
+    /// the server is back. When `sslmode`'s second attempt (`allow`,
+    /// `prefer`) is the one that connected, the migrations' pool takes its
+    /// options too.
+    pub async fn refusal_at_start(&self) -> Option<String> {
+        let connected =
+            tokio::time::timeout(self.conns.acquire_timeout, self.conns.connect()).await;
+        match connected {
+            Ok(Ok((conn, second))) => {
+                if second && let Some(fallback) = &self.conns.fallback {
+                    self.pool.set_connect_options(fallback.clone());
+                }
+                drop(conn);
+                None
+            }
+            Ok(Err(e)) => tls::refusal(
+                &e,
+                self.conns.sslmode,
+                &self.conns.options,
+                &self.conns.target,
+            ),
+            Err(_) => None,
+        }
     }
 
     /// How the tables are laid out, read once.
@@ -210,6 +264,20 @@ impl PgStore {
             .copied()
     }
 
+    /// Why the pool timed out, which it does not say: one direct attempt
+    /// says why it could not connect (refused, unknown host, bad password).
+    async fn why_no_connection(&self) -> StoreError {
+        let target = &self.conns.target;
+        match tokio::time::timeout(self.conns.acquire_timeout, self.conns.connect()).await {
+            Ok(Err(e)) => connect_failed(e, target),
+            Ok(Ok(_)) => StoreError::unavailable(format!(
+                "PostgreSQL at {} did not answer in time",
+                target.server()
+            )),
+            Err(_) => target.no_answer(self.conns.acquire_timeout),
+        }
+    }
+
     async fn run_migrations(&self) -> Result<()> {
         let target = &self.conns.target;
         match MIGRATOR.run(&self.pool).await {
@@ -217,16 +285,7 @@ impl PgStore {
             // The pool says only that it timed out; one direct attempt says
             // why it could not connect (refused, unknown host, bad password).
             Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::PoolTimedOut)) => {
-                match tokio::time::timeout(self.conns.acquire_timeout, self.conns.options.connect())
-                    .await
-                {
-                    Ok(Err(e)) => Err(connect_failed(e, target)),
-                    Ok(Ok(_)) => Err(StoreError::unavailable(format!(
-                        "PostgreSQL at {} did not answer in time",
-                        target.server()
-                    ))),
-                    Err(_) => Err(target.no_answer(self.conns.acquire_timeout)),
-                }
+                Err(self.why_no_connection().await)
             }
             Err(sqlx::migrate::MigrateError::Execute(e)) => Err(classify(e, target)),
             Err(sqlx::migrate::MigrateError::ExecuteMigration(e, version)) => {

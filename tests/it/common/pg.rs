@@ -706,6 +706,25 @@ impl TempCluster {
         self.port
     }
 
+    /// The cluster's data directory (`postgresql.conf`, `pg_hba.conf`).
+    pub fn data_dir(&self) -> &Path {
+        &self.data
+    }
+
+    /// Writes `contents` to `path` as a file the cluster's server owns and
+    /// alone may read (mode 0600): a TLS key PostgreSQL accepts.
+    pub fn write_owned(&self, path: &Path, contents: &str) -> anyhow::Result<()> {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::write(path, contents).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        let owner = std::fs::metadata(&self.data)?;
+        if running_as_root() {
+            std::os::unix::fs::chown(path, Some(owner.uid()), Some(owner.gid()))
+                .with_context(|| format!("chown {}", path.display()))?;
+        }
+        Ok(())
+    }
+
     /// The cluster's temp dir (data dir, Unix socket and `server.log` live inside).
     pub fn dir(&self) -> &Path {
         &self.root

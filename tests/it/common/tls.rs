@@ -55,6 +55,26 @@ impl TestCa {
         TlsAcceptor::from(Arc::new(config))
     }
 
+    /// A server's certificate for `names` (DNS names or IP addresses) and
+    /// its key, both PEM, signed by this CA.
+    pub fn leaf_pem(&self, names: &[&str]) -> (String, String) {
+        let key = KeyPair::generate().unwrap();
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let params = CertificateParams::new(names).unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    /// A client's certificate whose common name is `name` (what PostgreSQL's
+    /// `cert` authentication takes for the role), and its key, both PEM.
+    pub fn client_pem(&self, name: &str) -> (String, String) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(DnType::CommonName, name);
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
     /// A leaf certificate for `names` (DNS names or IP addresses) and its
     /// key, signed by this CA.
     fn leaf(
