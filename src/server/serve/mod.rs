@@ -16,6 +16,7 @@ use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
 use crate::body::BodyIdleTimeout;
 use crate::server::config::RunArgs;
+use crate::server::tls;
 
 /// How a listener treats its connections.
 #[derive(Debug, Clone, Copy)]
@@ -108,10 +109,32 @@ pub async fn serve(
     serving: Serving,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_tls(listener, app, serving, None, shutdown).await
+}
+
+/// [`serve`], with TLS on every connection when `tls` is given
+/// (`IDEMGATE_TLS_CERT`): the handshake must end within the header read
+/// timeout, counted from the accept like a plain connection's first head;
+/// ALPN offers HTTP/2 and HTTP/1.1. An HTTP/1.1 connection over TLS lives
+/// by the same timers as a plain one. An HTTP/2 connection multiplexes its
+/// requests, so it has no idle phase of its own to time: hyper's HTTP/2
+/// keep-alive pings end one whose client has gone.
+pub async fn serve_tls(
+    listener: TcpListener,
+    app: Router,
+    serving: Serving,
+    tls: Option<tls::Listener>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
     // Off: `conn` times heads and idle connections apart.
     http.header_read_timeout(None)
         .max_header_size(MAX_HEAD_BYTES);
+    let mut h2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    h2.timer(hyper_util::rt::TokioTimer::new())
+        .max_header_list_size(u32::try_from(MAX_HEAD_BYTES).unwrap_or(u32::MAX))
+        .keep_alive_interval(Some(serving.keep_alive_timeout))
+        .keep_alive_timeout(serving.header_read_timeout);
     let timeouts = conn::Timeouts {
         header_read: serving.header_read_timeout,
         keep_alive: serving.keep_alive_timeout,
@@ -140,7 +163,7 @@ pub async fn serve(
         // only then does its keep-alive clock start.
         let idle = BodyIdleTimeout(serving.header_read_timeout);
         let tracker = conn::Tracker::new();
-        let io = conn::TimedIo::new(stream, tracker.clone(), timeouts);
+        let io_tracker = tracker.clone();
         let app = app.clone();
         let service = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let busy = tracker.request();
@@ -159,25 +182,36 @@ pub async fn serve(
                 )
             }
         });
-        // With upgrades: the request's `OnUpgrade` extension hands the
-        // stream to whoever answers `101` (the proxy's splice, axum's
-        // WebSocket), and the connection future ends once it has.
-        let conn = http
-            .serve_connection(
-                hyper_util::rt::TokioIo::new(io),
-                hyper_util::service::TowerToHyperService::new(service),
-            )
-            .with_upgrades();
+        let service = hyper_util::service::TowerToHyperService::new(service);
         let mut watch = drain.watch();
+        let (http, h2, tls) = (http.clone(), h2.clone(), tls.clone());
         tokio::spawn(async move {
-            let mut conn = std::pin::pin!(conn);
-            let mut signalled = false;
-            let ended = loop {
-                tokio::select! {
-                    ended = conn.as_mut() => break ended,
-                    () = watch.signalled(), if !signalled => {
-                        signalled = true;
-                        conn.as_mut().graceful_shutdown();
+            let ended = match tls {
+                None => {
+                    let io = conn::TimedIo::new(stream, io_tracker, timeouts);
+                    drive_http1(&http, io, service, &mut watch).await
+                }
+                Some(tls) => {
+                    let handshake = tokio::time::timeout(timeouts.header_read, tls.accept(stream));
+                    let stream = tokio::select! {
+                        done = handshake => match done {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(e)) => {
+                                tracing::debug!(error = %e, %peer, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "no TLS handshake within the header read timeout");
+                                return;
+                            }
+                        },
+                        () = watch.signalled() => return,
+                    };
+                    if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+                        drive_http2(&h2, stream, service, &mut watch).await
+                    } else {
+                        let io = conn::TimedIo::new(stream, io_tracker, timeouts);
+                        drive_http1(&http, io, service, &mut watch).await
                     }
                 }
             };
@@ -199,6 +233,72 @@ pub async fn serve(
         tracing::warn!("shutdown grace elapsed with requests still running");
     }
     Ok(())
+}
+
+/// Serves HTTP/1.1 on `io` until the client or the shutdown ends it. With
+/// upgrades: the request's `OnUpgrade` extension hands the stream to
+/// whoever answers `101` (the proxy's splice, axum's WebSocket), and the
+/// connection future ends once it has.
+async fn drive_http1<I, S>(
+    http: &hyper::server::conn::http1::Builder,
+    io: I,
+    service: S,
+    watch: &mut drain::Watch,
+) -> Result<(), hyper::Error>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming> + Send + 'static,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as http_body::Body>::Data: Send,
+    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let conn = http
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service)
+        .with_upgrades();
+    let mut conn = std::pin::pin!(conn);
+    let mut signalled = false;
+    loop {
+        tokio::select! {
+            ended = conn.as_mut() => return ended,
+            () = watch.signalled(), if !signalled => {
+                signalled = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
+
+/// Serves HTTP/2 (negotiated by ALPN) on `io` until the client or the
+/// shutdown ends it.
+async fn drive_http2<I, S>(
+    h2: &hyper::server::conn::http2::Builder<hyper_util::rt::TokioExecutor>,
+    io: I,
+    service: S,
+    watch: &mut drain::Watch,
+) -> Result<(), hyper::Error>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming> + Send + 'static,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as http_body::Body>::Data: Send,
+    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let conn = h2.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    let mut conn = std::pin::pin!(conn);
+    let mut signalled = false;
+    loop {
+        tokio::select! {
+            ended = conn.as_mut() => return ended,
+            () = watch.signalled(), if !signalled => {
+                signalled = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
 }
 
 /// Resolves on SIGTERM or ctrl-c.
