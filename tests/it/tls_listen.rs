@@ -618,6 +618,20 @@ async fn the_proxy_serves_both_listeners_over_tls() {
         assert!(out.starts_with('2') && out.ends_with(" 2"), "{out}");
     }
     assert_eq!(upstream.total(), 1, "the keyed call ran once upstream");
+    // The upstream is told the client spoke https, over HTTP/1.1 as well.
+    let (ok, out, err) = curl(&[
+        "--http1.1",
+        "--cacert",
+        ca_path,
+        &format!("https://127.0.0.1:{port}/echo"),
+    ]);
+    assert!(ok, "{err}");
+    let echoed: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        echoed["headers"]["x-forwarded-proto"],
+        serde_json::json!(["https"]),
+        "{out}"
+    );
     let logs = proxy.logs();
     assert!(
         logs.contains("scheme=\"https\"") || logs.contains("scheme=https"),

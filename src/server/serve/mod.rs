@@ -87,6 +87,11 @@ impl<B> tower_http::trace::MakeSpan<B> for MakeSpan {
     }
 }
 
+/// In the extensions of every request that came over a TLS listener: the
+/// proxy tells its upstream `X-Forwarded-Proto: https`.
+#[derive(Debug, Clone, Copy)]
+pub struct OverTls;
+
 /// Largest request head (request line and headers) a client may send; a
 /// bigger one is answered `431 Request Header Fields Too Large`.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -164,6 +169,7 @@ pub async fn serve_tls(
         let idle = BodyIdleTimeout(serving.header_read_timeout);
         let tracker = conn::Tracker::new();
         let io_tracker = tracker.clone();
+        let over_tls = tls.is_some();
         let app = app.clone();
         let service = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let busy = tracker.request();
@@ -171,6 +177,9 @@ pub async fn serve_tls(
             req.extensions_mut()
                 .insert(axum::extract::ConnectInfo(peer));
             req.extensions_mut().insert(idle);
+            if over_tls {
+                req.extensions_mut().insert(OverTls);
+            }
             let call = tower::ServiceExt::oneshot(app.clone(), req.map(axum::body::Body::new));
             async move {
                 let res = call.await?;
