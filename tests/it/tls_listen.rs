@@ -748,3 +748,58 @@ async fn unusable_tls_settings_refuse_the_start_naming_the_setting() {
     .await;
     assert!(err.contains("IDEMGATE_TLS_KEY"), "{err}");
 }
+
+/// An HTTP/2 connection has no idle phase of its own (its requests run side
+/// by side): it is closed once none has run for the keep-alive timeout, and
+/// not while one runs.
+#[tokio::test]
+async fn an_idle_http2_connection_is_closed_after_the_keep_alive_timeout() {
+    let ca = Ca::new("h2 idle test CA");
+    let files = Files::new(&ca, &ca.server(11));
+    let (_served, port) = start_serve(&files, &ca, &["--keep-alive-timeout", "2"]).await;
+    let mut config = (*client_config(&ca, None)).clone();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let tls = TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    let ended = Arc::new(AtomicBool::new(false));
+    let ended_at = ended.clone();
+    tokio::spawn(async move {
+        let _ = conn.await;
+        ended_at.store(true, Ordering::SeqCst);
+    });
+    // Requests 1 s apart keep it open past the timeout.
+    let started = Instant::now();
+    for _ in 0..4 {
+        let req = http::Request::get(format!("https://127.0.0.1:{port}/healthz"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let res = send.send_request(req).await.unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.version(), http::Version::HTTP_2);
+        res.into_body().collect().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert!(!ended.load(Ordering::SeqCst), "closed while in use");
+    // Then idle: closed within the timeout and a bit.
+    let idle = Instant::now();
+    assert!(
+        crate::common::until(Duration::from_secs(5), || ended.load(Ordering::SeqCst)).await,
+        "an idle HTTP/2 connection stayed open {} s past a 2 s keep-alive timeout",
+        idle.elapsed().as_secs()
+    );
+    eprintln!(
+        "h2 idle close: used {:.1} s, closed {:.1} s after its last request",
+        (idle - started).as_secs_f64(),
+        idle.elapsed().as_secs_f64() + 1.0
+    );
+}

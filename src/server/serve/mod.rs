@@ -122,8 +122,9 @@ pub async fn serve(
 /// timeout, counted from the accept like a plain connection's first head;
 /// ALPN offers HTTP/2 and HTTP/1.1. An HTTP/1.1 connection over TLS lives
 /// by the same timers as a plain one. An HTTP/2 connection multiplexes its
-/// requests, so it has no idle phase of its own to time: hyper's HTTP/2
-/// keep-alive pings end one whose client has gone.
+/// requests: it is closed (gracefully, a GOAWAY) once none has run for the
+/// keep-alive timeout, and hyper's HTTP/2 pings end one whose client has
+/// gone.
 pub async fn serve_tls(
     listener: TcpListener,
     app: Router,
@@ -217,7 +218,8 @@ pub async fn serve_tls(
                         () = watch.signalled() => return,
                     };
                     if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
-                        drive_http2(&h2, stream, service, &mut watch).await
+                        let idle = (io_tracker, timeouts.keep_alive);
+                        drive_http2(&h2, stream, service, &mut watch, idle).await
                     } else {
                         let io = conn::TimedIo::new(stream, io_tracker, timeouts);
                         drive_http1(&http, io, service, &mut watch).await
@@ -280,12 +282,13 @@ where
 }
 
 /// Serves HTTP/2 (negotiated by ALPN) on `io` until the client or the
-/// shutdown ends it.
+/// shutdown ends it, or it has run no request for `idle.1`.
 async fn drive_http2<I, S>(
     h2: &hyper::server::conn::http2::Builder<hyper_util::rt::TokioExecutor>,
     io: I,
     service: S,
     watch: &mut drain::Watch,
+    idle: (conn::Tracker, Duration),
 ) -> Result<(), hyper::Error>
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -296,15 +299,27 @@ where
     <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let (tracker, keep_alive) = idle;
     let conn = h2.serve_connection(hyper_util::rt::TokioIo::new(io), service);
     let mut conn = std::pin::pin!(conn);
-    let mut signalled = false;
+    let mut closing = false;
     loop {
+        // While requests run, look again after a keep-alive timeout.
+        let wake = tracker
+            .quiet_since()
+            .unwrap_or_else(tokio::time::Instant::now)
+            + keep_alive;
         tokio::select! {
             ended = conn.as_mut() => return ended,
-            () = watch.signalled(), if !signalled => {
-                signalled = true;
+            () = watch.signalled(), if !closing => {
+                closing = true;
                 conn.as_mut().graceful_shutdown();
+            }
+            () = tokio::time::sleep_until(wake), if !closing => {
+                if tracker.quiet_since().is_some_and(|t| t.elapsed() >= keep_alive) {
+                    closing = true;
+                    conn.as_mut().graceful_shutdown();
+                }
             }
         }
     }
