@@ -13,7 +13,6 @@
 //! (the key written after its certificate, say).
 
 use std::fmt;
-use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
@@ -127,7 +126,19 @@ type Stamp = Option<(SystemTime, u64, u64)>;
 
 fn stamp(path: &Path) -> Stamp {
     let meta = std::fs::metadata(path).ok()?;
-    Some((meta.modified().ok()?, meta.len(), meta.ino()))
+    Some((meta.modified().ok()?, meta.len(), inode(&meta)))
+}
+
+/// The file's inode: a rename onto the path changes it even when the time
+/// and size do not.
+#[cfg(unix)]
+fn inode(meta: &std::fs::Metadata) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(meta)
+}
+
+#[cfg(not(unix))]
+fn inode(_meta: &std::fs::Metadata) -> u64 {
+    0
 }
 
 /// A file modified this recently is read and compared on every handshake,
