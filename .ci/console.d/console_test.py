@@ -19,12 +19,15 @@ import re
 import secrets
 import shutil
 import signal
+import ssl
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
 import urllib.parse
+import urllib.request
 
 from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import sync_playwright
@@ -660,6 +663,56 @@ def case_screenshots(w: World) -> None:
     c.ok(f"wrote {key_png} (a key's page: its timeline and the settle form)")
 
 
+def case_tls(w: World) -> None:
+    """The console over TLS: a serve with --tls-cert/--tls-key (a certificate
+    made for this run with openssl) loads /console over https, its assets
+    and its queue too; Chromium is told to accept the run's own certificate
+    (the context's ignore_https_errors), and the page's certificate is
+    checked to be that one."""
+    c = w.checks
+    cert, key = os.path.join(w.work, "tls-cert.pem"), os.path.join(w.work, "tls-key.pem")
+    subject = f"idemgate console TLS {os.getpid()}"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:P-256", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", f"/CN={subject}",
+                    "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    port = free_port()
+    base = f"https://127.0.0.1:{port}"
+    env = clean_env(DATABASE_URL=f"sqlite://{w.work}/tls.db", IDEMGATE_TLS_CERT=cert,
+                    IDEMGATE_TLS_KEY=key)
+    proc = Idemgate(w.args.bin, "serve-tls", ["serve", "--listen", f"127.0.0.1:{port}"], env,
+                    w.work, f"{base}/healthz").start()
+    trust = ssl.create_default_context(cafile=cert)
+
+    def up():
+        if proc.proc.poll() is not None:
+            raise Failed(f"serve-tls exited with {proc.proc.returncode}:\n" + proc.log_tail())
+        with urllib.request.urlopen(f"{base}/healthz", context=trust, timeout=2) as r:
+            return r.status == 200
+    wait_until(up, 30, 0.1, "serve-tls to answer over https")
+    c.ok("serve with IDEMGATE_TLS_CERT/IDEMGATE_TLS_KEY answers /healthz over https "
+         "(Python's ssl trusting the run's certificate)")
+    t = w.tab(w.context(ignore_https_errors=True), base, "serve over TLS")
+    r = t.page.goto(f"{base}/console", wait_until="load")
+    c.that(r is not None and r.status == 200, f"GET {base}/console in Chromium: 200",
+           f"{r.status if r else 'no response'}")
+    details = r.security_details() or {}
+    c.that(subject in (details.get("subjectName") or ""),
+           f"over TLS ({details.get('protocol')}), with the run's certificate",
+           f"security details {details}")
+    c.that(t.heading() == "idemgate console", 'its h1 is "idemgate console"',
+           f"h1 is {t.heading()!r}")
+    t.quiet()
+    urls = [q.url for q in t.requests]
+    c.that(urls and all(u.startswith(base) for u in urls),
+           f"every request of the page went over https to the serve ({len(urls)}: its assets "
+           "and its fragments)", f"{[u for u in urls if not u.startswith(base)][:5]}")
+    failed = [q.url for q in t.requests if (q.response() is None or q.response().status >= 400)]
+    c.that(not failed, "and each was answered", f"unanswered or refused: {failed[:5]}")
+    c.that("unauthorized" not in t.text().lower(), 'no "unauthorized": TLS changed nothing else')
+
+
 CASES = [
     ("5 refusals", case_refusals),
     ("open console", case_open),
@@ -670,6 +723,7 @@ CASES = [
     ("1+2 proxy killed (PostgreSQL)", lambda w: case_proxy(w, "PostgreSQL")),
     ("4 thousands of stuck keys (PostgreSQL)", case_bulk),
     ("6 the store away (PostgreSQL)", case_store_away),
+    ("9 the console over TLS", case_tls),
 ]
 
 

@@ -8,7 +8,7 @@ use tokio::net::TcpListener;
 
 use crate::server::api::{self, AppState};
 use crate::server::config::{ConfigError, ServeArgs};
-use crate::server::{console, open, serve};
+use crate::server::{console, open, serve, tls};
 use crate::store::Store;
 
 /// The reservation API's state from its settings.
@@ -47,6 +47,9 @@ pub fn router(state: AppState) -> axum::Router {
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate()?;
+    // The certificate before the store too: an unusable one refuses the
+    // start, naming its setting.
+    let tls = tls::Listener::from_args(&args.run.tls)?;
     open::check_database_url(&args.store)?;
     // The listener before the store: a start that fails for its address
     // leaves no new database behind.
@@ -78,15 +81,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let pruner = open::spawn_pruner(&args.run, store);
     // Make the metric visible before the first pass.
     crate::telemetry::record_pruned(0);
+    let scheme = args.run.tls.scheme();
     tracing::info!(
         listen = %listener.local_addr()?,
-        docs = %format!("http://{}/docs", listener.local_addr()?),
+        docs = %format!("{scheme}://{}/docs", listener.local_addr()?),
         "idemgate serve is listening"
     );
-    serve::serve(
+    log_tls(&args.run.tls);
+    serve::serve_tls(
         listener,
         router(state),
         serve::Serving::from(&args.run),
+        tls,
         serve::shutdown_signal(),
     )
     .await?;
@@ -95,4 +101,26 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     tracing::info!("idemgate serve stopped");
     Ok(())
+}
+
+/// The start-up line of the listeners' TLS: which files, and whether
+/// clients must show a certificate.
+pub fn log_tls(tls: &crate::server::config::TlsArgs) {
+    let (Some(cert), Some(key)) = (&tls.tls_cert, &tls.tls_key) else {
+        return;
+    };
+    match &tls.tls_client_ca {
+        Some(ca) => tracing::info!(
+            cert = %cert.display(),
+            key = %key.display(),
+            client_ca = %ca.display(),
+            "https with client certificates (mutual TLS): HTTP/2 and HTTP/1.1; the certificate \
+             and key are read again when they change"
+        ),
+        None => tracing::info!(
+            cert = %cert.display(),
+            key = %key.display(),
+            "https: HTTP/2 and HTTP/1.1; the certificate and key are read again when they change"
+        ),
+    }
 }

@@ -52,6 +52,7 @@ mod store_contract;
 mod storms;
 mod streaming;
 mod tenants;
+mod tls_listen;
 mod tls_upstream;
 mod traces;
 mod unknown;

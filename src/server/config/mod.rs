@@ -23,7 +23,7 @@ mod tokens;
 pub use admin::{AdminAccess, AdminArgs, AdminMode, LOOPBACK_OPERATOR};
 pub use policy::PolicyArgs;
 pub use proxy::{Header, ProxyArgs};
-pub use run::{RunArgs, SealArgs};
+pub use run::{RunArgs, SealArgs, TlsArgs};
 pub use serve::ServeArgs;
 pub use source::{Origin, Sources};
 pub use store::StoreArgs;

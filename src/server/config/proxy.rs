@@ -374,6 +374,7 @@ impl ProxyArgs {
                     .into(),
             });
         }
+        self.run.tls.validate()?;
         self.policy.validate()
     }
 

@@ -1,6 +1,7 @@
 //! What a long-running command does beside its requests: migrations,
 //! pruning, shutdown, connection timers, memory, tenant limits, sealing.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -92,6 +93,30 @@ pub struct RunArgs {
 
     #[command(flatten)]
     pub seal: SealArgs,
+
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// TLS on the command's own listeners (`serve`'s, the proxy's two).
+#[derive(Debug, Clone, Args)]
+pub struct TlsArgs {
+    /// Serves the listeners over TLS with this certificate (PEM: the leaf
+    /// first, then its intermediates); needs --tls-key. Read again when it
+    /// changes: a rotated certificate is served from the next handshake on.
+    #[arg(long, env = "IDEMGATE_TLS_CERT", value_name = "PEM FILE")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1); read
+    /// again when it changes.
+    #[arg(long, env = "IDEMGATE_TLS_KEY", value_name = "PEM FILE")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Requires clients to present a certificate signed by one of these CAs
+    /// (PEM) on the TLS listeners: mutual TLS. It is not a token: tokens and
+    /// the admin rule apply as they are.
+    #[arg(long, env = "IDEMGATE_TLS_CLIENT_CA", value_name = "PEM FILE")]
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 /// The seal keys of stored responses: what `serve` and `proxy` seal with,
@@ -154,6 +179,46 @@ pub fn parse_endpoint(s: &str) -> Result<String, String> {
         return Err("a query is not supported: give the collector's base URL".into());
     }
     Ok(raw.trim_end_matches('/').to_owned())
+}
+
+// === impl TlsArgs ===
+
+impl TlsArgs {
+    /// Refuses a certificate without its key, a key without its
+    /// certificate, and client CAs without either.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let missing = |setting, problem: &str| {
+            Err(ConfigError {
+                setting,
+                problem: problem.into(),
+            })
+        };
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => missing(
+                "tls_key",
+                "is not set, but {tls_cert} is: TLS needs the certificate and its key",
+            ),
+            (None, Some(_)) => missing(
+                "tls_cert",
+                "is not set, but {tls_key} is: TLS needs the certificate and its key",
+            ),
+            (None, None) if self.tls_client_ca.is_some() => missing(
+                "tls_client_ca",
+                "is set without {tls_cert} and {tls_key}: client certificates are asked for \
+                 on TLS listeners only",
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// The URL scheme of the listeners.
+    pub fn scheme(&self) -> &'static str {
+        if self.tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        }
+    }
 }
 
 // === impl SealArgs ===

@@ -59,6 +59,7 @@ impl ServeArgs {
             });
         }
         self.run.sealer()?;
+        self.run.tls.validate()?;
         self.policy.validate()
     }
 }

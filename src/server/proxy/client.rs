@@ -212,6 +212,16 @@ impl ProxyClient {
             http::HeaderValue::from_str(authority.as_str()).ok()
         });
         to_upstream(&mut parts.headers, client, host.clone());
+        if parts
+            .extensions
+            .get::<crate::server::serve::OverTls>()
+            .is_some()
+        {
+            // The client spoke TLS to the proxy's listener.
+            parts
+                .headers
+                .insert("x-forwarded-proto", http::HeaderValue::from_static("https"));
+        }
         if self.preserve_host
             && let Some(host) = host
         {

@@ -23,8 +23,8 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Appends the client's address to `X-Forwarded-For` (earlier hops kept, in
-/// order), and sets `X-Forwarded-Proto` (`http`: the proxy listens on plain
-/// HTTP) and `X-Forwarded-Host` (the `Host` the client asked for). Proto and
+/// order), and sets `X-Forwarded-Proto` (`http`; the proxy's client makes
+/// it `https` for a request that came over a TLS listener) and `X-Forwarded-Host` (the `Host` the client asked for). Proto and
 /// Host are overwritten rather than trusted from the client.
 pub fn add_forwarded(headers: &mut HeaderMap, client: Option<IpAddr>, host: Option<HeaderValue>) {
     if let Some(ip) = client {

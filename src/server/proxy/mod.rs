@@ -162,6 +162,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         Some(path) => routes::from_file(path, args.policy.max_ttl())?,
         None => Vec::new(),
     };
+    let tls = tls::Listener::from_args(&args.run.tls)?;
     // The listeners before the store: a start that fails for an address
     // leaves no new database behind.
     open::check_database_url(&args.store)?;
@@ -186,12 +187,15 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     );
     let pruner = open::spawn_pruner(&args.run, store);
     telemetry::record_pruned(0);
+    let scheme = args.run.tls.scheme();
     tracing::info!(
         listen = %listener.local_addr()?,
         admin = %admin.local_addr()?,
+        scheme,
         upstream = args.upstream.as_deref().unwrap_or_default(),
         "idemgate proxy is listening"
     );
+    crate::server::wiring::log_tls(&args.run.tls);
     args.admin
         .access(args.admin_listen, &crate::server::auth::Tokens::default())
         .log("proxy");
@@ -210,8 +214,14 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     };
     let serving = serve::Serving::from(&args.run);
     let served = tokio::try_join!(
-        serve::serve(listener, proxy.app, serving, until_stopped(stopped.clone())),
-        serve::serve(admin, proxy.admin, serving, until_stopped(stopped)),
+        serve::serve_tls(
+            listener,
+            proxy.app,
+            serving,
+            tls.clone(),
+            until_stopped(stopped.clone())
+        ),
+        serve::serve_tls(admin, proxy.admin, serving, tls, until_stopped(stopped)),
     );
     if let Some(p) = pruner {
         p.abort();

@@ -91,6 +91,11 @@ struct State {
     /// connection turns idle, so that the keep-alive timer starts running
     /// even if hyper would not read again before bytes arrive.
     reader: Option<Waker>,
+    /// Requests whose response body is not dropped yet: an HTTP/2
+    /// connection runs several at once.
+    in_flight: usize,
+    /// When `in_flight` last fell to 0 (or the accept).
+    quiet_since: Instant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,6 +213,8 @@ impl Tracker {
             since: Instant::now(),
             request: 0,
             reader: None,
+            in_flight: 0,
+            quiet_since: Instant::now(),
         })))
     }
 
@@ -217,6 +224,7 @@ impl Tracker {
         let mut state = self.lock();
         state.phase = Phase::Busy;
         state.request = state.request.wrapping_add(1);
+        state.in_flight += 1;
         Busy {
             tracker: self.clone(),
             request: state.request,
@@ -227,6 +235,13 @@ impl Tracker {
     /// stream is another protocol's, and no timer ends it.
     pub fn upgraded(&self) {
         self.lock().phase = Phase::Upgraded;
+    }
+
+    /// Since when no request has been running on the connection; `None`
+    /// while one is. What an HTTP/2 connection's idle timer goes by.
+    pub fn quiet_since(&self) -> Option<Instant> {
+        let state = self.lock();
+        (state.in_flight == 0).then_some(state.quiet_since)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -290,6 +305,10 @@ impl Drop for Busy {
     fn drop(&mut self) {
         let reader = {
             let mut state = self.tracker.lock();
+            state.in_flight = state.in_flight.saturating_sub(1);
+            if state.in_flight == 0 {
+                state.quiet_since = Instant::now();
+            }
             if state.request != self.request || state.phase != Phase::Busy {
                 return;
             }

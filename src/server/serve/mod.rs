@@ -16,6 +16,7 @@ use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
 use crate::body::BodyIdleTimeout;
 use crate::server::config::RunArgs;
+use crate::server::tls;
 
 /// How a listener treats its connections.
 #[derive(Debug, Clone, Copy)]
@@ -86,6 +87,11 @@ impl<B> tower_http::trace::MakeSpan<B> for MakeSpan {
     }
 }
 
+/// In the extensions of every request that came over a TLS listener: the
+/// proxy tells its upstream `X-Forwarded-Proto: https`.
+#[derive(Debug, Clone, Copy)]
+pub struct OverTls;
+
 /// Largest request head (request line and headers) a client may send; a
 /// bigger one is answered `431 Request Header Fields Too Large`.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -108,10 +114,33 @@ pub async fn serve(
     serving: Serving,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_tls(listener, app, serving, None, shutdown).await
+}
+
+/// [`serve`], with TLS on every connection when `tls` is given
+/// (`IDEMGATE_TLS_CERT`): the handshake must end within the header read
+/// timeout, counted from the accept like a plain connection's first head;
+/// ALPN offers HTTP/2 and HTTP/1.1. An HTTP/1.1 connection over TLS lives
+/// by the same timers as a plain one. An HTTP/2 connection multiplexes its
+/// requests: it is closed (gracefully, a GOAWAY) once none has run for the
+/// keep-alive timeout, and hyper's HTTP/2 pings end one whose client has
+/// gone.
+pub async fn serve_tls(
+    listener: TcpListener,
+    app: Router,
+    serving: Serving,
+    tls: Option<tls::Listener>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
     // Off: `conn` times heads and idle connections apart.
     http.header_read_timeout(None)
         .max_header_size(MAX_HEAD_BYTES);
+    let mut h2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    h2.timer(hyper_util::rt::TokioTimer::new())
+        .max_header_list_size(u32::try_from(MAX_HEAD_BYTES).unwrap_or(u32::MAX))
+        .keep_alive_interval(Some(serving.keep_alive_timeout))
+        .keep_alive_timeout(serving.header_read_timeout);
     let timeouts = conn::Timeouts {
         header_read: serving.header_read_timeout,
         keep_alive: serving.keep_alive_timeout,
@@ -140,7 +169,8 @@ pub async fn serve(
         // only then does its keep-alive clock start.
         let idle = BodyIdleTimeout(serving.header_read_timeout);
         let tracker = conn::Tracker::new();
-        let io = conn::TimedIo::new(stream, tracker.clone(), timeouts);
+        let io_tracker = tracker.clone();
+        let over_tls = tls.is_some();
         let app = app.clone();
         let service = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let busy = tracker.request();
@@ -148,6 +178,9 @@ pub async fn serve(
             req.extensions_mut()
                 .insert(axum::extract::ConnectInfo(peer));
             req.extensions_mut().insert(idle);
+            if over_tls {
+                req.extensions_mut().insert(OverTls);
+            }
             let call = tower::ServiceExt::oneshot(app.clone(), req.map(axum::body::Body::new));
             async move {
                 let res = call.await?;
@@ -159,25 +192,37 @@ pub async fn serve(
                 )
             }
         });
-        // With upgrades: the request's `OnUpgrade` extension hands the
-        // stream to whoever answers `101` (the proxy's splice, axum's
-        // WebSocket), and the connection future ends once it has.
-        let conn = http
-            .serve_connection(
-                hyper_util::rt::TokioIo::new(io),
-                hyper_util::service::TowerToHyperService::new(service),
-            )
-            .with_upgrades();
+        let service = hyper_util::service::TowerToHyperService::new(service);
         let mut watch = drain.watch();
+        let (http, h2, tls) = (http.clone(), h2.clone(), tls.clone());
         tokio::spawn(async move {
-            let mut conn = std::pin::pin!(conn);
-            let mut signalled = false;
-            let ended = loop {
-                tokio::select! {
-                    ended = conn.as_mut() => break ended,
-                    () = watch.signalled(), if !signalled => {
-                        signalled = true;
-                        conn.as_mut().graceful_shutdown();
+            let ended = match tls {
+                None => {
+                    let io = conn::TimedIo::new(stream, io_tracker, timeouts);
+                    drive_http1(&http, io, service, &mut watch).await
+                }
+                Some(tls) => {
+                    let handshake = tokio::time::timeout(timeouts.header_read, tls.accept(stream));
+                    let stream = tokio::select! {
+                        done = handshake => match done {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(e)) => {
+                                tracing::debug!(error = %e, %peer, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "no TLS handshake within the header read timeout");
+                                return;
+                            }
+                        },
+                        () = watch.signalled() => return,
+                    };
+                    if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+                        let idle = (io_tracker, timeouts.keep_alive);
+                        drive_http2(&h2, stream, service, &mut watch, idle).await
+                    } else {
+                        let io = conn::TimedIo::new(stream, io_tracker, timeouts);
+                        drive_http1(&http, io, service, &mut watch).await
                     }
                 }
             };
@@ -201,6 +246,85 @@ pub async fn serve(
         tracing::warn!("shutdown grace elapsed with requests still running");
     }
     Ok(())
+}
+
+/// Serves HTTP/1.1 on `io` until the client or the shutdown ends it. With
+/// upgrades: the request's `OnUpgrade` extension hands the stream to
+/// whoever answers `101` (the proxy's splice, axum's WebSocket), and the
+/// connection future ends once it has.
+async fn drive_http1<I, S>(
+    http: &hyper::server::conn::http1::Builder,
+    io: I,
+    service: S,
+    watch: &mut drain::Watch,
+) -> Result<(), hyper::Error>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming> + Send + 'static,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as http_body::Body>::Data: Send,
+    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let conn = http
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service)
+        .with_upgrades();
+    let mut conn = std::pin::pin!(conn);
+    let mut signalled = false;
+    loop {
+        tokio::select! {
+            ended = conn.as_mut() => return ended,
+            () = watch.signalled(), if !signalled => {
+                signalled = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
+
+/// Serves HTTP/2 (negotiated by ALPN) on `io` until the client or the
+/// shutdown ends it, or it has run no request for `idle.1`.
+async fn drive_http2<I, S>(
+    h2: &hyper::server::conn::http2::Builder<hyper_util::rt::TokioExecutor>,
+    io: I,
+    service: S,
+    watch: &mut drain::Watch,
+    idle: (conn::Tracker, Duration),
+) -> Result<(), hyper::Error>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming> + Send + 'static,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as http_body::Body>::Data: Send,
+    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (tracker, keep_alive) = idle;
+    let conn = h2.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    let mut conn = std::pin::pin!(conn);
+    let mut closing = false;
+    loop {
+        // While requests run, look again after a keep-alive timeout.
+        let wake = tracker
+            .quiet_since()
+            .unwrap_or_else(tokio::time::Instant::now)
+            + keep_alive;
+        tokio::select! {
+            ended = conn.as_mut() => return ended,
+            () = watch.signalled(), if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            () = tokio::time::sleep_until(wake), if !closing => {
+                if tracker.quiet_since().is_some_and(|t| t.elapsed() >= keep_alive) {
+                    closing = true;
+                    conn.as_mut().graceful_shutdown();
+                }
+            }
+        }
+    }
 }
 
 /// Resolves on SIGTERM or ctrl-c.

@@ -24,7 +24,10 @@ use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 use tower::Service;
 
+pub mod listen;
 pub mod tcp;
+
+pub use listen::Listener;
 
 use tcp::{TcpConnector, TcpIo};
 
