@@ -76,7 +76,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     #[cfg(feature = "sqlite")]
     crate::store::SqliteStore::announce_admin(
         &args.store.database_url,
-        &format!("http://{}", listener.local_addr()?),
+        &format!("{}://{}", args.run.tls.scheme(), listener.local_addr()?),
     );
     let pruner = open::spawn_pruner(&args.run, store);
     // Make the metric visible before the first pass.

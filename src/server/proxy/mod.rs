@@ -183,7 +183,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     #[cfg(feature = "sqlite")]
     crate::store::SqliteStore::announce_admin(
         &args.store.database_url,
-        &format!("http://{}", admin.local_addr()?),
+        &format!("{}://{}", args.run.tls.scheme(), admin.local_addr()?),
     );
     let pruner = open::spawn_pruner(&args.run, store);
     telemetry::record_pruned(0);
