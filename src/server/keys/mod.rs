@@ -34,7 +34,7 @@ pub async fn run(command: KeysCommand) -> anyhow::Result<()> {
 /// Where the keys are asked for: the database, or a running idemgate.
 enum Keys {
     Database(Box<Engine>),
-    Server(remote::Remote),
+    Server(Box<remote::Remote>),
 }
 
 impl Keys {
@@ -42,7 +42,10 @@ impl Keys {
     /// `prune` opens it (a PostgreSQL database is not migrated).
     async fn of(db: &Database) -> anyhow::Result<Keys> {
         if let Some(url) = &db.server {
-            return Ok(Keys::Server(remote::Remote::new(url, db.token.clone())?));
+            return Ok(Keys::Server(Box::new(remote::Remote::new(
+                url,
+                db.token.clone(),
+            )?)));
         }
         let store = open_store_as(&db.store, Opening::Existing)
             .await
