@@ -1,7 +1,8 @@
 """An MCP server made with the official Python SDK (`mcp`), unchanged by
 idemgate: a write tool that charges, a slow one, and a read-only one. Every
 execution of a write tool appends a line to $CHARGES_LOG, so a test counts
-what really ran.
+what really ran; the slow one also logs its start (tool "slow_charge.started"),
+so a test sees a call in flight and whether it ran to its end.
 
     CHARGES_LOG=/tmp/charges python3 tests/mcp/server.py PORT [--json-response]
 """
@@ -36,6 +37,8 @@ def charge(customer: str, amount: int) -> dict[str, Any]:
 
 @server.tool(description="Charge, slowly: the charge is made after `seconds`.")
 async def slow_charge(customer: str, amount: int, seconds: float) -> dict[str, Any]:
+    with open(os.environ["CHARGES_LOG"], "a", encoding="utf-8") as log:
+        log.write(json.dumps({"tool": "slow_charge.started", "customer": customer, "amount": amount}) + "\n")
     await asyncio.sleep(seconds)
     return {"charge": _record("slow_charge", customer=customer, amount=amount), "amount": amount}
 

@@ -126,6 +126,11 @@ export class Rig {
 
   /** A proxy in front of the server, on a SQLite file of its own: its MCP endpoint's URL. */
   async proxy(name: string, ...flags: string[]): Promise<string> {
+    return (await this.door(name, ...flags)).url;
+  }
+
+  /** A proxy in front of the server, on a SQLite file of its own: its MCP endpoint's and admin listener's URLs. */
+  async door(name: string, ...flags: string[]): Promise<{ url: string; admin: string }> {
     const [port, admin] = [await freePort(), await freePort()];
     const log = join(this.dir, `proxy-${name}.log`);
     const out = openSync(log, "a");
@@ -137,7 +142,7 @@ export class Rig {
       ...flags,
     ], { stdio: ["ignore", out, out] }));
     await waitFor(proxy, `http://127.0.0.1:${admin}/healthz`, `idemgate proxy (${BIN})`, log);
-    return `http://127.0.0.1:${port}/mcp`;
+    return { url: `http://127.0.0.1:${port}/mcp`, admin: `http://127.0.0.1:${admin}` };
   }
 
   private track(child: ChildProcess): ChildProcess {
