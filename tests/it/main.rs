@@ -32,6 +32,7 @@ mod metrics;
 mod openapi;
 mod outage;
 mod pg_connections;
+mod pooler;
 mod properties;
 mod proxy;
 mod readme;
