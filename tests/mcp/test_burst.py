@@ -28,6 +28,10 @@ from mcp.shared.exceptions import MCPError
 from test_door import BIN, Rig, free_port, session, wait_for
 
 ADMIN_URL = os.environ.get("IDEMGATE_MCP_TEST_PG", "postgres://postgres@127.0.0.1:5432/postgres")
+# HOST:PORT of a pooler in transaction mode in front of that PostgreSQL
+# (.ci/pgbouncer): the proxy then goes through it with --pg-pooler
+# transaction, its database migrated directly first.
+POOLER = os.environ.get("IDEMGATE_MCP_TEST_PG_POOLER", "")
 SESSIONS = 10
 KEYS = 6
 
@@ -65,6 +69,7 @@ class PgRig(Rig):
                 "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
                 "--database-url", self.database_url,
                 "--default-lease", "3", "--default-wait", "6", "--prune-interval", "0",
+                *(["--pg-pooler", "transaction"] if POOLER else []),
                 *flags,
             ],
             stdout=subprocess.DEVNULL,
@@ -79,6 +84,10 @@ class PgRig(Rig):
 def rig(request: pytest.FixtureRequest, tmp_path: Path, database: str) -> Iterator[PgRig]:
     rig = PgRig(tmp_path, json_response=request.param == "json")
     rig.database_url = database
+    if POOLER:
+        assert BIN
+        subprocess.run([BIN, "migrate", "--database-url", database], check=True, capture_output=True, timeout=60)
+        rig.database_url = database.replace(database.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1], POOLER, 1)
     rig.start_server()
     rig.start_proxy()
     try:
