@@ -136,7 +136,7 @@ fn report(json: bool, what: &str) {
 }
 
 async fn migrate(args: StoreArgs, json: bool) -> anyhow::Result<()> {
-    open::open_store(&args, true).await?;
+    open::open_store_as(&args, open::Opening::Migration).await?;
     report(json, "migrations applied");
     Ok(())
 }

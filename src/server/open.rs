@@ -13,8 +13,14 @@ use crate::store::Store;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Opening {
     /// Creates a SQLite file that is not there, and applies the pending
-    /// migrations: `serve`, `proxy`, `migrate`.
+    /// migrations: `serve`, `proxy`. Behind a pooler in transaction mode
+    /// (`IDEMGATE_PG_POOLER=transaction`), as [`Opening::NoMigrate`]:
+    /// migrations need a session.
     Migrate,
+    /// `idemgate migrate`: as [`Opening::Migrate`], on a session whatever
+    /// `IDEMGATE_PG_POOLER` says (its `DATABASE_URL` must then be a direct
+    /// connection).
+    Migration,
     /// `serve` and `proxy` with `--no-migrate`: nothing is created or
     /// migrated, and a database that cannot serve without migrations (none
     /// there, no tables, migrations missing) refuses the start, saying what
@@ -69,11 +75,28 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
         "postgres" | "postgresql" => {
             use std::time::Duration;
 
+            use crate::server::config::PgPooler;
             use crate::store::{PgSettings, PgStore};
+            let pooled = args.pg_pooler == PgPooler::Transaction;
+            if pooled && opening == Opening::Migration {
+                tracing::info!(
+                    "IDEMGATE_PG_POOLER=transaction: `idemgate migrate` holds a session (an \
+                     advisory lock while it applies the migrations), so its DATABASE_URL must \
+                     reach PostgreSQL directly, not through the pooler"
+                );
+            } else if pooled && migrate {
+                tracing::info!(
+                    "IDEMGATE_PG_POOLER=transaction: no migrations at start (they need a \
+                     session, which a pooler in transaction mode does not keep), as with \
+                     --no-migrate; run `idemgate migrate` on a direct connection to PostgreSQL"
+                );
+            }
+            let migrate = migrate && !(pooled && opening != Opening::Migration);
             let settings = PgSettings {
                 max_connections: args.db_max_connections.max(1),
                 acquire_timeout: args.db_acquire_timeout.max(Duration::from_secs(1)),
                 statement_timeout: args.db_statement_timeout.max(Duration::from_secs(1)),
+                transaction_pooler: pooled && opening != Opening::Migration,
             };
             let store = PgStore::connect_lazy(url, &settings).map_err(|e| ConfigError {
                 setting: "database_url",
@@ -129,6 +152,17 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
             } else {
                 match store.not_set_up().await {
                     Ok(None) => {}
+                    Ok(Some(why)) if pooled => {
+                        return Err(ConfigError {
+                            setting: "pg_pooler",
+                            problem: format!(
+                                "{why}: with IDEMGATE_PG_POOLER=transaction nothing is migrated \
+                                 at start; run `idemgate migrate` first, with a DATABASE_URL \
+                                 that reaches PostgreSQL directly (not through the pooler)"
+                            ),
+                        }
+                        .into());
+                    }
                     Ok(Some(why)) => return Err(not_set_up(&why)),
                     // Down or unreachable: the door answers 503 until it is
                     // back, and the log says why.
@@ -144,7 +178,7 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
         #[cfg(feature = "sqlite")]
         "sqlite" => {
             let opened = match opening {
-                Opening::Migrate => crate::store::SqliteStore::open(url).await,
+                Opening::Migrate | Opening::Migration => crate::store::SqliteStore::open(url).await,
                 Opening::NoMigrate | Opening::Existing => {
                     crate::store::SqliteStore::open_existing(url).await
                 }

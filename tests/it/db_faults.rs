@@ -97,6 +97,7 @@ async fn every_connection_busy_gives_a_503_after_the_acquire_timeout() {
         max_connections: 1,
         acquire_timeout: Duration::from_secs(1),
         statement_timeout: Duration::from_secs(4),
+        ..PgSettings::default()
     };
     let app = Arc::new(TestApp::with_settings(&db.url, &[], settings).await);
     let key = released_key(&app).await;

@@ -35,6 +35,7 @@ mod openapi;
 mod outage;
 mod pg_connections;
 mod pg_tls;
+mod pooler;
 mod properties;
 mod proxy;
 mod readme;

@@ -30,10 +30,14 @@ from typing import Any
 
 import pytest
 
-from door_rig import Door, Rig, SharedServer
+from door_rig import BIN, Door, Rig, SharedServer
 from official import MODES, RpcError, session
 
 ADMIN_URL = os.environ.get("IDEMGATE_MCP_TEST_PG", "postgres://postgres@127.0.0.1:5432/postgres")
+# HOST:PORT of a pooler in transaction mode in front of that PostgreSQL
+# (.ci/pgbouncer): the proxies then go through it with --pg-pooler
+# transaction, their database migrated directly first.
+POOLER = os.environ.get("IDEMGATE_MCP_TEST_PG_POOLER", "")
 SESSIONS = 20
 KEYS = 30
 # The answer form of the server, and how the client connects in it.
@@ -69,7 +73,9 @@ class PgRig(Rig):
 
     def start_proxy(self, *flags: str, env: dict[str, str] | None = None, upstream: str | None = None) -> Door:
         return super().start_proxy(
-            "--default-lease", "3", "--default-wait", "6", "--prune-interval", "0", *flags,
+            "--default-lease", "3", "--default-wait", "6", "--prune-interval", "0",
+            *(["--pg-pooler", "transaction"] if POOLER else []),
+            *flags,
             env=env, upstream=upstream,
         )
 
@@ -81,6 +87,9 @@ def rig(request: pytest.FixtureRequest, tmp_path: Path, database: str,
     rig = PgRig(tmp_path, json_response=request.param == "json", server_port=shared.port,
                 shared_log=shared.log, who=f"storm-{uuid.uuid4().hex[:10]}")
     rig.pg_url = database
+    if POOLER:
+        subprocess.run([BIN, "migrate", "--database-url", database], check=True, capture_output=True, timeout=60)
+        rig.pg_url = database.replace(database.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1], POOLER, 1)
     rig.mode = MODE[request.param]
     try:
         rig.start_proxy()

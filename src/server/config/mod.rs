@@ -26,7 +26,7 @@ pub use proxy::{Header, ProxyArgs};
 pub use run::{RunArgs, SealArgs, TlsArgs};
 pub use serve::ServeArgs;
 pub use source::{Origin, Sources};
-pub use store::StoreArgs;
+pub use store::{PgPooler, StoreArgs};
 
 use std::time::Duration;
 

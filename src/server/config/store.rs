@@ -51,4 +51,38 @@ pub struct StoreArgs {
         value_parser = seconds
     )]
     pub db_statement_timeout: Duration,
+
+    /// The connection pooler between idemgate and PostgreSQL: `none`, or
+    /// `transaction` for one in transaction mode (PgBouncer, RDS Proxy,
+    /// Supavisor). `transaction` keeps no session state: no named prepared
+    /// statements, no startup options, every setting inside each statement's
+    /// own transaction; `serve` and `proxy` then do not migrate at start
+    /// (run `idemgate migrate` on a direct connection).
+    #[arg(
+        long,
+        env = "IDEMGATE_PG_POOLER",
+        value_name = "none|transaction",
+        default_value = "none",
+        value_parser = parse_pg_pooler
+    )]
+    pub pg_pooler: PgPooler,
+}
+
+/// What sits between idemgate and PostgreSQL (`IDEMGATE_PG_POOLER`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PgPooler {
+    /// A direct connection, or a pooler in session mode: a connection is one
+    /// session for as long as it is open.
+    #[default]
+    None,
+    /// A pooler in transaction mode: a session lasts one transaction.
+    Transaction,
+}
+
+fn parse_pg_pooler(s: &str) -> Result<PgPooler, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "none" => Ok(PgPooler::None),
+        "transaction" => Ok(PgPooler::Transaction),
+        _ => Err("expected `none` or `transaction`".into()),
+    }
 }

@@ -42,7 +42,8 @@ const FUNCTIONS: [(&str, &str); 2] = [
 const LOCK: i64 = 0x6964_656d_6369_7475; // "idemcitu"
 
 /// Reads the layout: Citus when the extension is there and the keys table
-/// is distributed.
+/// is distributed. Read once per process: its statements are not kept
+/// prepared (a pooler in transaction mode could not keep them).
 pub async fn layout(conn: &mut PgConnection) -> Result<Layout, sqlx::Error> {
     if !has_citus(conn).await? {
         return Ok(Layout::Single);
@@ -51,6 +52,7 @@ pub async fn layout(conn: &mut PgConnection) -> Result<Layout, sqlx::Error> {
         "SELECT count(*) FROM pg_catalog.pg_dist_shard
           WHERE logicalrelid = to_regclass('idempotency_keys')",
     )
+    .persistent(false)
     .fetch_one(&mut *conn)
     .await?;
     Ok(match u32::try_from(shards) {
@@ -62,6 +64,7 @@ pub async fn layout(conn: &mut PgConnection) -> Result<Layout, sqlx::Error> {
 /// Whether the database has the `citus` extension.
 async fn has_citus(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')")
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await
 }

@@ -43,6 +43,11 @@ pub(super) struct Conns {
     pub(super) answer_timeout: Duration,
     /// Connections open: idle and in use.
     pub(super) open: AtomicU32,
+    /// Behind a pooler in transaction mode: what opens each statement's own
+    /// transaction and sets what a session would otherwise carry (`BEGIN;
+    /// SET LOCAL …`). `None` on a direct connection: the settings are
+    /// startup options, and a statement is its own transaction.
+    pub(super) scope: Option<String>,
 }
 
 impl std::fmt::Debug for Conns {
@@ -115,6 +120,13 @@ impl Conns {
 pub(super) const ANSWER_MARGIN: Duration = Duration::from_secs(2);
 
 impl Conns {
+    /// Whether statements are kept prepared, under a name, on the
+    /// connection: not behind a pooler in transaction mode, whose next
+    /// transaction may be on another server connection.
+    pub(super) fn persistent(&self) -> bool {
+        self.scope.is_none()
+    }
+
     /// Closes every idle connection.
     pub(super) fn drop_idle(&self) {
         let idle = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|e| e.into_inner()));
@@ -143,6 +155,38 @@ impl Conns {
 // === impl Conn ===
 
 impl Conn<'_> {
+    /// Runs `statement` on the connection; behind a pooler in transaction
+    /// mode, inside a transaction of its own that carries the settings
+    /// (`Conns::scope`): three round trips more (the transaction's two, and
+    /// the unnamed statement's parse), and the same single statement as
+    /// without the pooler. A failed statement is rolled back here, so the
+    /// connection goes back clean; one that cannot be rolled back is
+    /// reported by that error, which says it is broken.
+    pub(super) async fn scoped<T>(
+        &mut self,
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, sqlx::Error> {
+        let conns = self.conns;
+        let conn: &mut PgConnection = self;
+        let Some(scope) = &conns.scope else {
+            return statement(conn).await;
+        };
+        sqlx::raw_sql(sqlx::AssertSqlSafe(scope.as_str()))
+            .execute(&mut *conn)
+            .await?;
+        match statement(&mut *conn).await {
+            Ok(value) => {
+                sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
+                Ok(value)
+            }
+            Err(e) if broken(&e) => Err(e),
+            Err(e) => match sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await {
+                Ok(_) => Err(e),
+                Err(rollback) => Err(rollback),
+            },
+        }
+    }
+
     /// Marks the statement finished: the connection is reusable unless the
     /// error says it is broken.
     pub(super) fn done<T>(&mut self, result: &Result<T, sqlx::Error>) {

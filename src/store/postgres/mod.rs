@@ -36,6 +36,12 @@ pub struct PgSettings {
     pub acquire_timeout: Duration,
     /// Server-side limit on one statement, so a hung database gives a 503.
     pub statement_timeout: Duration,
+    /// A pooler in transaction mode stands between the store and
+    /// PostgreSQL (`IDEMGATE_PG_POOLER=transaction`): keep no session state.
+    /// Each statement then runs unnamed, in a transaction of its own that
+    /// sets the statement timeout with `SET LOCAL`, and nothing is sent at
+    /// startup beyond what every pooler takes.
+    pub transaction_pooler: bool,
 }
 
 impl Default for PgSettings {
@@ -44,6 +50,7 @@ impl Default for PgSettings {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(3),
             statement_timeout: Duration::from_secs(5),
+            transaction_pooler: false,
         }
     }
 }
@@ -68,19 +75,38 @@ impl PgStore {
     pub fn connect_lazy(url: &str, settings: &PgSettings) -> Result<PgStore> {
         let attempts = tls::options(url)
             .map_err(|e| StoreError::other(format!("invalid PostgreSQL URL: {e}")))?;
+        let timeout_ms = settings.statement_timeout.as_millis();
+        // A pooler in transaction mode refuses startup parameters it does
+        // not know (PgBouncer: `extra_float_digits`, `options`), and hands
+        // each transaction to whichever server connection is free: a named
+        // statement prepared on one is missing (or already there) on the
+        // next. So nothing but what every pooler takes at startup, no
+        // statement cache (and each query unnamed, see `Conns::persistent`),
+        // and the settings carried by each statement's own transaction.
+        // Floats come back in binary, so `extra_float_digits` changes
+        // nothing read here.
+        let scope = settings.transaction_pooler.then(|| {
+            format!(
+                "BEGIN; SET LOCAL statement_timeout = {timeout_ms}; \
+                 SET LOCAL client_min_messages = warning"
+            )
+        });
         let with_session = |options: PgConnectOptions| {
-            options
-                .options([
-                    (
-                        "statement_timeout",
-                        format!("{}", settings.statement_timeout.as_millis()),
-                    ),
+            let options = options.log_statements(tracing::log::LevelFilter::Trace);
+            if settings.transaction_pooler {
+                options
+                    .extra_float_digits(None)
+                    .statement_cache_capacity(0)
+            } else {
+                options.options([
+                    ("statement_timeout", format!("{timeout_ms}")),
                     // The server's NOTICEs (the migrations' `relation
-                    // "_sqlx_migrations" already exists, skipping`) are no news
-                    // to an operator; warnings and errors still come through.
+                    // "_sqlx_migrations" already exists, skipping`) are no
+                    // news to an operator; warnings and errors still come
+                    // through.
                     ("client_min_messages", "warning".to_owned()),
                 ])
-                .log_statements(tracing::log::LevelFilter::Trace)
+            }
         };
         let options = with_session(attempts.first);
         let fallback = attempts.fallback.map(with_session);
@@ -101,6 +127,7 @@ impl PgStore {
             acquire_timeout: settings.acquire_timeout,
             answer_timeout: settings.statement_timeout + ANSWER_MARGIN,
             open: AtomicU32::new(0),
+            scope,
         });
         Ok(PgStore {
             pool,
@@ -123,10 +150,11 @@ impl PgStore {
     where
         O: Send + Unpin + for<'r> FromRow<'r, sqlx::postgres::PgRow>,
     {
+        let query = query.persistent(self.conns.persistent());
         let mut conn = self.conns.acquire().await?;
         let result = self
             .conns
-            .answered(query.fetch_optional(&mut *conn))
+            .answered(conn.scoped(async |c| query.fetch_optional(c).await))
             .await?;
         conn.done(&result);
         result.map_err(|e| classify(e, &self.conns.target))
@@ -142,10 +170,11 @@ impl PgStore {
         O: Send + Unpin,
         (O,): for<'r> FromRow<'r, sqlx::postgres::PgRow>,
     {
+        let query = query.persistent(self.conns.persistent());
         let mut conn = self.conns.acquire().await?;
         let result = self
             .conns
-            .answered(query.fetch_optional(&mut *conn))
+            .answered(conn.scoped(async |c| query.fetch_optional(c).await))
             .await?;
         conn.done(&result);
         result.map_err(|e| classify(e, &self.conns.target))
@@ -182,13 +211,17 @@ impl PgStore {
                 return Err(connect_failed(e, target));
             }
         };
+        // Once per process: not kept prepared (a pooler in transaction mode
+        // could not keep them).
         let table: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+            .persistent(false)
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| classify(e, target))?;
         let why = if table {
             let applied: Result<Vec<i64>, sqlx::Error> =
                 sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                    .persistent(false)
                     .fetch_all(&mut *conn)
                     .await;
             match applied {
@@ -256,7 +289,10 @@ impl PgStore {
         self.layout
             .get_or_try_init(|| async {
                 let mut conn = self.conns.acquire().await?;
-                let result = self.conns.answered(citus::layout(&mut conn)).await?;
+                let result = self
+                    .conns
+                    .answered(conn.scoped(async |c| citus::layout(c).await))
+                    .await?;
                 conn.done(&result);
                 result.map_err(|e| classify(e, &self.conns.target))
             })

@@ -129,8 +129,12 @@ impl PgStore {
     where
         O: Send + Unpin + for<'r> FromRow<'r, sqlx::postgres::PgRow>,
     {
+        let query = query.persistent(self.conns.persistent());
         let mut conn = self.conns.acquire().await?;
-        let result = self.conns.answered(query.fetch_all(&mut *conn)).await?;
+        let result = self
+            .conns
+            .answered(conn.scoped(async |c| query.fetch_all(c).await))
+            .await?;
         conn.done(&result);
         result.map_err(|e| classify(e, &self.conns.target))
     }

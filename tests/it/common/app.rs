@@ -94,7 +94,19 @@ impl TestApp {
         } else {
             let store = PgStore::connect_lazy(url, &pg).expect("store");
             store.migrate().await.expect("migrations apply");
-            (Arc::new(store.clone()), Some(store))
+            // Through the pooler of `IDEMGATE_TEST_PG_POOLER`, if set: the
+            // app's store only; `pg` (the tests' own reads) stays direct.
+            match super::pg::through_pooler(url) {
+                Some(pooled) => {
+                    let settings = PgSettings {
+                        transaction_pooler: true,
+                        ..pg
+                    };
+                    let app_store = PgStore::connect_lazy(&pooled, &settings).expect("store");
+                    (Arc::new(app_store), Some(store))
+                }
+                None => (Arc::new(store.clone()), Some(store)),
+            }
         };
         let args = serve_args(flags);
         let state = wiring::app_state(&args, store.clone());

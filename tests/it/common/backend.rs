@@ -45,10 +45,23 @@ impl Backend {
         store
     }
 
-    /// A new store instance over this backend's database, migrated.
+    /// A new store instance over this backend's database, migrated; through
+    /// the pooler `IDEMGATE_TEST_PG_POOLER` names, if set (migrated directly).
     pub async fn open(&self) -> Arc<dyn Store> {
         match self {
-            Backend::Postgres(db) => Arc::new(Self::open_pg(db).await),
+            Backend::Postgres(db) => {
+                let direct = Self::open_pg(db).await;
+                match super::pg::through_pooler(&db.url) {
+                    Some(url) => {
+                        let settings = idemgate::store::PgSettings {
+                            transaction_pooler: true,
+                            ..Default::default()
+                        };
+                        Arc::new(PgStore::connect_lazy(&url, &settings).expect("PgStore"))
+                    }
+                    None => Arc::new(direct),
+                }
+            }
             Backend::Sqlite(dir) => Arc::new(Self::open_sqlite(dir).await),
         }
     }

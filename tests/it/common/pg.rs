@@ -22,6 +22,15 @@
 //! * [`TempCluster`] is a private cluster in a temp dir on a free port, for the fallback and for
 //!   tests that must stop and restart the database.
 //!
+//! * `IDEMGATE_TEST_PG_POOLER=HOST:PORT` (a pooler in transaction mode, e.g. PgBouncer, in
+//!   front of the same server): the stores under test ([`Backend::open`], [`TestApp`]) connect
+//!   through it, with `IDEMGATE_PG_POOLER=transaction`'s settings, after the migrations ran on a
+//!   direct connection; the tests' own reads and writes of the tables stay direct. See
+//!   [`through_pooler`].
+//!
+//! [`Backend::open`]: super::backend::Backend::open
+//! [`TestApp`]: super::app::TestApp
+//!
 //! Other environment knobs: `IDEMGATE_TEST_PG_BINDIR` (directory holding `initdb`, `pg_ctl`,
 //! `postgres`; otherwise `pg_config --bindir`, then the highest `/usr/lib/postgresql/*/bin`,
 //! then `PATH`) and `IDEMGATE_TEST_PG_OS_USER` (the unprivileged OS user a cluster runs as when
@@ -209,6 +218,26 @@ fn with_database(url: &str, db: &str) -> String {
         &url[..scheme_end],
         &rest[..authority_end]
     )
+}
+
+/// `url` leading through the pooler `IDEMGATE_TEST_PG_POOLER` names (`HOST:PORT`), its
+/// user, database and query kept; `None` when that is unset. The stores under test then use
+/// `IDEMGATE_PG_POOLER=transaction`'s settings (`PgSettings::transaction_pooler`).
+pub fn through_pooler(url: &str) -> Option<String> {
+    let pooler = std::env::var("IDEMGATE_TEST_PG_POOLER")
+        .ok()
+        .filter(|p| !p.trim().is_empty())?;
+    let scheme_end = url.find("://").map_or(0, |i| i + 3);
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    let user = authority.rfind('@').map_or("", |at| &authority[..=at]);
+    Some(format!(
+        "{}{user}{}{}",
+        &url[..scheme_end],
+        pooler.trim(),
+        &rest[authority_end..]
+    ))
 }
 
 /// The URL with any password replaced by `***`, for messages.
