@@ -3,7 +3,7 @@
 //! one clock all processes share.
 
 use std::str::FromStr;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,6 +14,7 @@ use tokio::sync::Semaphore;
 mod citus;
 mod conns;
 mod errors;
+mod hosts;
 mod rows;
 pub mod sql;
 mod store;
@@ -21,7 +22,7 @@ mod write_batch;
 
 use super::{Result, StoreError};
 use citus::Layout;
-use conns::{ANSWER_MARGIN, Conns};
+use conns::{ANSWER_MARGIN, Conns, Host};
 use errors::{Target, classify, connect_failed};
 
 /// The PostgreSQL schema migrations (`migrations/postgres`).
@@ -55,6 +56,8 @@ pub struct PgStore {
     pool: PgPool,
     /// For every statement of the store.
     conns: Arc<Conns>,
+    /// For the pool of the server that takes writes.
+    settings: PgSettings,
     /// One PostgreSQL or a Citus cluster: read once, by the migrations or by
     /// the first pruning batch.
     layout: Arc<tokio::sync::OnceCell<Layout>>,
@@ -65,8 +68,44 @@ pub struct PgStore {
 impl PgStore {
     /// Builds a pool for `url` without connecting yet: the server can start,
     /// and recover, while the database is away.
+    /// `url` may name several servers, as libpq takes them (see the `hosts`
+    /// module): the store then uses the one that takes writes.
     pub fn connect_lazy(url: &str, settings: &PgSettings) -> Result<PgStore> {
-        let options = PgConnectOptions::from_str(url)
+        let hosts = hosts::split(url).map_err(StoreError::other)?;
+        let mut options = Vec::with_capacity(hosts.urls.len());
+        for url in &hosts.urls {
+            options.push(Self::options(url, settings)?);
+        }
+        let pool = Self::pool_of(options[0].clone(), settings);
+        let max = settings.max_connections.max(1);
+        let conns = Arc::new(Conns {
+            target: Target::of_all(&options),
+            hosts: options
+                .into_iter()
+                .map(|options| Host {
+                    target: Target::of(&options),
+                    options,
+                })
+                .collect(),
+            current: AtomicUsize::new(0),
+            synchronous: AtomicBool::new(false),
+            idle: Mutex::new(Vec::with_capacity(max as usize)),
+            permits: Semaphore::new(max as usize),
+            acquire_timeout: settings.acquire_timeout,
+            answer_timeout: settings.statement_timeout + ANSWER_MARGIN,
+            open: AtomicU32::new(0),
+        });
+        Ok(PgStore {
+            pool,
+            settings: settings.clone(),
+            conns,
+            layout: Arc::default(),
+        })
+    }
+
+    /// The options for one server's URL.
+    fn options(url: &str, settings: &PgSettings) -> Result<PgConnectOptions> {
+        Ok(PgConnectOptions::from_str(url)
             .map_err(|e| StoreError::other(format!("invalid PostgreSQL URL: {e}")).because(e))?
             .options([
                 (
@@ -78,33 +117,83 @@ impl PgStore {
                 // to an operator; warnings and errors still come through.
                 ("client_min_messages", "warning".to_owned()),
             ])
-            .log_statements(tracing::log::LevelFilter::Trace);
-        let pool = PgPoolOptions::new()
+            .log_statements(tracing::log::LevelFilter::Trace))
+    }
+
+    /// The migrations' and tools' pool, for one server.
+    fn pool_of(options: PgConnectOptions, settings: &PgSettings) -> PgPool {
+        PgPoolOptions::new()
             .max_connections(2)
             .min_connections(0)
             .idle_timeout(Duration::from_secs(30))
             .acquire_timeout(settings.acquire_timeout)
-            .connect_lazy_with(options.clone());
-        let max = settings.max_connections.max(1);
-        let conns = Arc::new(Conns {
-            target: Target::of(&options),
-            options,
-            idle: Mutex::new(Vec::with_capacity(max as usize)),
-            permits: Semaphore::new(max as usize),
-            acquire_timeout: settings.acquire_timeout,
-            answer_timeout: settings.statement_timeout + ANSWER_MARGIN,
-            open: AtomicU32::new(0),
-        });
-        Ok(PgStore {
-            pool,
-            conns,
-            layout: Arc::default(),
-        })
+            .connect_lazy_with(options)
     }
 
-    /// The pool, for tests and tools.
+    /// The pool, for tests and tools: on the first server `DATABASE_URL`
+    /// names.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// A pool on the server that takes writes: the first one's when
+    /// `DATABASE_URL` names one, else one on the server a connection of the
+    /// store's just found.
+    async fn writable_pool(&self) -> Result<PgPool> {
+        if self.conns.hosts.len() == 1 {
+            return Ok(self.pool.clone());
+        }
+        let deadline = tokio::time::Instant::now() + self.conns.acquire_timeout;
+        let conn = self.conns.connect(deadline).await?;
+        let _ = sqlx::Connection::close(conn).await;
+        let host = &self.conns.hosts[self.conns.current.load(Ordering::Relaxed)];
+        Ok(Self::pool_of(host.options.clone(), &self.settings))
+    }
+
+    /// What an acknowledged write survives, as the server last connected to
+    /// said: `SynchronousStandby` when a synchronous standby had it.
+    pub fn durability(&self) -> crate::store::Durability {
+        self.conns.durability()
+    }
+
+    /// Asks the server that takes writes what it streams to, and says at
+    /// WARN when it streams to standbys none of which is synchronous (an
+    /// acknowledged key is then lost if the primary is, and a standby
+    /// promoted): for the start-up log.
+    pub async fn report_durability(&self) -> Result<crate::store::Durability> {
+        let deadline = tokio::time::Instant::now() + self.conns.acquire_timeout;
+        let mut conn = self.conns.connect(deadline).await?;
+        let row = sqlx::raw_sql(conns::WRITABLE).fetch_one(&mut conn).await;
+        let _ = sqlx::Connection::close(conn).await;
+        let row = row.map_err(|e| classify(e, &self.conns.target))?;
+        let text = |i: usize| {
+            sqlx::Row::try_get::<String, _>(&row, i)
+                .map_err(|e| StoreError::other(format!("the replication check: {e}")))
+        };
+        let replication = conns::Replication {
+            synchronous_standby_names: text(2)?,
+            synchronous_commit: text(3)?,
+            standbys: text(4)?.parse().unwrap_or(0),
+        };
+        let durability = replication.durability();
+        if replication.standbys > 0 && durability == crate::store::Durability::Local {
+            tracing::warn!(
+                standbys = replication.standbys,
+                synchronous_standby_names = %replication.synchronous_standby_names,
+                synchronous_commit = %replication.synchronous_commit,
+                "the primary streams to standbys, none of them synchronous: a key acknowledged \
+                 here is lost if the primary is lost and a standby promoted before it had the \
+                 key (set synchronous_standby_names on the primary, with synchronous_commit on, \
+                 for acknowledged keys to survive a failover)"
+            );
+        } else {
+            tracing::info!(
+                standbys = replication.standbys,
+                durability = durability.as_str(),
+                "the database's durability"
+            );
+        }
+        Ok(durability)
     }
 
     /// Runs a query returning rows on one of the store's connections; the
@@ -147,8 +236,9 @@ impl PgStore {
     /// Applies the pending migrations; on a Citus cluster, then distributes
     /// the tables and the claim function (see the `citus` module).
     pub async fn migrate(&self) -> Result<()> {
-        self.run_migrations().await?;
-        let layout = citus::distribute(&self.pool).await?;
+        let pool = self.writable_pool().await?;
+        self.run_migrations(&pool).await?;
+        let layout = citus::distribute(&pool).await?;
         let _ = self.layout.set(layout);
         Ok(())
     }
@@ -161,7 +251,8 @@ impl PgStore {
     /// the server may start through and recover from.
     pub async fn not_set_up(&self) -> Result<Option<String>> {
         let target = &self.conns.target;
-        let mut conn = match self.pool.acquire().await {
+        let pool = self.writable_pool().await?;
+        let mut conn = match pool.acquire().await {
             Ok(conn) => conn,
             Err(e) => {
                 let missing_database = e
@@ -210,16 +301,15 @@ impl PgStore {
             .copied()
     }
 
-    async fn run_migrations(&self) -> Result<()> {
+    async fn run_migrations(&self, pool: &PgPool) -> Result<()> {
         let target = &self.conns.target;
-        match MIGRATOR.run(&self.pool).await {
+        match MIGRATOR.run(pool).await {
             Ok(()) => Ok(()),
             // The pool says only that it timed out; one direct attempt says
             // why it could not connect (refused, unknown host, bad password).
             Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::PoolTimedOut)) => {
-                match tokio::time::timeout(self.conns.acquire_timeout, self.conns.options.connect())
-                    .await
-                {
+                let first = &self.conns.hosts[0].options;
+                match tokio::time::timeout(self.conns.acquire_timeout, first.connect()).await {
                     Ok(Err(e)) => Err(connect_failed(e, target)),
                     Ok(Ok(_)) => Err(StoreError::unavailable(format!(
                         "PostgreSQL at {} did not answer in time",
