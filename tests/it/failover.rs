@@ -63,6 +63,101 @@ async fn promoted_asynchronous_standby_is_warned_of_and_its_losses_counted() {
     );
 }
 
+/// `serve` whose `DATABASE_URL` reaches a hot standby alone (what a failover
+/// leaves behind for a while): it starts, `/readyz` is 503 and a reserve is
+/// `503 store-unavailable` with Retry-After, never a 500; and a
+/// `target_session_attrs` that asks for a standby refuses the start, naming
+/// the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_standby_alone_is_store_unavailable_never_a_500() {
+    let primary = TempCluster::start().await.expect("the primary");
+    let standby = TempCluster::standby_of(&primary, "")
+        .await
+        .expect("the standby");
+    streaming(&primary, false).await;
+    let migrated = idemgate_at(&primary.url()).arg("migrate").output().unwrap();
+    assert!(migrated.status.success(), "{migrated:?}");
+    // The migrations reach the standby: it has replayed the primary's WAL.
+    let mut conn = sqlx::PgConnection::connect(&primary.url()).await.unwrap();
+    let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let _ = conn.close().await;
+    let mut conn = sqlx::PgConnection::connect(&standby.url()).await.unwrap();
+    let started = Instant::now();
+    while !sqlx::query_scalar::<_, bool>("SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn")
+        .bind(&lsn)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+    {
+        assert!(started.elapsed() < Duration::from_secs(20), "no replay");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = conn.close().await;
+
+    let port = crate::common::free_port();
+    let mut child = idemgate_at(&standby.url())
+        .args([
+            "serve",
+            "--no-migrate",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = drain_stderr(&mut child);
+    let base = format!("http://127.0.0.1:{port}");
+    let client = http();
+    let started = Instant::now();
+    while client.get(format!("{base}/healthz")).send().await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "serve did not come up: {}",
+            log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503, "/readyz over a standby");
+    let res = client
+        .post(format!("{base}/v1/reservations"))
+        .header("idempotency-key", fresh_key())
+        .json(&reserve_body())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503, "a reserve over a standby");
+    assert!(res.headers().contains_key("retry-after"));
+    let body: Value = res.json().await.unwrap();
+    assert!(
+        body["type"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("/store-unavailable")),
+        "{body}"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    let said = log.lock().unwrap().clone();
+    assert!(said.contains("does not take writes"), "{said}");
+
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=standby",
+        primary.port(),
+        standby.port()
+    );
+    let refused = idemgate_at(&url).arg("migrate").output().unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        stderr.contains("target_session_attrs=standby") && stderr.contains("DATABASE_URL"),
+        "{stderr}"
+    );
+}
+
 /// What one run measured.
 struct Figures {
     acknowledged: usize,

@@ -356,3 +356,36 @@ pub(super) fn broken(e: &sqlx::Error) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replication(names: &str, commit: &str, standbys: i64) -> Replication {
+        Replication {
+            synchronous_standby_names: names.to_owned(),
+            synchronous_commit: commit.to_owned(),
+            standbys,
+        }
+    }
+
+    #[test]
+    fn durability_is_a_synchronous_standby_only_when_commits_wait_for_one() {
+        use Durability::{Local, SynchronousStandby};
+        for (names, commit, expected) in [
+            ("*", "on", SynchronousStandby),
+            ("FIRST 1 (s1, s2)", "remote_apply", SynchronousStandby),
+            ("ANY 1 (s1, s2)", "remote_write", SynchronousStandby),
+            ("*", "local", Local),
+            ("*", "off", Local),
+            ("", "on", Local),
+            ("  ", "remote_apply", Local),
+        ] {
+            assert_eq!(
+                replication(names, commit, 1).durability(),
+                expected,
+                "{names:?} {commit:?}"
+            );
+        }
+    }
+}
