@@ -173,6 +173,12 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                     ),
                 }
             }
+            // Whether an acknowledged key survives the loss of the primary:
+            // WARN when it streams to standbys none of which is synchronous.
+            // A server away now says nothing: the doors answer 503 meanwhile.
+            if let Err(e) = store.report_durability().await {
+                tracing::debug!(error = e.reason(), "the durability check did not run");
+            }
             Ok(Arc::new(store))
         }
         #[cfg(feature = "sqlite")]

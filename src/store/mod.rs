@@ -25,6 +25,27 @@ pub use records::{
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
 
+/// What an acknowledged write survives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// The database server it was written to: lost with that server (a
+    /// primary lost and an asynchronous standby promoted).
+    Local,
+    /// The loss of the primary: a synchronous standby had it before it was
+    /// acknowledged.
+    SynchronousStandby,
+}
+
+impl Durability {
+    /// As `GET /v1/policy` says it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Durability::Local => "local",
+            Durability::SynchronousStandby => "synchronous-standby",
+        }
+    }
+}
+
 /// Every column of `idempotency_keys`, in the order both stores read a
 /// record back: the schema is the same in both, so the list is one.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
@@ -128,6 +149,13 @@ pub trait Store: Send + Sync + 'static {
     async fn ping(&self) -> Result<()>;
     /// Pool figures, where the store has a pool.
     fn pool_stats(&self) -> Option<PoolStats>;
+
+    /// What an acknowledged write survives (`GET /v1/policy`'s
+    /// `durability`): the loss of this server's disk only (`Local`), or the
+    /// loss of the primary, a synchronous standby having had it.
+    fn durability(&self) -> Durability {
+        Durability::Local
+    }
 
     /// Applies `writes` in the order given, as if one by one (each sees what
     /// the ones before it did), in one transaction that has committed when

@@ -21,6 +21,7 @@ mod db_faults;
 mod db_setup;
 mod defaults;
 mod examples;
+mod failover;
 mod harness_selftest;
 mod hostile;
 mod keep_alive;

@@ -66,6 +66,13 @@ pub struct Policy {
     pub repeatability: RepeatabilityRules,
     /// The base of every problem `type` URI; the slug follows.
     pub problem_base: &'static str,
+    /// What an acknowledged key survives: `local`, the database server it
+    /// was written to (lost with it: a primary lost and an asynchronous
+    /// standby promoted), or `synchronous-standby`, the loss of the primary
+    /// (a synchronous standby had it before it was acknowledged). As the
+    /// server that takes writes last said.
+    #[schema(example = "local")]
+    pub durability: &'static str,
 }
 
 /// A key is new again once it expires, so a retry that comes later would
@@ -299,5 +306,6 @@ pub fn policy(state: &AppState) -> Policy {
             result_header: "Repeatability-Result",
         },
         problem_base: DEFAULT_PROBLEM_BASE,
+        durability: state.engine.store().durability().as_str(),
     }
 }

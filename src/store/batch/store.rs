@@ -162,6 +162,10 @@ impl Store for Batched {
         self.store.pool_stats()
     }
 
+    fn durability(&self) -> crate::store::Durability {
+        self.store.durability()
+    }
+
     async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
         self.store.write_batch(writes).await
     }

@@ -43,6 +43,19 @@ impl Target {
         }
     }
 
+    /// Where any of `hosts` lead: their servers, in order, in one.
+    pub(super) fn of_all(hosts: &[PgConnectOptions]) -> Target {
+        let mut all = Target::of(&hosts[0]);
+        if hosts.len() > 1 {
+            all.server = hosts
+                .iter()
+                .map(|h| Target::of(h).server)
+                .collect::<Vec<_>>()
+                .join(",");
+        }
+        all
+    }
+
     pub(super) fn server(&self) -> &str {
         &self.server
     }
@@ -140,6 +153,15 @@ pub(super) fn sorted(e: &sqlx::Error, at: &Target) -> StoreError {
                 // function: the migrations were not (all) applied.
                 "42P01" => no_tables(&said, at),
                 "42883" if db.message().contains("idemgate_") => no_tables(&said, at),
+                // read_only_sql_transaction: the server will not take
+                // writes (a hot standby, a demoted primary): no store for
+                // now, until the primary is found.
+                "25006" => StoreError::unavailable(format!(
+                    "{said}: the database server at {} does not take writes (a standby, or a \
+                     primary demoted by a failover); name every server in DATABASE_URL with \
+                     target_session_attrs=read-write and the one that takes writes is used",
+                    at.server
+                )),
                 // 08: connection exception; 57: operator intervention
                 // (shutdown, statement timeout 57014); 53: insufficient
                 // resources.

@@ -2,7 +2,7 @@
 //! processes by the primary key's row lock, with the database's `now()` as the
 //! one clock all processes share.
 
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use tokio::sync::Semaphore;
 mod citus;
 mod conns;
 mod errors;
+mod hosts;
 mod rows;
 pub mod sql;
 mod store;
@@ -21,7 +22,7 @@ mod write_batch;
 
 use super::{Result, StoreError};
 use citus::Layout;
-use conns::{ANSWER_MARGIN, Conns};
+use conns::{ANSWER_MARGIN, Conns, Host};
 use errors::{Target, classify, connect_failed};
 
 /// The PostgreSQL schema migrations (`migrations/postgres`).
@@ -62,6 +63,8 @@ pub struct PgStore {
     pool: PgPool,
     /// For every statement of the store.
     conns: Arc<Conns>,
+    /// For the pool of the server that takes writes.
+    settings: PgSettings,
     /// One PostgreSQL or a Citus cluster: read once, by the migrations or by
     /// the first pruning batch.
     layout: Arc<tokio::sync::OnceCell<Layout>>,
@@ -72,9 +75,10 @@ pub struct PgStore {
 impl PgStore {
     /// Builds a pool for `url` without connecting yet: the server can start,
     /// and recover, while the database is away.
+    /// `url` may name several servers, as libpq takes them (see the `hosts`
+    /// module): the store then uses the one that takes writes.
     pub fn connect_lazy(url: &str, settings: &PgSettings) -> Result<PgStore> {
-        let attempts = tls::options(url)
-            .map_err(|e| StoreError::other(format!("invalid PostgreSQL URL: {e}")))?;
+        let hosts = hosts::split(url).map_err(StoreError::other)?;
         let timeout_ms = settings.statement_timeout.as_millis();
         // A pooler in transaction mode refuses startup parameters it does
         // not know (PgBouncer: `extra_float_digits`, `options`), and hands
@@ -108,20 +112,29 @@ impl PgStore {
                 ])
             }
         };
-        let options = with_session(attempts.first);
-        let fallback = attempts.fallback.map(with_session);
-        let pool = PgPoolOptions::new()
-            .max_connections(2)
-            .min_connections(0)
-            .idle_timeout(Duration::from_secs(30))
-            .acquire_timeout(settings.acquire_timeout)
-            .connect_lazy_with(options.clone());
+        let mut servers = Vec::with_capacity(hosts.urls.len());
+        let mut sslmode = "prefer";
+        for url in &hosts.urls {
+            let attempts = tls::options(url)
+                .map_err(|e| StoreError::other(format!("invalid PostgreSQL URL: {e}")))?;
+            sslmode = attempts.given;
+            let options = with_session(attempts.first);
+            servers.push(Host {
+                target: Target::of(&options),
+                fallback: attempts.fallback.map(with_session),
+                fell_back: AtomicBool::new(false),
+                options,
+            });
+        }
+        let pool = Self::pool_of(servers[0].options.clone(), settings);
         let max = settings.max_connections.max(1);
+        let all: Vec<PgConnectOptions> = servers.iter().map(|h| h.options.clone()).collect();
         let conns = Arc::new(Conns {
-            target: Target::of(&options),
-            options,
-            fallback,
-            sslmode: attempts.given,
+            target: Target::of_all(&all),
+            hosts: servers,
+            current: AtomicUsize::new(0),
+            sslmode,
+            synchronous: AtomicBool::new(false),
             idle: Mutex::new(Vec::with_capacity(max as usize)),
             permits: Semaphore::new(max as usize),
             acquire_timeout: settings.acquire_timeout,
@@ -131,14 +144,86 @@ impl PgStore {
         });
         Ok(PgStore {
             pool,
+            settings: settings.clone(),
             conns,
             layout: Arc::default(),
         })
     }
 
-    /// The pool, for tests and tools.
+    /// The migrations' and tools' pool, for one server.
+    fn pool_of(options: PgConnectOptions, settings: &PgSettings) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(2)
+            .min_connections(0)
+            .idle_timeout(Duration::from_secs(30))
+            .acquire_timeout(settings.acquire_timeout)
+            .connect_lazy_with(options)
+    }
+
+    /// The pool, for tests and tools: on the first server `DATABASE_URL`
+    /// names.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// A pool on the server that takes writes: the first one's when
+    /// `DATABASE_URL` names one, else one on the server a connection of the
+    /// store's just found.
+    async fn writable_pool(&self) -> Result<PgPool> {
+        if self.conns.hosts.len() == 1 {
+            return Ok(self.pool.clone());
+        }
+        let deadline = tokio::time::Instant::now() + self.conns.acquire_timeout;
+        let conn = self.conns.connect(deadline).await?;
+        let _ = sqlx::Connection::close(conn).await;
+        let host = &self.conns.hosts[self.conns.current.load(Ordering::Relaxed)];
+        Ok(Self::pool_of(host.working_options(), &self.settings))
+    }
+
+    /// What an acknowledged write survives, as the server last connected to
+    /// said: `SynchronousStandby` when a synchronous standby had it.
+    pub fn durability(&self) -> crate::store::Durability {
+        self.conns.durability()
+    }
+
+    /// Asks the server that takes writes what it streams to, and says at
+    /// WARN when it streams to standbys none of which is synchronous (an
+    /// acknowledged key is then lost if the primary is, and a standby
+    /// promoted): for the start-up log.
+    pub async fn report_durability(&self) -> Result<crate::store::Durability> {
+        let deadline = tokio::time::Instant::now() + self.conns.acquire_timeout;
+        let mut conn = self.conns.connect(deadline).await?;
+        let row = sqlx::raw_sql(conns::WRITABLE).fetch_one(&mut conn).await;
+        let _ = sqlx::Connection::close(conn).await;
+        let row = row.map_err(|e| classify(e, &self.conns.target))?;
+        let text = |i: usize| {
+            sqlx::Row::try_get::<String, _>(&row, i)
+                .map_err(|e| StoreError::other(format!("the replication check: {e}")))
+        };
+        let replication = conns::Replication {
+            synchronous_standby_names: text(2)?,
+            synchronous_commit: text(3)?,
+            standbys: text(4)?.parse().unwrap_or(0),
+        };
+        let durability = replication.durability();
+        if replication.standbys > 0 && durability == crate::store::Durability::Local {
+            tracing::warn!(
+                standbys = replication.standbys,
+                synchronous_standby_names = %replication.synchronous_standby_names,
+                synchronous_commit = %replication.synchronous_commit,
+                "the primary streams to standbys, none of them synchronous: a key acknowledged \
+                 here is lost if the primary is lost and a standby promoted before it had the \
+                 key (set synchronous_standby_names on the primary, with synchronous_commit on, \
+                 for acknowledged keys to survive a failover)"
+            );
+        } else {
+            tracing::info!(
+                standbys = replication.standbys,
+                durability = durability.as_str(),
+                "the database's durability"
+            );
+        }
+        Ok(durability)
     }
 
     /// Runs a query returning rows on one of the store's connections; the
@@ -183,8 +268,9 @@ impl PgStore {
     /// Applies the pending migrations; on a Citus cluster, then distributes
     /// the tables and the claim function (see the `citus` module).
     pub async fn migrate(&self) -> Result<()> {
-        self.run_migrations().await?;
-        let layout = citus::distribute(&self.pool).await?;
+        let pool = self.writable_pool().await?;
+        self.run_migrations(&pool).await?;
+        let layout = citus::distribute(&pool).await?;
         let _ = self.layout.set(layout);
         Ok(())
     }
@@ -197,7 +283,8 @@ impl PgStore {
     /// the server may start through and recover from.
     pub async fn not_set_up(&self) -> Result<Option<String>> {
         let target = &self.conns.target;
-        let mut conn = match self.pool.acquire().await {
+        let pool = self.writable_pool().await?;
+        let mut conn = match pool.acquire().await {
             Ok(conn) => conn,
             Err(sqlx::Error::PoolTimedOut) => return Err(self.why_no_connection().await),
             Err(e) => {
@@ -264,24 +351,28 @@ impl PgStore {
     /// `prefer`) is the one that connected, the migrations' pool takes its
     /// options too.
     pub async fn refusal_at_start(&self) -> Option<String> {
-        let connected =
-            tokio::time::timeout(self.conns.acquire_timeout, self.conns.connect()).await;
-        match connected {
-            Ok(Ok((conn, second))) => {
-                if second && let Some(fallback) = &self.conns.fallback {
-                    self.pool.set_connect_options(fallback.clone());
+        for host in &self.conns.hosts {
+            let connected =
+                tokio::time::timeout(self.conns.acquire_timeout, Conns::open(host)).await;
+            match connected {
+                Ok(Ok(conn)) => {
+                    if std::ptr::eq(host, &self.conns.hosts[0]) {
+                        self.pool.set_connect_options(host.working_options());
+                    }
+                    drop(conn);
+                    return None;
                 }
-                drop(conn);
-                None
+                Ok(Err(e)) => {
+                    if let Some(refusal) =
+                        tls::refusal(&e, self.conns.sslmode, &host.options, &host.target)
+                    {
+                        return Some(refusal);
+                    }
+                }
+                Err(_) => {}
             }
-            Ok(Err(e)) => tls::refusal(
-                &e,
-                self.conns.sslmode,
-                &self.conns.options,
-                &self.conns.target,
-            ),
-            Err(_) => None,
         }
+        None
     }
 
     /// How the tables are laid out, read once.
@@ -304,8 +395,9 @@ impl PgStore {
     /// says why it could not connect (refused, unknown host, bad password).
     async fn why_no_connection(&self) -> StoreError {
         let target = &self.conns.target;
-        match tokio::time::timeout(self.conns.acquire_timeout, self.conns.connect()).await {
-            Ok(Err(e)) => connect_failed(e, target),
+        let deadline = tokio::time::Instant::now() + self.conns.acquire_timeout;
+        match tokio::time::timeout_at(deadline, self.conns.connect(deadline)).await {
+            Ok(Err(e)) => e,
             Ok(Ok(_)) => StoreError::unavailable(format!(
                 "PostgreSQL at {} did not answer in time",
                 target.server()
@@ -314,9 +406,9 @@ impl PgStore {
         }
     }
 
-    async fn run_migrations(&self) -> Result<()> {
+    async fn run_migrations(&self, pool: &PgPool) -> Result<()> {
         let target = &self.conns.target;
-        match MIGRATOR.run(&self.pool).await {
+        match MIGRATOR.run(pool).await {
             Ok(()) => Ok(()),
             // The pool says only that it timed out; one direct attempt says
             // why it could not connect (refused, unknown host, bad password).

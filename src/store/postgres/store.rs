@@ -309,22 +309,36 @@ impl Store for PgStore {
         // the claim function. Catalog lookups, evaluated at each execution (a
         // cached plan would keep the answer of its first run), reading
         // neither table.
-        let found: Option<(bool, bool, bool, bool)> = self
+        // And whether the server still takes writes: a connection made to
+        // it did, but a server set read-only since would fail every write
+        // while reads still pass.
+        let found: Option<(bool, bool, bool, bool, bool)> = self
             .fetch_row(
                 sqlx::query_as(
                     "SELECT to_regclass('idempotency_keys') IS NOT NULL,
                         to_regclass('idempotency_reservations') IS NOT NULL,
                         to_regprocedure($1) IS NOT NULL,
-                        to_regprocedure($2) IS NOT NULL",
+                        to_regprocedure($2) IS NOT NULL,
+                        pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'",
                 )
                 .bind(citus::RESERVE_SIGNATURE)
                 .bind(citus::WRITE_BATCH_SIGNATURE),
             )
             .await?;
         match found {
-            Some((true, true, true, true)) => Ok(()),
+            Some((.., true)) => {
+                // Its connections are no use: the next one made finds the
+                // server that takes writes, if one does.
+                self.conns.drop_idle();
+                Err(StoreError::unavailable(format!(
+                    "the database server ({}) no longer takes writes (a standby, or a primary \
+                     demoted or set read-only)",
+                    self.conns.target.server()
+                )))
+            }
+            Some((true, true, true, true, false)) => Ok(()),
             // In the words a request would get, so that both are one cause.
-            Some((keys, reservations, reserve, _)) => {
+            Some((keys, reservations, reserve, _, false)) => {
                 let missing = if !keys {
                     "relation \"idempotency_keys\" does not exist (SQLSTATE 42P01)"
                 } else if !reservations {
@@ -375,6 +389,10 @@ impl Store for PgStore {
 
     fn batch_writers(&self) -> usize {
         BATCH_WRITERS
+    }
+
+    fn durability(&self) -> crate::store::Durability {
+        PgStore::durability(self)
     }
 
     fn pool_stats(&self) -> Option<PoolStats> {

@@ -624,6 +624,101 @@ impl TempCluster {
     }
 
     async fn start_configured(bindir: PathBuf, extra_conf: &str) -> anyhow::Result<TempCluster> {
+        let cluster = Self::prepare(bindir)?;
+        let mut cmd = cluster.command(&cluster.bindir.join("initdb"));
+        cmd.arg("-D").arg(&cluster.data).args([
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "--no-locale",
+            "--no-sync",
+        ]);
+        let initdb = run(cmd).await.context("running initdb")?;
+        if !initdb.status.success() {
+            bail!(
+                "initdb failed ({}): {}{}",
+                initdb.status,
+                String::from_utf8_lossy(&initdb.stdout),
+                String::from_utf8_lossy(&initdb.stderr)
+            );
+        }
+        cluster.configure_and_start(extra_conf).await
+    }
+
+    /// A hot standby of `primary`, streaming from it: `pg_basebackup -R -X
+    /// stream` of it into a temp dir of its own, started on a free port with
+    /// `extra_conf` appended. (initdb's pg_hba.conf lets replication in from
+    /// 127.0.0.1 under trust.)
+    pub async fn standby_of(
+        primary: &TempCluster,
+        extra_conf: &str,
+    ) -> anyhow::Result<TempCluster> {
+        let cluster = Self::prepare(primary.bindir.clone())?;
+        let mut cmd = cluster.command(&cluster.bindir.join("pg_basebackup"));
+        cmd.arg("-D")
+            .arg(&cluster.data)
+            .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
+            .args([
+                "-U",
+                "postgres",
+                "-R",
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+                "--no-sync",
+            ]);
+        let backup = run(cmd).await.context("running pg_basebackup")?;
+        if !backup.status.success() {
+            bail!(
+                "pg_basebackup failed ({}): {}{}",
+                backup.status,
+                String::from_utf8_lossy(&backup.stdout),
+                String::from_utf8_lossy(&backup.stderr)
+            );
+        }
+        // The copied postgresql.conf names the primary's socket dir; the
+        // standby's own, appended, wins.
+        cluster.configure_and_start(extra_conf).await
+    }
+
+    /// `kill -9` of the postmaster (its backends then end by themselves):
+    /// the server lost, as a crashed host loses it.
+    pub fn kill9(&self) -> anyhow::Result<()> {
+        let pid = std::fs::read_to_string(self.data.join("postmaster.pid"))
+            .context("reading postmaster.pid")?;
+        let pid = pid.lines().next().unwrap_or_default().trim().to_owned();
+        let status = Command::new("kill").args(["-9", &pid]).status()?;
+        if !status.success() {
+            bail!("kill -9 {pid} failed ({status})");
+        }
+        Ok(())
+    }
+
+    /// `pg_ctl promote -w`: the standby becomes a primary.
+    pub async fn promote(&self) -> anyhow::Result<()> {
+        let mut cmd = self.command(&self.bindir.join("pg_ctl"));
+        cmd.arg("-D")
+            .arg(&self.data)
+            .args(["promote", "-w", "-t", "60"]);
+        let out = run(cmd).await.context("running pg_ctl promote")?;
+        if !out.status.success() {
+            bail!(
+                "pg_ctl promote failed ({}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    /// A cluster's temp dir, owned by the OS user it runs as, with its
+    /// watchdog; nothing in it yet.
+    fn prepare(bindir: PathBuf) -> anyhow::Result<TempCluster> {
         let run_as = if running_as_root() {
             let user = std::env::var("IDEMGATE_TEST_PG_OS_USER")
                 .ok()
@@ -669,28 +764,13 @@ impl TempCluster {
                 .with_context(|| format!("chown {}", cluster.root.display()))?;
         }
         cluster.spawn_watchdog()?;
+        Ok(cluster)
+    }
 
-        let mut cmd = cluster.command(&cluster.bindir.join("initdb"));
-        cmd.arg("-D").arg(&cluster.data).args([
-            "-A",
-            "trust",
-            "-U",
-            "postgres",
-            "-E",
-            "UTF8",
-            "--no-locale",
-            "--no-sync",
-        ]);
-        let initdb = run(cmd).await.context("running initdb")?;
-        if !initdb.status.success() {
-            bail!(
-                "initdb failed ({}): {}{}",
-                initdb.status,
-                String::from_utf8_lossy(&initdb.stdout),
-                String::from_utf8_lossy(&initdb.stderr)
-            );
-        }
-
+    /// Appends the test settings and `extra_conf` to the data dir's
+    /// postgresql.conf and starts the server on a free port.
+    async fn configure_and_start(mut self, extra_conf: &str) -> anyhow::Result<TempCluster> {
+        let cluster = &mut self;
         let socket_dir = cluster.root.to_string_lossy().replace('\'', "''");
         let conf = format!(
             "\n# idemgate test cluster\n\
@@ -714,7 +794,7 @@ impl TempCluster {
             match cluster.pg_start(port).await {
                 Ok(()) => {
                     cluster.port = port;
-                    return Ok(cluster);
+                    return Ok(self);
                 }
                 Err(StartError::PortTaken(msg)) => last_err = Some(msg),
                 Err(StartError::Other(e)) => return Err(e),
