@@ -52,6 +52,7 @@ mod tenants;
 mod tls_upstream;
 mod traces;
 mod unknown;
+mod upgrade;
 mod upstream_pool;
 mod waiting;
 mod websocket;

@@ -17,6 +17,7 @@ mod errors;
 mod rows;
 pub mod sql;
 mod store;
+mod upgrade;
 mod write_batch;
 
 use super::{Result, StoreError};
@@ -24,8 +25,13 @@ use citus::Layout;
 use conns::{ANSWER_MARGIN, Conns};
 use errors::{Target, classify, connect_failed};
 
-/// The PostgreSQL schema migrations (`migrations/postgres`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+/// The PostgreSQL schema migrations (`migrations/postgres`). Migrations a
+/// newer release applied are no reason to refuse (a rollback to this one
+/// works on them) unless one is a contract step ([`crate::store::schema`]).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("./migrations/postgres")
+};
 
 /// How the pool behaves; the defaults suit one idemgate process.
 #[derive(Debug, Clone)]
@@ -78,6 +84,9 @@ impl PgStore {
                 // to an operator; warnings and errors still come through.
                 ("client_min_messages", "warning".to_owned()),
             ])
+            // Every connection names its release, for `idemgate migrate
+            // --status` and its refusals (SPEC §14).
+            .application_name(crate::store::schema::APPLICATION_NAME)
             .log_statements(tracing::log::LevelFilter::Trace);
         let pool = PgPoolOptions::new()
             .max_connections(2)
@@ -146,8 +155,27 @@ impl PgStore {
 
     /// Applies the pending migrations; on a Citus cluster, then distributes
     /// the tables and the claim function (see the `citus` module).
+    ///
+    /// Refuses, naming it, a pending contract step that a connected process
+    /// cannot work with, and a database on which a newer release applied a
+    /// contract step (SPEC §14).
     pub async fn migrate(&self) -> Result<()> {
-        self.run_migrations().await?;
+        self.migrate_with(&MIGRATOR).await
+    }
+
+    /// [`PgStore::migrate`] with `migrator`'s migrations in place of this
+    /// release's: for tests of the upgrade rules.
+    pub async fn migrate_with(&self, migrator: &sqlx::migrate::Migrator) -> Result<()> {
+        let status = match self.schema_status(migrator).await {
+            Ok(status) => Some(status),
+            // The server away: the migration's own attempt says why.
+            Err(e) if e.is_unavailable() => None,
+            Err(e) => return Err(e),
+        };
+        if let Some(why) = status.as_ref().and_then(|s| s.refusal()) {
+            return Err(StoreError::other(why));
+        }
+        self.run_migrations(migrator).await?;
         let layout = citus::distribute(&self.pool).await?;
         let _ = self.layout.set(layout);
         Ok(())
@@ -184,7 +212,13 @@ impl PgStore {
                     .fetch_all(&mut *conn)
                     .await
                     .map_err(|e| classify(e, target))?;
-            super::missing_migrations(&MIGRATOR, &applied)
+            match super::missing_migrations(&MIGRATOR, &applied) {
+                Some(why) => Some(why),
+                None => {
+                    drop(conn);
+                    return Ok(self.schema_status(&MIGRATOR).await?.refusal());
+                }
+            }
         } else {
             Some("has no idemgate tables".into())
         };
@@ -210,9 +244,9 @@ impl PgStore {
             .copied()
     }
 
-    async fn run_migrations(&self) -> Result<()> {
+    async fn run_migrations(&self, migrator: &sqlx::migrate::Migrator) -> Result<()> {
         let target = &self.conns.target;
-        match MIGRATOR.run(&self.pool).await {
+        match migrator.run(&self.pool).await {
             Ok(()) => Ok(()),
             // The pool says only that it timed out; one direct attempt says
             // why it could not connect (refused, unknown host, bad password).
