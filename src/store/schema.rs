@@ -38,6 +38,16 @@ pub const APPLICATION_PREFIX: &str = "idemgate/";
 /// commits by id find nothing: the key is stranded).
 pub const CONTRACT_BEFORE_0_2: &[i64] = &[20261204000001, 20261207000001];
 
+/// Contract steps from before 0.2.0 that this release applies beside the
+/// processes that predate them (on PostgreSQL without Citus), keeping a
+/// compatibility write while any of them is connected:
+/// `20261207000001_one_table` stopped writing a record's current reservation
+/// id into `idempotency_reservations`, where those processes look their
+/// records up; the compatibility write (a trigger) writes it, and a later
+/// `migrate` (or the start of a `serve` or `proxy`) drops it once none of
+/// them is connected.
+pub const BRIDGED: &[i64] = &[20261207000001];
+
 /// Each release since processes name themselves, with the newest PostgreSQL
 /// migration it works with: a process named `idemgate/0.2.0` cannot work
 /// with a contract step newer than that. One line per release, added when
@@ -184,6 +194,11 @@ pub struct SchemaStatus {
     pub sees_processes: bool,
     /// The pending contract steps some connected process cannot work with.
     pub blocked: Vec<Blocked>,
+    /// The store can keep a compatibility write for the steps in [`BRIDGED`]
+    /// (PostgreSQL without Citus).
+    pub can_bridge: bool,
+    /// The compatibility write is in place now.
+    pub bridge_on: bool,
 }
 
 impl SchemaStatus {
@@ -247,7 +262,25 @@ impl SchemaStatus {
             connected,
             sees_processes,
             blocked,
+            can_bridge: false,
+            bridge_on: false,
         }
+    }
+
+    /// Whether every blocked step is one this release applies beside the
+    /// processes that hold it back, with the compatibility write: all of
+    /// them processes from before 0.2.0, on a store that can keep it.
+    pub fn bridged(&self) -> bool {
+        self.can_bridge
+            && !self.blocked.is_empty()
+            && self.blocked.iter().all(|b| {
+                BRIDGED.contains(&b.step.version) && b.by.iter().all(|p| p.version.is_none())
+            })
+    }
+
+    /// Whether a process from before 0.2.0 is connected.
+    pub fn older_connected(&self) -> bool {
+        self.connected.iter().any(|p| p.version.is_none())
     }
 
     /// The applied contract steps of a newer release: this one cannot work
@@ -263,7 +296,7 @@ impl SchemaStatus {
     /// step that a connected process cannot work with, or a newer release's
     /// contract step already applied.
     pub fn refusal(&self) -> Option<String> {
-        if let Some(blocked) = self.blocked.first() {
+        if let Some(blocked) = self.blocked.first().filter(|_| !self.bridged()) {
             let by = blocked
                 .by
                 .iter()
@@ -341,8 +374,27 @@ impl SchemaStatus {
                 out.push(format!("  {}", process.describe()));
             }
         }
+        if self.bridge_on {
+            out.push(format!(
+                "compatibility write for idemgate before 0.2.0: on ({}; `idemgate migrate` \
+                 drops it once none is connected)",
+                if self.older_connected() {
+                    "such a process is connected"
+                } else {
+                    "none is connected now"
+                }
+            ));
+        }
         out.push(match self.refusal() {
             Some(why) => format!("idemgate migrate would refuse: {why}"),
+            None if self.bridged() => format!(
+                "idemgate migrate would apply {} migration(s), keeping a compatibility write for \
+                 the processes before 0.2.0 connected while they are",
+                self.pending.len()
+            ),
+            None if self.pending.is_empty() && self.bridge_on && !self.older_connected() => {
+                "idemgate migrate would drop the compatibility write".into()
+            }
             None if self.pending.is_empty() => "idemgate migrate has nothing to apply".into(),
             None => format!(
                 "idemgate migrate would apply {} migration(s)",

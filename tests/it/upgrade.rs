@@ -326,3 +326,95 @@ async fn migrate_status_on_a_sqlite_file_lists_its_migrations() {
     assert!(text.contains("pending: none"), "{text}");
     assert!(text.contains("connected: not tracked"), "{text}");
 }
+
+#[tokio::test]
+async fn across_one_table_beside_an_older_process_migrate_keeps_a_compatibility_write_until_none_is_connected()
+ {
+    if on_citus() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let store = PgStore::connect_lazy(&db.url, &Default::default()).expect("PgStore");
+    // The schema of a release from before 20261207000001_one_table.
+    let mut before =
+        Migrator::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres"))
+            .await
+            .expect("the migrations");
+    before.migrations = before
+        .migrations
+        .iter()
+        .filter(|m| m.version < 20261207000001)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    store.migrate_with(&before).await.expect("the older schema");
+    let (old, _) = older_process(&db.url).await;
+
+    let status = store
+        .schema_status(&idemgate::store::postgres::MIGRATOR)
+        .await
+        .expect("status");
+    assert!(status.bridged(), "{:?}", status.lines());
+    store
+        .migrate()
+        .await
+        .expect("applied, with the compatibility write");
+    // Named, so that it is not taken for an older idemgate.
+    let options: PgConnectOptions = db.url.parse().expect("the test URL");
+    let mut conn = PgConnection::connect_with(&options.application_name("the test"))
+        .await
+        .expect("connect");
+    let trigger =
+        "SELECT count(*) FROM pg_trigger WHERE tgname = 'idemgate_compat_reservation_ids'";
+    let on: i64 = sqlx::query_scalar(trigger)
+        .fetch_one(&mut conn)
+        .await
+        .expect("read");
+    assert_eq!(on, 1);
+    // A claim writes its id where the older process looks a record up.
+    let id: uuid::Uuid = sqlx::query_scalar(
+        "SELECT reservation_id FROM idemgate_reserve('t', '\\x01'::bytea, NULL, \
+         gen_random_uuid(), 30, 60, NULL, 'hold')",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("a claim");
+    let found: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_reservations WHERE reservation_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&mut conn)
+    .await
+    .expect("read");
+    assert_eq!(found, 1, "the compatibility write wrote the current id");
+    // The batch's commit answers with the response, as the older process expects.
+    let batch: String =
+        sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = 'idemgate_write_batch'")
+            .fetch_one(&mut conn)
+            .await
+            .expect("read");
+    assert!(!batch.contains("NULL::bytea"));
+
+    // Still connected: a migrate keeps it.
+    store.migrate().await.expect("migrate");
+    let on: i64 = sqlx::query_scalar(trigger)
+        .fetch_one(&mut conn)
+        .await
+        .expect("read");
+    assert_eq!(on, 1);
+    // Gone: the next migrate drops it, and the batch function is the one
+    // 20261207000001 made.
+    old.close().await.expect("close");
+    store.migrate().await.expect("migrate");
+    let on: i64 = sqlx::query_scalar(trigger)
+        .fetch_one(&mut conn)
+        .await
+        .expect("read");
+    assert_eq!(on, 0);
+    let batch: String =
+        sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = 'idemgate_write_batch'")
+            .fetch_one(&mut conn)
+            .await
+            .expect("read");
+    assert!(batch.contains("NULL::bytea"));
+}

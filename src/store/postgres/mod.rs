@@ -175,7 +175,32 @@ impl PgStore {
         if let Some(why) = status.as_ref().and_then(|s| s.refusal()) {
             return Err(StoreError::other(why));
         }
+        if let Some(status) = status.as_ref().filter(|s| s.bridged()) {
+            let steps: Vec<String> = status.blocked.iter().map(|b| b.step.name()).collect();
+            tracing::warn!(
+                steps = %steps.join(", "),
+                "processes of idemgate before 0.2.0 are connected: applying the migrations with \
+                 a compatibility write for them, which `idemgate migrate` drops once none is \
+                 connected"
+            );
+            self.migrate_bridged(migrator).await?;
+        }
         self.run_migrations(migrator).await?;
+        if status.as_ref().is_some_and(|s| s.bridge_on || s.bridged()) {
+            let now = self.schema_status(migrator).await?;
+            if now.bridge_on && !now.older_connected() {
+                match self.drop_bridge(migrator).await {
+                    Ok(()) => tracing::info!(
+                        "no process of idemgate before 0.2.0 is connected: the compatibility \
+                         write for them is dropped"
+                    ),
+                    Err(e) => tracing::warn!(
+                        error = e.reason(),
+                        "could not drop the compatibility write for idemgate before 0.2.0"
+                    ),
+                }
+            }
+        }
         let layout = citus::distribute(&self.pool).await?;
         let _ = self.layout.set(layout);
         Ok(())
