@@ -20,7 +20,8 @@ fn main() {
         if std::env::var_os(feature).is_none() {
             continue;
         }
-        if let Some(version) = newest(Path::new(dir)) {
+        let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default();
+        if let Some(version) = newest(&Path::new(&root).join(dir)) {
             parts.push((store, version));
         }
     }
