@@ -15,6 +15,7 @@ mod history;
 mod operator;
 mod origin;
 mod run;
+mod upgrade;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,6 +35,11 @@ enum Command {
     /// Run a campaign against the idemgate binary, then check it (exit 1 on
     /// any violation).
     Run(RunArgs),
+    /// A rolling upgrade under load: the previous release and this one on
+    /// one database (or, on SQLite, one file after the other) through both
+    /// doors, this one's migrate in the middle, then a rollback; checked
+    /// (exit 1 on any key run twice, stranded, or answered 500).
+    Upgrade(UpgradeArgs),
     /// Remove the network namespaces and links that campaigns no longer
     /// running left behind (each run also does so when it starts).
     Clean,
@@ -117,6 +123,39 @@ struct RunArgs {
     no_operator: bool,
 }
 
+#[derive(Debug, clap::Args)]
+struct UpgradeArgs {
+    /// The previous release's binary (N−1).
+    #[arg(long)]
+    previous: PathBuf,
+    /// This release's binary (N).
+    #[arg(long)]
+    idemgate: PathBuf,
+    /// An empty PostgreSQL database to run on; without it, a SQLite file in
+    /// --out.
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Concurrent clients, half on each door.
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Seconds each step of the timeline lasts.
+    #[arg(long, default_value_t = 5)]
+    step: u64,
+    /// The seed of every random choice.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// N's migrate must refuse while N−1 is connected (an upgrade across a
+    /// contract step): N−1 is then stopped first, and nothing is rolled back.
+    #[arg(long)]
+    expect_refusal: bool,
+    /// No rollback to N−1 at the end.
+    #[arg(long)]
+    no_rollback: bool,
+    /// Where the history, the logs, the statuses and the report go.
+    #[arg(long)]
+    out: PathBuf,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -129,6 +168,12 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Command::Upgrade(args) => {
+            let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+            let code = runtime.block_on(upgrade(args));
+            runtime.shutdown_timeout(Duration::from_secs(30));
+            code
+        }
         Command::Run(args) => {
             let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
             let code = runtime.block_on(run(args));
@@ -136,6 +181,33 @@ fn main() -> ExitCode {
             // the cluster's cleanup runs before we exit.
             runtime.shutdown_timeout(Duration::from_secs(30));
             code
+        }
+    }
+}
+
+async fn upgrade(a: UpgradeArgs) -> ExitCode {
+    let absolute = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
+    let plan = upgrade::Plan {
+        previous: absolute(&a.previous),
+        current: absolute(&a.idemgate),
+        database_url: a.database_url,
+        clients: a.clients,
+        step_secs: a.step.max(1),
+        seed: a.seed.unwrap_or_else(rand::random),
+        out: a.out,
+        expect_refusal: a.expect_refusal,
+        no_rollback: a.no_rollback || a.expect_refusal,
+    };
+    println!("upgrade: seed {}", plan.seed);
+    match upgrade::run(&plan).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!(
+                "idemgate-campaign upgrade: the run failed (seed {}): {e:#}",
+                plan.seed
+            );
+            ExitCode::from(2)
         }
     }
 }

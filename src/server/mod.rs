@@ -135,8 +135,20 @@ fn report(json: bool, what: &str) {
     }
 }
 
-async fn migrate(args: StoreArgs, json: bool) -> anyhow::Result<()> {
-    open::open_store_as(&args, open::Opening::Migration).await?;
+async fn migrate(args: config::command::MigrateArgs, json: bool) -> anyhow::Result<()> {
+    if args.status {
+        let status = open::schema_status(&args.store).await?;
+        let text = if json {
+            serde_json::to_string(&status)? + "\n"
+        } else {
+            status.lines().join("\n") + "\n"
+        };
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+        return Ok(());
+    }
+    open::open_store_as(&args.store, open::Opening::Migration).await?;
     report(json, "migrations applied");
     Ok(())
 }

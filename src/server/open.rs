@@ -223,6 +223,66 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
     }
 }
 
+/// The schema's status in the database `DATABASE_URL` names, beside this
+/// release's migrations, with the idemgate processes connected to it
+/// (`idemgate migrate --status`): nothing is created or migrated.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub async fn schema_status(args: &StoreArgs) -> anyhow::Result<crate::store::schema::SchemaStatus> {
+    let url = args.database_url.trim();
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    match scheme {
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            use crate::store::{PgSettings, PgStore};
+            let settings = PgSettings {
+                max_connections: 1,
+                acquire_timeout: args
+                    .db_acquire_timeout
+                    .max(std::time::Duration::from_secs(1)),
+                statement_timeout: args
+                    .db_statement_timeout
+                    .max(std::time::Duration::from_secs(1)),
+                // `migrate --status` reads what `migrate` would do: on a
+                // direct connection, as `migrate` runs.
+                transaction_pooler: false,
+            };
+            let store = PgStore::connect_lazy(url, &settings).map_err(|e| ConfigError {
+                setting: "database_url",
+                problem: format!("not a usable PostgreSQL URL: {}", e.reason()),
+            })?;
+            store
+                .schema_status(&crate::store::postgres::MIGRATOR)
+                .await
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "cannot read the schema of the PostgreSQL database named by DATABASE_URL: \
+                         {}",
+                        e.reason()
+                    )
+                })
+        }
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            let store = crate::store::SqliteStore::open_existing(url)
+                .await
+                .map_err(|e| ConfigError {
+                    setting: "database_url",
+                    problem: format!("cannot open the SQLite database: {}", e.reason()),
+                })?;
+            let mut status = store
+                .schema_status(crate::store::SqliteStore::migrator())
+                .await
+                .map_err(|e| {
+                    anyhow::anyhow!("cannot read the SQLite database {url}: {}", e.reason())
+                })?;
+            status.database = format!("the SQLite database {url}");
+            store.close().await;
+            Ok(status)
+        }
+        _ => Err(unsupported(scheme).into()),
+    }
+}
+
 /// Refuses a `DATABASE_URL` this build cannot open, before anything is bound
 /// or opened: a start refused for its URL names the URL, not a port in use.
 pub fn check_database_url(args: &StoreArgs) -> Result<(), ConfigError> {

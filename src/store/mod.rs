@@ -6,6 +6,8 @@ mod error;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod records;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub mod schema;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 

@@ -58,6 +58,7 @@ mod tls_listen;
 mod tls_upstream;
 mod traces;
 mod unknown;
+mod upgrade;
 mod upstream_pool;
 mod waiting;
 mod websocket;

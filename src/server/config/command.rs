@@ -17,7 +17,11 @@ use super::{LogFormat, ProxyArgs, ServeArgs, StoreArgs};
 /// payload. Every setting is a flag, an IDEMGATE_* environment variable, or a
 /// key in the TOML file named by --config, in that order of precedence.
 #[derive(Debug, Parser)]
-#[command(name = "idemgate", version, propagate_version = true)]
+#[command(
+    name = "idemgate",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IDEMGATE_SCHEMA"), ")"),
+    propagate_version = true
+)]
 pub struct Cli {
     /// TOML file of settings (keys are the flags' names with `_`; see
     /// idemgate.example.toml). Flags and IDEMGATE_* variables override it.
@@ -49,9 +53,18 @@ pub enum Command {
     /// Run the reverse proxy in front of --upstream (default 127.0.0.1:8081,
     /// admin endpoints on 127.0.0.1:9090).
     Proxy(Box<ProxyArgs>),
-    /// Apply pending database migrations and exit.
+    /// Apply pending database migrations and exit; with --status, say what
+    /// is applied, pending and connected, and change nothing.
+    ///
+    /// A migration that removes what an older release uses (a contract
+    /// step) is refused, naming it and the processes, while a process that
+    /// cannot work with it is connected to the database: upgrade them first
+    /// (README, Upgrading). Processes of 0.2.0 and later name themselves
+    /// (application_name idemgate/VERSION); a connection without a name
+    /// whose last statement used idemgate's tables is taken for a process
+    /// of an earlier release.
     #[command(mut_args = one_shot_help)]
-    Migrate(StoreArgs),
+    Migrate(MigrateArgs),
     /// Delete every expired key once and exit (for cron). A SQLite file's
     /// pending migrations are applied first; a PostgreSQL database must have
     /// them already (`idemgate migrate`, as the schema's owner).
@@ -70,6 +83,19 @@ pub enum Command {
         #[arg(long, short)]
         output: Option<PathBuf>,
     },
+}
+
+/// `idemgate migrate`'s settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MigrateArgs {
+    /// Print the migrations applied and pending, the idemgate versions
+    /// connected to the database (PostgreSQL), and whether `migrate` would
+    /// apply or refuse; change nothing.
+    #[arg(long)]
+    pub status: bool,
+
+    #[command(flatten)]
+    pub store: StoreArgs,
 }
 
 /// The store settings' help for a command that runs once and exits

@@ -18,6 +18,7 @@ mod rows;
 pub mod sql;
 mod store;
 mod tls;
+mod upgrade;
 mod write_batch;
 
 use super::{Result, StoreError};
@@ -25,8 +26,13 @@ use citus::Layout;
 use conns::{ANSWER_MARGIN, Conns, Host};
 use errors::{Target, classify, connect_failed};
 
-/// The PostgreSQL schema migrations (`migrations/postgres`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+/// The PostgreSQL schema migrations (`migrations/postgres`). Migrations a
+/// newer release applied are no reason to refuse (a rollback to this one
+/// works on them) unless one is a contract step ([`crate::store::schema`]).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("./migrations/postgres")
+};
 
 /// How the pool behaves; the defaults suit one idemgate process.
 #[derive(Debug, Clone)]
@@ -96,7 +102,11 @@ impl PgStore {
             )
         });
         let with_session = |options: PgConnectOptions| {
-            let options = options.log_statements(tracing::log::LevelFilter::Trace);
+            let options = options
+                // Every connection names its release, for `idemgate migrate
+                // --status` and its refusals (SPEC §14).
+                .application_name(crate::store::schema::APPLICATION_NAME)
+                .log_statements(tracing::log::LevelFilter::Trace);
             if settings.transaction_pooler {
                 options
                     .extra_float_digits(None)
@@ -267,9 +277,53 @@ impl PgStore {
 
     /// Applies the pending migrations; on a Citus cluster, then distributes
     /// the tables and the claim function (see the `citus` module).
+    ///
+    /// Refuses, naming it, a pending contract step that a connected process
+    /// cannot work with, and a database on which a newer release applied a
+    /// contract step (SPEC §14).
     pub async fn migrate(&self) -> Result<()> {
+        self.migrate_with(&MIGRATOR).await
+    }
+
+    /// [`PgStore::migrate`] with `migrator`'s migrations in place of this
+    /// release's: for tests of the upgrade rules.
+    pub async fn migrate_with(&self, migrator: &sqlx::migrate::Migrator) -> Result<()> {
+        let status = match self.schema_status(migrator).await {
+            Ok(status) => Some(status),
+            // The server away: the migration's own attempt says why.
+            Err(e) if e.is_unavailable() => None,
+            Err(e) => return Err(e),
+        };
+        if let Some(why) = status.as_ref().and_then(|s| s.refusal()) {
+            return Err(StoreError::other(why));
+        }
+        if let Some(status) = status.as_ref().filter(|s| s.bridged()) {
+            let steps: Vec<String> = status.blocked.iter().map(|b| b.step.name()).collect();
+            tracing::warn!(
+                steps = %steps.join(", "),
+                "processes of idemgate before 0.2.0 are connected: applying the migrations with \
+                 a compatibility write for them, which `idemgate migrate` drops once none is \
+                 connected"
+            );
+            self.migrate_bridged(migrator).await?;
+        }
         let pool = self.writable_pool().await?;
-        self.run_migrations(&pool).await?;
+        self.run_migrations(migrator, &pool).await?;
+        if status.as_ref().is_some_and(|s| s.bridge_on || s.bridged()) {
+            let now = self.schema_status(migrator).await?;
+            if now.bridge_on && !now.older_connected() {
+                match self.drop_bridge(migrator).await {
+                    Ok(()) => tracing::info!(
+                        "no process of idemgate before 0.2.0 is connected: the compatibility \
+                         write for them is dropped"
+                    ),
+                    Err(e) => tracing::warn!(
+                        error = e.reason(),
+                        "could not drop the compatibility write for idemgate before 0.2.0"
+                    ),
+                }
+            }
+        }
         let layout = citus::distribute(&pool).await?;
         let _ = self.layout.set(layout);
         Ok(())
@@ -312,7 +366,13 @@ impl PgStore {
                     .fetch_all(&mut *conn)
                     .await;
             match applied {
-                Ok(applied) => super::missing_migrations(&MIGRATOR, &applied),
+                Ok(applied) => match super::missing_migrations(&MIGRATOR, &applied) {
+                    Some(why) => Some(why),
+                    None => {
+                        drop(conn);
+                        return Ok(self.schema_status(&MIGRATOR).await?.refusal());
+                    }
+                },
                 // insufficient_privilege: a role granted too little.
                 Err(e)
                     if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42501") =>
@@ -406,9 +466,13 @@ impl PgStore {
         }
     }
 
-    async fn run_migrations(&self, pool: &PgPool) -> Result<()> {
+    async fn run_migrations(
+        &self,
+        migrator: &sqlx::migrate::Migrator,
+        pool: &PgPool,
+    ) -> Result<()> {
         let target = &self.conns.target;
-        match MIGRATOR.run(pool).await {
+        match migrator.run(pool).await {
             Ok(()) => Ok(()),
             // The pool says only that it timed out; one direct attempt says
             // why it could not connect (refused, unknown host, bad password).

@@ -80,8 +80,13 @@ fn mismatched() -> StoreError {
 }
 use lock::FileLock;
 
-/// The SQLite schema migrations (`migrations/sqlite`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+/// The SQLite schema migrations (`migrations/sqlite`). Migrations a newer
+/// release applied are no reason to refuse (a rollback to this one works on
+/// them) unless one is a contract step ([`crate::store::schema`]).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("./migrations/sqlite")
+};
 
 /// How long a writer waits for another connection's write lock (another
 /// process on the same file) before the store reports itself unavailable.
@@ -230,9 +235,19 @@ impl SqliteStore {
         &self.direct
     }
 
-    /// Applies the pending migrations.
+    /// Applies the pending migrations; refuses a file on which a newer
+    /// release applied a contract step (SPEC §14).
     pub async fn migrate(&self) -> Result<()> {
-        MIGRATOR.run(&self.direct).await.map_err(|e| match e {
+        self.migrate_with(&MIGRATOR).await
+    }
+
+    /// [`SqliteStore::migrate`] with `migrator`'s migrations in place of
+    /// this release's: for tests of the upgrade rules.
+    pub async fn migrate_with(&self, migrator: &sqlx::migrate::Migrator) -> Result<()> {
+        if let Some(why) = self.schema_status(migrator).await?.refusal() {
+            return Err(StoreError::other(why));
+        }
+        migrator.run(&self.direct).await.map_err(|e| match e {
             sqlx::migrate::MigrateError::Execute(e) => classify(e),
             other => StoreError::other(other.to_string()).because(other),
         })
@@ -257,7 +272,48 @@ impl SqliteStore {
                 .fetch_all(&self.direct)
                 .await
                 .map_err(classify)?;
-        Ok(super::missing_migrations(&MIGRATOR, &applied))
+        match super::missing_migrations(&MIGRATOR, &applied) {
+            Some(why) => Ok(Some(why)),
+            None => Ok(self.schema_status(&MIGRATOR).await?.refusal()),
+        }
+    }
+
+    /// This release's SQLite migrations.
+    pub fn migrator() -> &'static sqlx::migrate::Migrator {
+        &MIGRATOR
+    }
+
+    /// The file's migrations beside `migrator`'s. No process but this one
+    /// has the file open (its lock), so none is listed as connected.
+    pub async fn schema_status(
+        &self,
+        migrator: &sqlx::migrate::Migrator,
+    ) -> Result<crate::store::schema::SchemaStatus> {
+        let table: Option<String> = sqlx::query_scalar(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+        )
+        .fetch_optional(&self.direct)
+        .await
+        .map_err(classify)?;
+        let applied: Vec<(i64, String, Option<chrono::DateTime<chrono::Utc>>)> = if table.is_some()
+        {
+            sqlx::query_as(
+                "SELECT version, description, installed_on FROM _sqlx_migrations \
+                     WHERE success ORDER BY version",
+            )
+            .fetch_all(&self.direct)
+            .await
+            .map_err(classify)?
+        } else {
+            Vec::new()
+        };
+        Ok(crate::store::schema::SchemaStatus::new(
+            "the SQLite database".to_owned(),
+            migrator,
+            applied,
+            Vec::new(),
+            false,
+        ))
     }
 
     /// Closes the pools and the writer, waiting for their connections to

@@ -1,0 +1,420 @@
+//! Upgrades (SPEC §14): every process names its release to the database,
+//! `idemgate migrate --status` says what is applied, pending and connected,
+//! and `migrate` refuses a contract step while a process that cannot work
+//! with it is connected, naming both. This release adds no migration of its
+//! own, so the rules are tested with one more migration after this
+//! release's, in a directory of the test's.
+//!
+//! The whole path — the previous release and this one serving one database
+//! under load while this one's `migrate` runs, then a rollback — is
+//! `.ci/upgrade`.
+//!
+//! Not on a Citus cluster: there the tests' schemas share one database, so
+//! every other test's processes are connected to it too.
+
+use crate::common;
+
+use std::path::Path;
+
+use common::bin::{BIN, idemgate_at};
+use common::pg::TestDb;
+use idemgate::store::PgStore;
+use idemgate::store::schema::APPLICATION_NAME;
+use sqlx::Connection as _;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+
+/// This release's PostgreSQL migrations and one more, `name` holding `sql`,
+/// in a directory of the test's (kept while the migrator is used).
+async fn with_one_more(name: &str, sql: &str) -> (tempfile::TempDir, Migrator) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ours = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres");
+    for entry in std::fs::read_dir(ours).expect("the migrations") {
+        let entry = entry.expect("a migration");
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+    }
+    std::fs::write(dir.path().join(name), sql).expect("write the extra migration");
+    let mut migrator = Migrator::new(dir.path())
+        .await
+        .expect("the test's migrations");
+    migrator.set_ignore_missing(true);
+    (dir, migrator)
+}
+
+/// A connection as a process of a release before 0.2.0 holds one: no
+/// `application_name`, its last statement on idemgate's table. Its pid.
+async fn older_process(url: &str) -> (PgConnection, i32) {
+    older_named(url, None).await
+}
+
+/// A connection named `name` (none: as before 0.2.0) that has used
+/// idemgate's table. Its pid.
+async fn older_named(url: &str, name: Option<&str>) -> (PgConnection, i32) {
+    let mut options: PgConnectOptions = url.parse().expect("the test URL");
+    if let Some(name) = name {
+        options = options.application_name(name);
+    }
+    let mut conn = PgConnection::connect_with(&options).await.expect("connect");
+    let pid: i32 = sqlx::query_scalar(
+        "SELECT pg_backend_pid() FROM (SELECT count(*) FROM idempotency_keys) AS k",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("a statement on idemgate's table");
+    (conn, pid)
+}
+
+/// A store of this release over `db`, migrated.
+async fn store(db: &TestDb) -> PgStore {
+    let store = PgStore::connect_lazy(&db.url, &Default::default()).expect("PgStore");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+fn on_citus() -> bool {
+    common::pg::citus_url().is_some()
+}
+
+#[tokio::test]
+async fn every_connection_names_its_release_to_the_database() {
+    if on_citus() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    idemgate::store::Store::prune_expired_batch(&store, 10)
+        .await
+        .expect("a statement of the store's own connections");
+    let mut conn = PgConnection::connect(&db.url).await.expect("connect");
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT application_name FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .expect("pg_stat_activity");
+    assert_eq!(names, vec![APPLICATION_NAME.to_owned()]);
+    assert_eq!(
+        APPLICATION_NAME,
+        format!("idemgate/{}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[tokio::test]
+async fn version_names_the_release_and_the_schema_each_store_ends_at() {
+    let newest = |dir: &str| {
+        std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(dir))
+            .expect("migrations")
+            .filter_map(|e| {
+                let name = e.ok()?.file_name().into_string().ok()?;
+                name.split('_').next()?.parse::<u64>().ok()
+            })
+            .max()
+            .expect("a migration")
+    };
+    let out = std::process::Command::new(BIN)
+        .arg("--version")
+        .output()
+        .expect("idemgate --version");
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!(
+            "idemgate {} (schema {} on PostgreSQL, {} on SQLite)",
+            env!("CARGO_PKG_VERSION"),
+            newest("migrations/postgres"),
+            newest("migrations/sqlite")
+        )
+    );
+}
+
+#[tokio::test]
+async fn migrate_status_lists_the_migrations_and_the_versions_connected_and_changes_nothing() {
+    if on_citus() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let status = |url: &str| {
+        let out = idemgate_at(url)
+            .args(["migrate", "--status"])
+            .output()
+            .expect("idemgate migrate --status");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let fresh = status(&db.url);
+    assert!(fresh.contains("applied: 0\n"), "{fresh}");
+    assert!(
+        fresh.contains("  20261207000001 (one table, contract)\n"),
+        "{fresh}"
+    );
+    assert!(fresh.contains("connected: no idemgate process"), "{fresh}");
+    assert!(
+        fresh.contains("idemgate migrate would apply 9 migration(s)"),
+        "{fresh}"
+    );
+    // --status changed nothing.
+    assert!(status(&db.url).contains("applied: 0\n"));
+
+    let store = store(&db).await;
+    idemgate::store::Store::prune_expired_batch(&store, 10)
+        .await
+        .expect("a statement");
+    let (_old, pid) = older_process(&db.url).await;
+    let out = status(&db.url);
+    assert!(out.contains("applied: 9\n"), "{out}");
+    assert!(out.contains("pending: none"), "{out}");
+    assert!(
+        out.contains(&format!("  {APPLICATION_NAME} (pid")),
+        "this release's store is listed by name: {out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "idemgate before 0.2.0 (no application_name; pid {pid} from "
+        )),
+        "the unnamed one is taken for an older idemgate: {out}"
+    );
+    assert!(
+        out.contains("idemgate migrate has nothing to apply"),
+        "{out}"
+    );
+}
+
+#[tokio::test]
+async fn migrate_refuses_a_contract_step_while_a_process_that_predates_it_is_connected_naming_both()
+{
+    if on_citus() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let (dir, migrator) = with_one_more(
+        "20991231000001_contract_drop_the_test_comment.sql",
+        "COMMENT ON TABLE idempotency_keys IS NULL;",
+    )
+    .await;
+
+    // A process of a release before 0.2.0.
+    let (old, pid) = older_process(&db.url).await;
+    let why = store
+        .migrate_with(&migrator)
+        .await
+        .expect_err("refused while the older process is connected")
+        .reason()
+        .to_owned();
+    assert!(
+        why.contains(
+            "has migration 20991231000001 (contract drop the test comment, contract) pending"
+        ),
+        "{why}"
+    );
+    assert!(
+        why.contains(&format!(
+            "idemgate before 0.2.0 (no application_name; pid {pid} "
+        )),
+        "{why}"
+    );
+    let status = store.schema_status(&migrator).await.expect("status");
+    assert_eq!(status.blocked.len(), 1);
+    assert_eq!(status.pending.len(), 1);
+    old.close().await.expect("close");
+
+    // A named process of a release that does not know the step.
+    let (named, pid) = older_named(&db.url, Some("idemgate/0.1.9")).await;
+    let why = store
+        .migrate_with(&migrator)
+        .await
+        .expect_err("refused while idemgate/0.1.9 is connected")
+        .reason()
+        .to_owned();
+    assert!(
+        why.contains(&format!("idemgate/0.1.9 (pid {pid} ")),
+        "{why}"
+    );
+    named.close().await.expect("close");
+
+    // This release's own processes do not hold it back: none of them
+    // predates a step it ships (here the test's).
+    store
+        .migrate_with(&migrator)
+        .await
+        .expect("applied once no older process is connected");
+    let status = store.schema_status(&migrator).await.expect("status");
+    assert!(status.pending.is_empty());
+
+    // Rolled back to this release's migrations, which lack that contract
+    // step: this release cannot work there, and says so.
+    let why = store
+        .migrate()
+        .await
+        .expect_err("a newer release's contract step refuses an older release")
+        .reason()
+        .to_owned();
+    assert!(
+        why.contains(
+            "has migration 20991231000001 (contract drop the test comment, contract) applied"
+        ),
+        "{why}"
+    );
+    drop(dir);
+}
+
+#[tokio::test]
+async fn an_expand_step_applies_while_older_processes_serve_and_the_release_before_it_still_starts()
+{
+    if on_citus() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let (dir, migrator) = with_one_more(
+        "20991231000002_expand_a_test_table.sql",
+        "CREATE TABLE idemgate_test_expand (x int);",
+    )
+    .await;
+    let (_old, _) = older_process(&db.url).await;
+    store
+        .migrate_with(&migrator)
+        .await
+        .expect("an expand step applies beside older processes");
+
+    // This release on a database a newer one expanded: it migrates (nothing
+    // to do) and starts with --no-migrate too.
+    store.migrate().await.expect("a rollback migrates");
+    assert_eq!(store.not_set_up().await.expect("read"), None);
+    let out = idemgate_at(&db.url)
+        .args(["migrate", "--status"])
+        .output()
+        .expect("status");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("  20991231000002 (expand a test table)  ")
+            && text.contains("(not in this release: a newer one applied it)"),
+        "{text}"
+    );
+    drop(dir);
+}
+
+#[tokio::test]
+async fn migrate_status_on_a_sqlite_file_lists_its_migrations() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}", dir.path().join("idemgate.db").display());
+    let out = idemgate_at(&url).arg("migrate").output().expect("migrate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = idemgate_at(&url)
+        .args(["migrate", "--status"])
+        .output()
+        .expect("status");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with(&format!("the SQLite database {url} (idemgate ")),
+        "{text}"
+    );
+    assert!(text.contains("pending: none"), "{text}");
+    assert!(text.contains("connected: not tracked"), "{text}");
+}
+
+#[tokio::test]
+async fn across_one_table_beside_an_older_process_migrate_keeps_a_compatibility_write_until_none_is_connected()
+ {
+    if on_citus() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let store = PgStore::connect_lazy(&db.url, &Default::default()).expect("PgStore");
+    // The schema of a release from before 20261207000001_one_table.
+    let mut before =
+        Migrator::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres"))
+            .await
+            .expect("the migrations");
+    before.migrations = before
+        .migrations
+        .iter()
+        .filter(|m| m.version < 20261207000001)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    store.migrate_with(&before).await.expect("the older schema");
+    let (old, _) = older_process(&db.url).await;
+
+    let status = store
+        .schema_status(&idemgate::store::postgres::MIGRATOR)
+        .await
+        .expect("status");
+    assert!(status.bridged(), "{:?}", status.lines());
+    store
+        .migrate()
+        .await
+        .expect("applied, with the compatibility write");
+    // Named, so that it is not taken for an older idemgate.
+    let options: PgConnectOptions = db.url.parse().expect("the test URL");
+    let mut conn = PgConnection::connect_with(&options.application_name("the test"))
+        .await
+        .expect("connect");
+    let trigger =
+        "SELECT count(*) FROM pg_trigger WHERE tgname = 'idemgate_compat_reservation_ids'";
+    let on: i64 = sqlx::query_scalar(trigger)
+        .fetch_one(&mut conn)
+        .await
+        .expect("read");
+    assert_eq!(on, 1);
+    // A claim writes its id where the older process looks a record up.
+    let id: uuid::Uuid = sqlx::query_scalar(
+        "SELECT reservation_id FROM idemgate_reserve('t', '\\x01'::bytea, NULL, \
+         gen_random_uuid(), 30, 60, NULL, 'hold')",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("a claim");
+    let found: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_reservations WHERE reservation_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&mut conn)
+    .await
+    .expect("read");
+    assert_eq!(found, 1, "the compatibility write wrote the current id");
+    // The batch's commit answers with the response, as the older process expects.
+    let batch: String =
+        sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = 'idemgate_write_batch'")
+            .fetch_one(&mut conn)
+            .await
+            .expect("read");
+    assert!(!batch.contains("NULL::bytea"));
+
+    // Still connected: a migrate keeps it.
+    store.migrate().await.expect("migrate");
+    let on: i64 = sqlx::query_scalar(trigger)
+        .fetch_one(&mut conn)
+        .await
+        .expect("read");
+    assert_eq!(on, 1);
+    // Gone: the next migrate drops it, and the batch function is the one
+    // 20261207000001 made.
+    old.close().await.expect("close");
+    store.migrate().await.expect("migrate");
+    let on: i64 = sqlx::query_scalar(trigger)
+        .fetch_one(&mut conn)
+        .await
+        .expect("read");
+    assert_eq!(on, 0);
+    let batch: String =
+        sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = 'idemgate_write_batch'")
+            .fetch_one(&mut conn)
+            .await
+            .expect("read");
+    assert!(batch.contains("NULL::bytea"));
+}
