@@ -101,19 +101,26 @@ async fn two_proxies_and_a_kill_run_each_shared_key_once() {
         )
     });
     let retried = join_all(retries).await;
-    let mut done = 0;
+    // A key the killed proxy held is held for an operator (its lease ends
+    // under `hold`: 409 outcome-unknown), whichever proxy a storm's race
+    // gave it to; every other key completes on the survivor.
+    let (mut done, mut held) = (0, 0);
     for (key, answer) in keys.iter().zip(&retried) {
         let status = answer.expect("the survivor answers");
         assert!(status < 500, "{key}: {status}");
-        if status == 201 {
-            done += 1;
-            assert_eq!(upstream.started(key), 1, "{key} answered 201");
+        match status {
+            201 => {
+                done += 1;
+                assert_eq!(upstream.started(key), 1, "{key} answered 201");
+            }
+            409 => held += 1,
+            other => panic!("{key}: {other}"),
         }
     }
     let duplicates = keys.iter().filter(|k| upstream.started(k) > 1).count();
     eprintln!(
         "[pooler] {} keys over two proxies{}: {cut} calls cut by the kill, {done} answered 201 \
-         on retry, {duplicates} duplicates",
+         on retry, {held} held unknown, {duplicates} duplicates",
         keys.len(),
         if url == db.url {
             " (direct)"
@@ -122,7 +129,8 @@ async fn two_proxies_and_a_kill_run_each_shared_key_once() {
         },
     );
     assert_eq!(duplicates, 0, "keys executed twice");
-    assert!(done >= keys.len() / 2, "only {done} keys completed");
+    assert_eq!(done + held, keys.len(), "every key completed or held");
+    assert!(done > 0, "no key completed on the survivor");
 }
 
 /// Under `transaction`, `serve` does not migrate: a database without the
