@@ -108,9 +108,7 @@ impl PgStore {
                 .application_name(crate::store::schema::APPLICATION_NAME)
                 .log_statements(tracing::log::LevelFilter::Trace);
             if settings.transaction_pooler {
-                options
-                    .extra_float_digits(None)
-                    .statement_cache_capacity(0)
+                options.extra_float_digits(None).statement_cache_capacity(0)
             } else {
                 options.options([
                     ("statement_timeout", format!("{timeout_ms}")),
