@@ -134,9 +134,16 @@ fn routes(tenant: &str, hash: &str) -> Vec<(&'static str, String, Option<Value>,
         ("GET", "/v1/admin/keys".to_owned(), None, 200),
         ("GET", "/v1/admin/keys?state=unknown".to_owned(), None, 200),
         ("GET", format!("/v1/admin/keys/{tenant}/{hash}"), None, 200),
+        // A prefix of 8 digits or more names the key; a shorter one is refused.
         (
             "GET",
             format!("/v1/admin/keys/{tenant}/{}", &hash[..12]),
+            None,
+            200,
+        ),
+        (
+            "GET",
+            format!("/v1/admin/keys/{tenant}/{}", &hash[..6]),
             None,
             400,
         ),

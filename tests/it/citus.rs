@@ -38,8 +38,17 @@ async fn fresh_schema() -> TestDb {
     TestDb::schema_on(shared().await.url()).await
 }
 
+/// A connection of the test's own, named so that `idemgate migrate` does
+/// not take it for a process of an idemgate before 0.2.0 (those set no
+/// `application_name`) and refuse a contract step for it.
 async fn connect(url: &str) -> PgConnection {
-    PgConnection::connect(url).await.expect("connect")
+    use sqlx::ConnectOptions as _;
+    let options: sqlx::postgres::PgConnectOptions = url.parse().expect("a PostgreSQL URL");
+    options
+        .application_name("idemgate tests")
+        .connect()
+        .await
+        .expect("connect")
 }
 
 fn migrate(url: &str) -> String {
