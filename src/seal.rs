@@ -25,7 +25,7 @@ use base64::Engine as _;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-use crate::store::{Record, StoreError, StoredResponse};
+use crate::store::{ClaimedRequest, KeptRequest, Record, StoreError, StoredResponse};
 
 /// The name of the marker header of a sealed response.
 pub const SEALED_HEADER: &str = "@idemgate-sealed";
@@ -324,12 +324,42 @@ impl Sealer {
         let plain = self.open_blob(&blob, &aad)?;
         serde_json::from_slice(&plain).map_err(|_| OpenError::Corrupt)
     }
+
+    fn request_aad(tenant: &str, key_hash: &[u8]) -> Vec<u8> {
+        let mut aad = Vec::with_capacity(64 + tenant.len());
+        aad.extend_from_slice(b"idemgate-seal-request");
+        aad.push(VERSION);
+        aad.extend_from_slice(&(tenant.len() as u64).to_be_bytes());
+        aad.extend_from_slice(tenant.as_bytes());
+        aad.extend_from_slice(key_hash);
+        aad
+    }
+
+    /// The sealed form of the request a key of `tenant` was claimed for: a
+    /// blob bound to the key (its first byte is the format's version, never
+    /// the `{` of the open form).
+    pub fn seal_request(&self, tenant: &str, key_hash: &[u8], request: &ClaimedRequest) -> Vec<u8> {
+        self.seal_blob(&request.to_json(), &Self::request_aad(tenant, key_hash))
+    }
+
+    /// The request that `sealed` (as [`Sealer::seal_request`] gives it)
+    /// holds.
+    pub fn open_request(
+        &self,
+        tenant: &str,
+        key_hash: &[u8],
+        sealed: &[u8],
+    ) -> Result<ClaimedRequest, OpenError> {
+        let plain = self.open_blob(sealed, &Self::request_aad(tenant, key_hash))?;
+        serde_json::from_slice(&plain).map_err(|_| OpenError::Corrupt)
+    }
 }
 
 /// Replaces a sealed response and sealed recovery data in `record` by
 /// what they hold. A record that cannot be opened is a store error: it is
 /// never replayed nor handed on.
 pub(crate) fn open_record(sealer: Option<&Sealer>, record: &mut Record) -> Result<(), StoreError> {
+    open_request(sealer, record);
     let opened = open_response(sealer, record).and_then(|()| open_recovery(sealer, record));
     opened.map_err(|why| {
         tracing::error!(
@@ -340,6 +370,31 @@ pub(crate) fn open_record(sealer: Option<&Sealer>, record: &mut Record) -> Resul
         );
         StoreError::other(format!("sealed record: {why}"))
     })
+}
+
+/// The request a key was claimed for, opened. A label for the operator,
+/// never replayed nor handed on: one that cannot be opened (sealed under a
+/// key no longer configured) is left out of the record, and the record is
+/// still served.
+fn open_request(sealer: Option<&Sealer>, record: &mut Record) {
+    let Some(KeptRequest::Sealed(blob)) = &record.request else {
+        return;
+    };
+    let opened = sealer
+        .ok_or(OpenError::NoKey)
+        .and_then(|sealer| sealer.open_request(&record.tenant, &record.key_hash, blob));
+    record.request = match opened {
+        Ok(request) => Some(KeptRequest::Open(request)),
+        Err(why) => {
+            tracing::warn!(
+                tenant = %record.tenant,
+                key.hash = %crate::key::hash_prefix(&record.key_hash),
+                error = %why,
+                "the request a key was claimed for cannot be opened; shown without it"
+            );
+            None
+        }
+    };
 }
 
 fn open_response(sealer: Option<&Sealer>, record: &mut Record) -> Result<(), OpenError> {

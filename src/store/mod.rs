@@ -20,9 +20,9 @@ pub use error::{Cause, Result, StoreError, report_unavailable};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgSettings, PgStore};
 pub use records::{
-    BatchStats, Claim, ClaimRequest, Found, InFlightUsage, KeyCursor, KeyPage, KeyQuery, KeyState,
-    LeaseExpiry, MarkedUnknown, PoolStats, PruneBatch, Record, Recovery, Resolution, Resolve,
-    ResolveAction, StoredResponse, StoredUsage, Write, Written,
+    BatchStats, Claim, ClaimRequest, ClaimedRequest, Found, InFlightUsage, KeptRequest, KeyCursor,
+    KeyPage, KeyQuery, KeyState, LeaseExpiry, MarkedUnknown, PoolStats, PruneBatch, Record,
+    Recovery, Resolution, Resolve, ResolveAction, StoredResponse, StoredUsage, Write, Written,
 };
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
@@ -56,7 +56,7 @@ macro_rules! key_columns {
         "tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt, \
          recovery_point, recovery_data, response_status, response_headers, response_body, \
          created_at, completed_at, expires_at, on_lease_expiry, resolved_action, resolved_reason, \
-         resolved_by, resolved_at, unknown_reason, unknown_at, unknown_reservation_id"
+         resolved_by, resolved_at, unknown_reason, unknown_at, unknown_reservation_id, request"
     };
 }
 #[cfg(any(feature = "sqlite", feature = "postgres"))]

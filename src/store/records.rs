@@ -222,6 +222,115 @@ pub struct Recovery {
     pub data: Option<serde_json::Value>,
 }
 
+/// What a key was for: the request that claimed it, kept with its record so
+/// that an operator settling it can find that call in the provider's books
+/// (its method and path) and in the traces (its trace id). Never its body
+/// or headers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimedRequest {
+    /// The request's method, as sent.
+    pub method: String,
+    /// Its path with its query, as sent.
+    pub path: String,
+    /// The W3C trace id of the request that claimed the key (32 lowercase
+    /// hex digits), when it carried a `traceparent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
+}
+
+impl ClaimedRequest {
+    /// A method and path as a door read them, with the trace id of a W3C
+    /// `traceparent` value (`00-<trace id>-<parent id>-<flags>`), if it is
+    /// one. The method is cut at 32 bytes and the path at 2048, at a
+    /// character boundary: a label, not a copy.
+    pub fn new(method: &str, path: &str, traceparent: Option<&str>) -> ClaimedRequest {
+        ClaimedRequest {
+            method: cut(method, 32).to_owned(),
+            path: cut(path, 2048).to_owned(),
+            trace_id: traceparent.and_then(trace_id),
+        }
+    }
+
+    /// Its stored form, unsealed: JSON.
+    pub(crate) fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("strings serialize")
+    }
+}
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+fn cut(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// The trace id of a W3C `traceparent` header value: 32 lowercase hex
+/// digits, not all zero, in a value of version `00` or a later one.
+fn trace_id(traceparent: &str) -> Option<String> {
+    let mut parts = traceparent.trim().split('-');
+    let version = parts.next()?;
+    let id = parts.next()?;
+    let hex = |s: &str| {
+        s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    (version.len() == 2
+        && hex(version)
+        && version != "ff"
+        && id.len() == 32
+        && hex(id)
+        && id.bytes().any(|b| b != b'0'))
+    .then(|| id.to_owned())
+}
+
+/// A [`ClaimedRequest`] as a store keeps it: in the clear, or sealed at rest
+/// (see [`crate::seal`]) when responses are. The stores keep it as bytes:
+/// JSON (an object: its first byte is `{`), or a sealed blob (whose first
+/// byte is its format's version, 1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeptRequest {
+    /// In the clear.
+    Open(ClaimedRequest),
+    /// Sealed: opened by the engine with the seal key.
+    Sealed(Vec<u8>),
+}
+
+impl KeptRequest {
+    /// Reads the stored bytes.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn from_column(bytes: Option<Vec<u8>>) -> Option<KeptRequest> {
+        let bytes = bytes?;
+        if bytes.first() == Some(&b'{')
+            && let Ok(open) = serde_json::from_slice(&bytes)
+        {
+            return Some(KeptRequest::Open(open));
+        }
+        Some(KeptRequest::Sealed(bytes))
+    }
+
+    /// The bytes to store.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn to_column(&self) -> Vec<u8> {
+        match self {
+            KeptRequest::Open(open) => open.to_json(),
+            KeptRequest::Sealed(blob) => blob.clone(),
+        }
+    }
+
+    /// The request, if it is in the clear.
+    pub fn open(&self) -> Option<&ClaimedRequest> {
+        match self {
+            KeptRequest::Open(open) => Some(open),
+            KeptRequest::Sealed(_) => None,
+        }
+    }
+}
+
 /// One key's record, as read from the store.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record {
@@ -260,6 +369,11 @@ pub struct Record {
     /// ([`Store::find_by_reservation`](super::Store::find_by_reservation),
     /// [`Store::find_key`](super::Store::find_key), a listing) does.
     pub marked_unknown: Option<MarkedUnknown>,
+    /// What the key was for, where the door that claimed it knew (the proxy
+    /// and the layer always; the reservation API when the reserve described
+    /// its request). Like [`Record::marked_unknown`], a record a claim or a
+    /// commit hands back does not carry it: the operators' lookups do.
+    pub request: Option<KeptRequest>,
 }
 
 impl Record {
@@ -327,6 +441,9 @@ pub struct ClaimRequest {
     /// only while the tenant holds fewer (leases not ended). `Some(0)` claims
     /// nothing and only reads the record.
     pub max_in_flight: Option<u32>,
+    /// What the key is for, kept with the record by the claim that applies
+    /// (a new key, a reset, a takeover); `None` keeps nothing.
+    pub request: Option<KeptRequest>,
 }
 
 /// What the store found or did for a [`ClaimRequest`].

@@ -28,14 +28,24 @@ const KEYS: &str = "idempotency_keys";
 const RESERVATIONS: &str = "idempotency_reservations";
 /// The claim function's signature, as the latest migration made it.
 pub(super) const RESERVE_SIGNATURE: &str =
-    "idemgate_reserve(text, bytea, text, uuid, float8, float8, int8, text)";
+    "idemgate_reserve(text, bytea, text, uuid, float8, float8, int8, text, bytea)";
 /// The batch function's signature, as the latest migration made it.
 pub(super) const WRITE_BATCH_SIGNATURE: &str = "idemgate_write_batch(text, text[], text[], \
+     bytea[], text[], uuid[], float8[], float8[], int8[], int4[], jsonb[], bytea[], text[], \
+     bytea[])";
+/// The signatures the previous release calls (migration
+/// `20261209000001_claimed_request.sql` kept them), distributed too, so that
+/// its calls run on the tenant's node while it is connected.
+const RESERVE_BEFORE: &str =
+    "idemgate_reserve(text, bytea, text, uuid, float8, float8, int8, text)";
+const WRITE_BATCH_BEFORE: &str = "idemgate_write_batch(text, text[], text[], \
      bytea[], text[], uuid[], float8[], float8[], int8[], int4[], jsonb[], bytea[], text[])";
 /// The functions distributed by their tenant argument: name, signature.
-const FUNCTIONS: [(&str, &str); 2] = [
+const FUNCTIONS: [(&str, &str); 4] = [
     ("idemgate_reserve", RESERVE_SIGNATURE),
     ("idemgate_write_batch", WRITE_BATCH_SIGNATURE),
+    ("idemgate_reserve", RESERVE_BEFORE),
+    ("idemgate_write_batch", WRITE_BATCH_BEFORE),
 ];
 
 /// Serializes the distribution across idemgate processes starting together.

@@ -8,8 +8,8 @@ use sqlx::FromRow;
 use uuid::Uuid;
 
 use crate::store::{
-    Found, KeyState, LeaseExpiry, MarkedUnknown, Record, Recovery, Resolution, Result, StoreError,
-    StoredResponse,
+    Found, KeptRequest, KeyState, LeaseExpiry, MarkedUnknown, Record, Recovery, Resolution, Result,
+    StoreError, StoredResponse,
 };
 
 /// One row of `idempotency_keys`, as [`key_columns!`](crate::store::key_columns) lists it.
@@ -38,6 +38,7 @@ pub(super) struct KeyRow {
     pub(super) unknown_reason: Option<String>,
     pub(super) unknown_at: Option<DateTime<Utc>>,
     pub(super) unknown_reservation_id: Option<Uuid>,
+    pub(super) request: Option<Vec<u8>>,
 }
 
 #[derive(FromRow)]
@@ -116,6 +117,7 @@ impl TryFrom<KeyRow> for Record {
                 r.unknown_reservation_id,
                 r.reservation_id,
             ),
+            request: KeptRequest::from_column(r.request),
         })
     }
 }

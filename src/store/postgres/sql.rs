@@ -14,8 +14,9 @@ use crate::store::key_columns;
 
 /// The columns of [`key_columns!`] as the claim functions return them: all
 /// but the holder's mark (`unknown_*`, migration
-/// `20261206000001_marked_unknown.sql`), which they do not return and which
-/// reads as none. A claim that finds its key unknown answers so without
+/// `20261206000001_marked_unknown.sql`) and the request the key is for
+/// (`20261209000001_claimed_request.sql`), which they do not return and
+/// which read as none. A claim that finds its key unknown answers so without
 /// needing why; the operator's lookups read the mark from the table.
 macro_rules! claimed_columns {
     () => {
@@ -24,13 +25,15 @@ macro_rules! claimed_columns {
              recovery_point, recovery_data, response_status, response_headers, response_body, \
              created_at, completed_at, expires_at, on_lease_expiry, resolved_action, \
              resolved_reason, resolved_by, resolved_at, NULL::text AS unknown_reason, \
-             NULL::timestamptz AS unknown_at, NULL::uuid AS unknown_reservation_id"
+             NULL::timestamptz AS unknown_at, NULL::uuid AS unknown_reservation_id, \
+             NULL::bytea AS request"
         )
     };
 }
 
 /// [`key_columns!`] as a commit returns them: the response's headers and
-/// body as NULL, since the caller has just sent them.
+/// body as NULL, since the caller has just sent them, and no request (only
+/// the operators' lookups read it).
 macro_rules! completed_columns {
     () => {
         concat!(
@@ -38,7 +41,7 @@ macro_rules! completed_columns {
              recovery_point, recovery_data, response_status, NULL::jsonb AS response_headers, \
              NULL::bytea AS response_body, created_at, completed_at, expires_at, on_lease_expiry, \
              resolved_action, resolved_reason, resolved_by, resolved_at, unknown_reason, unknown_at, \
-             unknown_reservation_id"
+             unknown_reservation_id, NULL::bytea AS request"
         )
     };
 }
@@ -47,12 +50,13 @@ macro_rules! completed_columns {
 // or, under its row lock, reset an expired one or take over an in-flight one
 // whose lease ended under 'takeover', keeping the id it replaces; else read
 // the record as it stands. `$7` is the tenant's limit of live in-flight keys,
-// NULL for none; `$8` the new holder's `on_lease_expiry`. A function, so that
+// NULL for none; `$8` the new holder's `on_lease_expiry`; `$9` the request
+// the key is for, as kept (migration `20261209000001_claimed_request.sql`). A function, so that
 // it is one router call on Citus too: see the migration.
 pub(super) const RESERVE: &str = concat!(
     "SELECT claimed, db_now, ",
     claimed_columns!(),
-    " FROM idemgate_reserve($1, $2, $3, $4, $5, $6, $7, $8)"
+    " FROM idemgate_reserve($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 );
 
 // Claims, commits and releases in one call (the same migration); the arrays
@@ -60,7 +64,7 @@ pub(super) const RESERVE: &str = concat!(
 pub(super) const WRITE_BATCH: &str = concat!(
     "SELECT ord, claimed, db_now, ",
     claimed_columns!(),
-    " FROM idemgate_write_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+    " FROM idemgate_write_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
 );
 
 pub(super) static PRUNE: LazyLock<String> = LazyLock::new(|| {

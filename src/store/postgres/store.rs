@@ -14,9 +14,9 @@ use super::rows::{ClaimRow, FoundRow, KeyRow, headers_json};
 use super::sql::*;
 use super::write_batch::BATCH_WRITERS;
 use crate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats, PruneBatch, Record,
-    Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse, StoredUsage,
-    Write, Written,
+    Claim, ClaimRequest, Found, InFlightUsage, KeptRequest, KeyPage, KeyQuery, PoolStats,
+    PruneBatch, Record, Recovery, Resolve, ResolveAction, Result, Store, StoreError,
+    StoredResponse, StoredUsage, Write, Written,
 };
 
 #[async_trait]
@@ -36,7 +36,8 @@ impl Store for PgStore {
                 .bind(f64::from(req.lease_seconds))
                 .bind(f64::from(req.ttl_seconds))
                 .bind(req.max_in_flight.map(i64::from))
-                .bind(req.on_lease_expiry.as_str());
+                .bind(req.on_lease_expiry.as_str())
+                .bind(req.request.as_ref().map(KeptRequest::to_column));
             let row: Option<ClaimRow> = self.fetch_row(query).await?;
             match row {
                 Some(row) => {

@@ -262,15 +262,17 @@ impl PgStore {
 
     /// Drops the compatibility write, and gives the batch function back the
     /// form `20261207000001_one_table` made (its commits answer without the
-    /// response), if no later migration changed it since.
+    /// response). Only that function, the last statement of the step: a
+    /// later migration adds overloads of it (`20261209000001_claimed_request`)
+    /// and leaves this signature alone.
     pub(super) async fn drop_bridge(&self, migrator: &Migrator) -> Result<()> {
         let target = &self.conns.target;
         let mut conn = self.pool.acquire().await.map_err(|e| classify(e, target))?;
-        let newest: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT max(version) FROM {} WHERE success",
+        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT version FROM {} WHERE success",
             migrator.table_name
         )))
-        .fetch_one(&mut *conn)
+        .fetch_all(&mut *conn)
         .await
         .map_err(|e| classify(e, target))?;
         let mut tx = sqlx::Connection::begin(&mut *conn)
@@ -280,11 +282,15 @@ impl PgStore {
             .execute(&mut *tx)
             .await
             .map_err(|e| classify(e, target))?;
-        if let Some(step) = migrator
+        for step in migrator
             .iter()
-            .find(|m| Some(m.version) == newest && BRIDGED.contains(&m.version))
+            .filter(|m| applied.contains(&m.version) && BRIDGED.contains(&m.version))
         {
-            sqlx::raw_sql(AssertSqlSafe(step.sql.as_str().to_owned()))
+            let sql = step.sql.as_str();
+            let Some(from) = sql.find(BATCH_FUNCTION) else {
+                continue;
+            };
+            sqlx::raw_sql(AssertSqlSafe(sql[from..].to_owned()))
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| classify(e, target))?;
@@ -293,3 +299,6 @@ impl PgStore {
         Ok(())
     }
 }
+
+/// Where a bridged step's batch function begins: the step's last statement.
+const BATCH_FUNCTION: &str = "CREATE OR REPLACE FUNCTION idemgate_write_batch(";

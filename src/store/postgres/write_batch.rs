@@ -16,7 +16,7 @@ use super::PgStore;
 use super::errors::classify;
 use super::rows::{BatchRow, headers_json};
 use super::sql::WRITE_BATCH;
-use crate::store::{Claim, Record, Result, Write, Written};
+use crate::store::{Claim, KeptRequest, Record, Result, Write, Written};
 
 /// Transactions of batched writes at once, per process: two, so that one
 /// waiting on a row lock (a claim of a key another process's transaction
@@ -40,6 +40,7 @@ impl PgStore {
         let mut headers: Vec<Option<serde_json::Value>> = Vec::with_capacity(n);
         let mut bodies: Vec<Option<&[u8]>> = Vec::with_capacity(n);
         let mut on_lease_expiry: Vec<Option<&str>> = Vec::with_capacity(n);
+        let mut requests: Vec<Option<Vec<u8>>> = Vec::with_capacity(n);
         for write in writes {
             let (op, id) = match write {
                 Write::Claim(req) => ("claim", req.reservation_id),
@@ -55,6 +56,7 @@ impl PgStore {
             };
             on_lease_expiry.push(claim.map(|r| r.on_lease_expiry.as_str()));
             key_hashes.push(claim.map(|r| &r.key_hash[..]));
+            requests.push(claim.and_then(|r| r.request.as_ref().map(KeptRequest::to_column)));
             fingerprints.push(claim.and_then(|r| r.fingerprint.as_deref()));
             leases.push(claim.map(|r| f64::from(r.lease_seconds)));
             ttls.push(claim.map(|r| f64::from(r.ttl_seconds)));
@@ -80,7 +82,8 @@ impl PgStore {
             .bind(&statuses)
             .bind(&headers)
             .bind(&bodies)
-            .bind(&on_lease_expiry);
+            .bind(&on_lease_expiry)
+            .bind(&requests);
         let rows: Vec<BatchRow> = match self.fetch_all(query).await {
             Ok(rows) => rows,
             Err(e) => return writes.iter().map(|_| Err(e.clone())).collect(),

@@ -8,8 +8,8 @@ use uuid::Uuid;
 use uuid::fmt::Hyphenated;
 
 use crate::store::{
-    KeyState, LeaseExpiry, MarkedUnknown, Record, Recovery, Resolution, Result, StoreError,
-    StoredResponse,
+    KeptRequest, KeyState, LeaseExpiry, MarkedUnknown, Record, Recovery, Resolution, Result,
+    StoreError, StoredResponse,
 };
 
 /// This process's clock in whole milliseconds, the stored precision, so that
@@ -65,6 +65,7 @@ pub(super) struct KeyRow {
     pub(super) unknown_reason: Option<String>,
     pub(super) unknown_at: Option<i64>,
     pub(super) unknown_reservation_id: Option<String>,
+    pub(super) request: Option<Vec<u8>>,
 }
 
 impl KeyRow {
@@ -101,6 +102,7 @@ impl KeyRow {
             unknown_reason: text_opt(r, 20)?,
             unknown_at: r.get(21)?,
             unknown_reservation_id: text_opt(r, 22)?,
+            request: bytes_opt(r, 23)?,
         })
     }
 }
@@ -203,6 +205,7 @@ impl TryFrom<KeyRow> for Record {
                     .and_then(|id| Uuid::parse_str(id).ok()),
                 r.reservation_id.into_uuid(),
             ),
+            request: KeptRequest::from_column(r.request),
         })
     }
 }

@@ -28,12 +28,13 @@ macro_rules! current_holder {
 // it was before the update. A change of the record's id writes the id it
 // replaces into idempotency_reservations (a trigger: migration
 // `20261207000001_one_table.sql`); a new key writes nothing more. ?1 tenant, ?2 key hash, ?3 fingerprint, ?4
-// reservation id, ?5 now, ?6 lease (ms), ?7 ttl (ms), ?8 on_lease_expiry.
+// reservation id, ?5 now, ?6 lease (ms), ?7 ttl (ms), ?8 on_lease_expiry,
+// ?9 the request the key is for, as kept.
 pub(super) const RESERVE: &str = concat!(
     "INSERT INTO idempotency_keys AS k
         (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
-         created_at, expires_at, on_lease_expiry)
-    VALUES (?1, ?2, ?3, 'in_flight', ?4, ?5 + ?6, 1, ?5, ?5 + ?7, ?8)
+         created_at, expires_at, on_lease_expiry, request)
+    VALUES (?1, ?2, ?3, 'in_flight', ?4, ?5 + ?6, 1, ?5, ?5 + ?7, ?8, ?9)
     ON CONFLICT (tenant, key_hash) DO UPDATE SET
         fingerprint = CASE WHEN k.expires_at <= ?5 THEN excluded.fingerprint
                            ELSE COALESCE(k.fingerprint, excluded.fingerprint) END,
@@ -50,6 +51,7 @@ pub(super) const RESERVE: &str = concat!(
         completed_at = NULL,
         expires_at = CASE WHEN k.expires_at <= ?5 THEN excluded.expires_at ELSE k.expires_at END,
         on_lease_expiry = excluded.on_lease_expiry,
+        request = excluded.request,
         resolved_action = NULL,
         resolved_reason = NULL,
         resolved_by = NULL,
@@ -67,11 +69,12 @@ pub(super) const RESERVE: &str = concat!(
 // needs nothing read back (the caller knows every column it wrote). Without
 // RETURNING, which makes SQLite collect the rows in a temporary b-tree of
 // their own on every run. ?1 tenant, ?2 key hash, ?3 fingerprint,
-// ?4 reservation id, ?5 now, ?6 lease (ms), ?7 ttl (ms), ?8 on_lease_expiry.
+// ?4 reservation id, ?5 now, ?6 lease (ms), ?7 ttl (ms), ?8 on_lease_expiry,
+// ?9 the request.
 pub(super) const INSERT_NEW: &str = "INSERT INTO idempotency_keys
         (tenant, key_hash, fingerprint, state, reservation_id, lease_expires_at, attempt,
-         created_at, expires_at, on_lease_expiry)
-    VALUES (?1, ?2, ?3, 'in_flight', ?4, ?5 + ?6, 1, ?5, ?5 + ?7, ?8)
+         created_at, expires_at, on_lease_expiry, request)
+    VALUES (?1, ?2, ?3, 'in_flight', ?4, ?5 + ?6, 1, ?5, ?5 + ?7, ?8, ?9)
     ON CONFLICT (tenant, key_hash) DO NOTHING";
 
 // ?1 tenant, ?2 now, ?3 the most worth counting.
@@ -104,7 +107,7 @@ pub(super) const COMPLETED: &str = "SELECT tenant, key_hash, fingerprint, state,
         lease_expires_at, attempt, recovery_point, recovery_data, response_status,
         NULL, NULL, created_at, completed_at, expires_at, on_lease_expiry, resolved_action,
         resolved_reason, resolved_by, resolved_at, unknown_reason, unknown_at,
-        unknown_reservation_id
+        unknown_reservation_id, NULL
    FROM idempotency_keys WHERE tenant = ?1 AND reservation_id = ?2";
 
 pub(super) const RELEASE: &str = concat!(

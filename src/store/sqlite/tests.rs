@@ -16,6 +16,7 @@ fn claim(key: u8) -> ClaimRequest {
         ttl_seconds: 60,
         on_lease_expiry: crate::store::LeaseExpiry::Takeover,
         max_in_flight: None,
+        request: None,
     }
 }
 

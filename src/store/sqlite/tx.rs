@@ -9,7 +9,8 @@ use super::errors::classify_rs;
 use super::rows::*;
 use super::sql::*;
 use crate::store::{
-    Claim, ClaimRequest, KeyState, Record, Result, StoreError, StoredResponse, Write, Written,
+    Claim, ClaimRequest, KeptRequest, KeyState, Record, Result, StoreError, StoredResponse, Write,
+    Written,
 };
 
 /// A uuid as the stored TEXT (lowercase, hyphenated), without allocating.
@@ -58,7 +59,8 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
         }
     };
     let times = [now, secs_ms(req.lease_seconds), secs_ms(req.ttl_seconds)];
-    if room && insert_new(conn, req, id, &times)? {
+    let request = req.request.as_ref().map(KeptRequest::to_column);
+    if room && insert_new(conn, req, id, &times, &request)? {
         return Ok(Some(Claim {
             claimed: true,
             record: new_record(req, now)?,
@@ -66,7 +68,7 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
         }));
     }
     let claimed = if room {
-        key_row(conn, RESERVE, claim_params(req, &id, &times))?
+        key_row(conn, RESERVE, claim_params(req, &id, &times, &request))?
     } else {
         None
     };
@@ -97,12 +99,13 @@ pub(super) fn claim_in(conn: &Connection, req: &ClaimRequest, now: i64) -> Resul
 
 /// The parameters `?1` to `?8` of [`RESERVE`] and [`INSERT_NEW`]: tenant, key
 /// hash, fingerprint, reservation id, and `times` (now, the lease and the TTL
-/// in milliseconds), then `on_lease_expiry`.
+/// in milliseconds), then `on_lease_expiry` and `?9` the request as kept.
 fn claim_params<'a>(
     req: &'a ClaimRequest,
     id: &'a &'a str,
     times: &'a [i64; 3],
-) -> [&'a dyn rusqlite::ToSql; 8] {
+    request: &'a Option<Vec<u8>>,
+) -> [&'a dyn rusqlite::ToSql; 9] {
     [
         &req.tenant,
         &req.key_hash,
@@ -112,14 +115,21 @@ fn claim_params<'a>(
         &times[1],
         &times[2],
         &req.on_lease_expiry,
+        request,
     ]
 }
 
 /// Inserts the record of a key that has none; false if it has one.
-fn insert_new(conn: &Connection, req: &ClaimRequest, id: &str, times: &[i64; 3]) -> Result<bool> {
+fn insert_new(
+    conn: &Connection,
+    req: &ClaimRequest,
+    id: &str,
+    times: &[i64; 3],
+    request: &Option<Vec<u8>>,
+) -> Result<bool> {
     let inserted = conn
         .prepare_cached(INSERT_NEW)
-        .and_then(|mut stmt| stmt.execute(claim_params(req, &id, times)))
+        .and_then(|mut stmt| stmt.execute(claim_params(req, &id, times, request)))
         .map_err(classify_rs)?;
     Ok(inserted == 1)
 }
@@ -142,6 +152,7 @@ fn new_record(req: &ClaimRequest, now: i64) -> Result<Record> {
         on_lease_expiry: req.on_lease_expiry,
         resolution: None,
         marked_unknown: None,
+        request: None,
     })
 }
 
