@@ -276,6 +276,7 @@ mod tests {
             on_lease_expiry: crate::store::LeaseExpiry::Takeover,
             resolution: None,
             marked_unknown: None,
+            request: None,
         };
         (record, now)
     }

@@ -114,6 +114,7 @@ mod tests {
             on_lease_expiry: LeaseExpiry::Takeover,
             resolution: None,
             marked_unknown: None,
+            request: None,
         }
     }
 

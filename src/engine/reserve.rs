@@ -13,7 +13,7 @@ use uuid::Uuid;
 use super::decide::{claimable, decide, decide_completed};
 use super::{Engine, EngineError, ReserveOutcome, ReserveRequest};
 use crate::spans;
-use crate::store::{ClaimRequest, Record};
+use crate::store::{ClaimRequest, KeptRequest, Record};
 use crate::telemetry;
 
 impl Engine {
@@ -106,6 +106,14 @@ impl Engine {
                 ttl_seconds: req.ttl_seconds,
                 on_lease_expiry: req.on_lease_expiry,
                 max_in_flight,
+                request: req.request.as_ref().map(|request| match &self.sealer {
+                    None => KeptRequest::Open(request.clone()),
+                    Some(sealer) => KeptRequest::Sealed(sealer.seal_request(
+                        &req.tenant,
+                        &req.key_hash,
+                        request,
+                    )),
+                }),
             })
             .await;
         let claim = match claim {

@@ -5,7 +5,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::store::{LeaseExpiry, Record, Recovery, StoreError};
+use crate::store::{ClaimedRequest, LeaseExpiry, Record, Recovery, StoreError};
 
 /// Lease and TTL bounds, and how long a caller may wait on a holder.
 #[derive(Debug, Clone)]
@@ -53,6 +53,10 @@ pub struct ReserveRequest {
     /// What the caller's lease ending without news will mean, should it get
     /// the key.
     pub on_lease_expiry: LeaseExpiry,
+    /// What the key is for, kept with its record if the caller gets it
+    /// (sealed at rest when responses are): shown to the operator who
+    /// settles the key should it get stuck.
+    pub request: Option<ClaimedRequest>,
 }
 
 /// The caller now holds the key.

@@ -29,7 +29,7 @@ use crate::headers::{
 use crate::key::{self, Dialect, KeyError};
 use crate::problem::ApiError;
 use crate::spans;
-use crate::store::Record;
+use crate::store::{ClaimedRequest, Record};
 use crate::telemetry::{self, Outcome};
 
 /// The tenant of requests that carry no tenant header.
@@ -43,6 +43,11 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
 
     // === request_filter ===
     let guard = policy.guard(req.method(), req.uri().path());
+    // On the request's log lines, with their OpenTelemetry names: the path
+    // without its query, whose values may hold secrets (the record keeps the
+    // query for the operator, sealed when responses are).
+    let method = req.method().clone();
+    let url_path = req.uri().path().to_owned();
     if !guard.guarded {
         // Extensions and all: a WebSocket handshake keeps the connection's
         // `OnUpgrade`, and its `101` comes back as it is.
@@ -70,7 +75,13 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
             };
             telemetry::record(mode, outcome, started.elapsed());
             spans::record_request(Some(outcome.as_str()), None, None);
-            tracing::info!(mode, outcome = outcome.as_str(), "idempotency key refused");
+            tracing::info!(
+                mode,
+                http.request.method = %method,
+                url.path = %url_path,
+                outcome = outcome.as_str(),
+                "idempotency key refused"
+            );
             return answered(dialect, outcome, policy.problem(ApiError::from(e)));
         }
     };
@@ -83,6 +94,8 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
         spans::record_request(Some(outcome.as_str()), Some(&key_hash), None);
         tracing::info!(
             mode,
+            http.request.method = %method,
+            url.path = %url_path,
             key.hash = %key_hash,
             outcome = outcome.as_str(),
             age_seconds = too_old.age.as_secs(),
@@ -134,6 +147,14 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
         ttl_seconds: whole_seconds(guard.ttl),
         wait: prefer_wait(&parts.headers).or(policy.default_wait),
         on_lease_expiry: guard.on_lease_expiry,
+        request: Some(ClaimedRequest::new(
+            parts.method.as_str(),
+            path_and_query,
+            parts
+                .headers
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok()),
+        )),
     };
     // A replay is decoded for a retry that cannot take its encoding: its
     // Accept-Encoding is all that is kept of the head for that (the rest
@@ -196,6 +217,8 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     spans::record_request(Some(outcome.as_str()), Some(&key_hash), Some(tenant_shown));
     tracing::info!(
         mode,
+        http.request.method = %method,
+        url.path = %url_path,
         tenant.id = %tenant_shown,
         key.hash = %key_hash,
         outcome = outcome.as_str(),

@@ -60,7 +60,8 @@ pub fn trace_layer() -> TraceLayer<SharedClassifier<ServerErrorsAsFailures>, Mak
         .on_failure(DefaultOnFailure::new().level(tracing::Level::WARN))
 }
 
-/// The span of one request: its method, and its route or its path.
+/// The span of one request: its method, and its route or its path — never
+/// its query, whose values may be secrets (a token in a callback URL).
 #[derive(Debug, Clone, Copy)]
 pub struct MakeSpan;
 
@@ -80,7 +81,7 @@ impl<B> tower_http::trace::MakeSpan<B> for MakeSpan {
             None => tracing::debug_span!(
                 "request",
                 method = %req.method(),
-                uri = %req.uri(),
+                path = req.uri().path(),
                 version = ?req.version(),
             ),
         }

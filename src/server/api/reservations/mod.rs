@@ -23,6 +23,7 @@ use crate::server::views::{
     CompletedView, RepeatabilityResult, Replayed, RequestDescription, ReserveBody, ReservedState,
     ReservedView, RetryAfterSeconds, completed_response,
 };
+use crate::store::ClaimedRequest;
 use crate::telemetry::{self, Outcome};
 
 static KEY_HEADER: HeaderName = HeaderName::from_static("idempotency-key");
@@ -153,6 +154,12 @@ async fn reserve(
         limits.default_ttl,
         limits.max_ttl,
     )?;
+    // What the key is for, kept with its record for an operator: the
+    // request the reserve described, and the trace it came in.
+    let claimed = body.request.as_ref().map(|r| {
+        let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok());
+        ClaimedRequest::new(&r.method, &r.path, traceparent)
+    });
     let fingerprint = match (body.fingerprint, body.request) {
         (Some(_), Some(_)) => {
             return Err(ApiError::InvalidRequest(
@@ -195,6 +202,7 @@ async fn reserve(
             on_lease_expiry: body
                 .on_lease_expiry
                 .map_or(crate::store::LeaseExpiry::Takeover, Into::into),
+            request: claimed,
         })
         .await?;
     let metric = decision.outcome();
