@@ -77,6 +77,7 @@ pub fn router(console: Console) -> Router {
         .route("/console/assets/{file}", get(asset))
         .route("/console/fragments/counts", get(counts))
         .route("/console/fragments/queue", get(queue))
+        .route("/console/fragments/lookup", post(lookup))
         .route("/console/fragments/keys/{tenant}/{key_hash}", get(key))
         .route(
             "/console/fragments/keys/{tenant}/{key_hash}/resolve",
@@ -283,6 +284,76 @@ async fn key(
 ) -> Result<maud::Markup, Fragment> {
     let shown = operations::show_with_response(&console.0.engine, &tenant, &key_hash).await?;
     Ok(pages::key(&shown, None))
+}
+
+/// The look-up box, as the page sends it: a tenant and a key, which is the
+/// raw key (`kind=raw`) or its hash or a prefix of it (`kind=hash`).
+#[derive(Debug, Deserialize)]
+struct LookupForm {
+    tenant: Option<String>,
+    key: Option<String>,
+    kind: Option<String>,
+}
+
+/// Finds one key and sends the page to it (`HX-Redirect`, to the key's own
+/// page, which names it by its hash). A raw key is hashed here, in a form
+/// posted (never a URL, so no log or history line holds it), and is neither
+/// logged nor kept.
+async fn lookup(
+    State(console): State<Console>,
+    _: Operator,
+    form: Result<axum::Form<LookupForm>, axum::extract::rejection::FormRejection>,
+) -> Response {
+    let found = async {
+        let axum::Form(form) = form.map_err(|e| ApiError::InvalidRequest(e.body_text()))?;
+        let tenant = form
+            .tenant
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                ApiError::InvalidRequest(
+                    "give the key's tenant, as the queue shows it (`default` on a server without                      tenant tokens, `anonymous` on a proxy without a tenant header)"
+                        .into(),
+                )
+            })?;
+        let text = form.key.unwrap_or_default();
+        if text.trim().is_empty() {
+            return Err(ApiError::InvalidRequest(
+                "give the key: as the client sent it, or its hash (all 64 hex digits or the                  first 8 or more)"
+                    .into(),
+            ));
+        }
+        let hash = match form.kind.as_deref() {
+            Some("hash") => operations::expand_key_hash(&console.0.engine, &tenant, &text).await?,
+            Some("raw") | None => {
+                let key = crate::key::parse_value(
+                    text.trim().as_bytes(),
+                    &crate::key::KeyPolicy::default(),
+                )
+                .map_err(ApiError::from)?;
+                hex::encode(key.hash())
+            }
+            Some(other) => {
+                return Err(ApiError::InvalidRequest(format!(
+                    "kind {other:?} is not raw (the key as sent) or hash (its hash or a prefix)"
+                )));
+            }
+        };
+        operations::show(&console.0.engine, &tenant, &hash).await?;
+        Ok(format!(
+            "/console/keys/{}/{}",
+            pages::segment(&tenant),
+            pages::segment(&hash)
+        ))
+    }
+    .await;
+    match found {
+        Ok(href) => match HeaderValue::from_str(&href) {
+            Ok(location) => ([("hx-redirect", location)], pages::found(&href)).into_response(),
+            Err(_) => Fragment(ApiError::Internal("a key page's address".into())).into_response(),
+        },
+        Err(e) => Fragment(e).into_response(),
+    }
 }
 
 /// The settle form, as the page sends it.

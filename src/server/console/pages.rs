@@ -112,6 +112,32 @@ pub fn shell(main: Main<'_>, docs: bool) -> Markup {
                                 }
                                 button type="submit" { "Filter" }
                             }
+                            form.inline #lookup aria-label="Find a key"
+                                hx-post="/console/fragments/lookup" hx-target="#lookup-result"
+                                hx-sync="this:replace" {
+                                div {
+                                    label for="lookup-tenant" { "Tenant" }
+                                    input #lookup-tenant type="text" name="tenant" autocomplete="off"
+                                        placeholder="default" required;
+                                }
+                                div {
+                                    label for="lookup-key" { "Key" }
+                                    input #lookup-key type="text" name="key" autocomplete="off"
+                                        spellcheck="false" required aria-describedby="lookup-hint";
+                                }
+                                div {
+                                    label for="lookup-kind" { "It is" }
+                                    select #lookup-kind name="kind" {
+                                        option value="raw" selected { "the key as sent" }
+                                        option value="hash" { "its hash or a prefix" }
+                                    }
+                                }
+                                button type="submit" { "Find" }
+                                p.hint #lookup-hint {
+                                    "The key as the client sent it (hashed by idemgate; never logged                                      or kept), or its hash: all 64 hex digits, or the first 8 or more."
+                                }
+                            }
+                            div #lookup-result role="status" aria-live="polite" {}
                             section #queue-section aria-label="Queue" aria-live="polite"
                                 hx-get="/console/fragments/queue" hx-include="#filters"
                                 hx-trigger="load, refresh, token-changed from:body" {
@@ -206,7 +232,7 @@ pub fn queue(page: &KeyList, query: &ListQuery) -> Markup {
                     ", oldest first" @if query.cursor.is_some() { " (a later page)" }
                 }
                 thead {
-                    tr { th scope="col" { "Key" } th scope="col" { "Tenant" } th scope="col" { "State" }
+                    tr { th scope="col" { "Key" } th scope="col" { "Request" } th scope="col" { "Tenant" } th scope="col" { "State" }
                          th scope="col" { "Attempt" } th scope="col" { "Age" } th scope="col" { "Why it waits" } }
                 }
                 tbody {
@@ -215,6 +241,7 @@ pub fn queue(page: &KeyList, query: &ListQuery) -> Markup {
                             td data-label="Key" {
                                 a.hash href=(key_href(key)) title=(key.key_hash) { (prefix(&key.key_hash)) }
                             }
+                            td.request data-label="Request" { (request_line(key)) }
                             td.tenant data-label="Tenant" { (key.tenant) }
                             td data-label="State" { (state_badge(key, page.now)) }
                             td data-label="Attempt" { (key.attempt) }
@@ -295,6 +322,10 @@ pub fn key(shown: &Shown, settled: Option<Settled<'_>>) -> Markup {
         dl.view {
             dt { "Tenant" } dd { (key.tenant) }
             dt { "Key hash" } dd { code { (key.key_hash) } }
+            dt { "Request" } dd #key-request { (request_line(key)) }
+            @if let Some(trace_id) = &key.trace_id {
+                dt { "Trace id" } dd #key-trace { code { (trace_id) } }
+            }
             dt { "State" } dd { (state_badge(key, shown.now)) }
             dt { "Attempt" } dd { (key.attempt) }
             dt { "Reservation id" } dd { code { (key.reservation_id) } }
@@ -306,6 +337,15 @@ pub fn key(shown: &Shown, settled: Option<Settled<'_>>) -> Markup {
             }
             dt { "Expires" } dd { (when(key.expires_at, shown.now)) " (then it is new again)" }
             dt { "Status" } dd { @match key.status { Some(s) => { (s) } None => { "none stored" } } }
+            @if let Some(recovery) = &key.recovery {
+                dt { "Recovery point" }
+                dd #key-recovery {
+                    code { (recovery.recovery_point) }
+                    @if let Some(data) = &recovery.data {
+                        pre { (serde_json::to_string_pretty(data).unwrap_or_default()) }
+                    }
+                }
+            }
         }
         h3 { "Timeline" }
         ol.timeline #timeline { @for (at, what) in timeline(key, shown.now) { li { (when(at, shown.now)) ": " (what) } } }
@@ -528,6 +568,22 @@ fn timeline(key: &KeyView, now: DateTime<Utc>) -> Vec<(DateTime<Utc>, Markup)> {
     events
 }
 
+/// What the key was for: its request's method and path, or a note that the
+/// door did not say.
+fn request_line(key: &KeyView) -> Markup {
+    match &key.request {
+        Some(r) => html! { code { (r.method) " " (r.path) } },
+        None => {
+            html! { span.muted title="claimed through the reservation API without a request, or by an older release" { "not known" } }
+        }
+    }
+}
+
+/// A key the look-up box found: the page goes to it.
+pub fn found(href: &str) -> Markup {
+    html! { p { "Found: " a href=(href) { "open the key" } "." } }
+}
+
 fn state_badge(key: &KeyView, now: DateTime<Utc>) -> Markup {
     let (class, text) = match key.state {
         ShownState::InFlight if is_stuck(key, now) => {
@@ -579,7 +635,7 @@ fn key_href(key: &KeyView) -> String {
 
 /// `text` as one path segment: everything but the unreserved characters
 /// percent-encoded.
-fn segment(text: &str) -> String {
+pub(super) fn segment(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for b in text.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {

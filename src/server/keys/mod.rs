@@ -210,17 +210,18 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
     }
     writeln!(
         out,
-        "{:<10} {:<10} {:<14} {:<14} {:>7}  {:<22}  DETAIL",
-        "STATE", "AGE", "TENANT", "KEY HASH", "ATTEMPT", "LEASE"
+        "{:<10} {:<10} {:<14} {:<14} {:<32} {:>7}  {:<22}  DETAIL",
+        "STATE", "AGE", "TENANT", "KEY HASH", "REQUEST", "ATTEMPT", "LEASE"
     )?;
     for key in &all.keys {
         writeln!(
             out,
-            "{:<10} {:<10} {:<14} {:<14} {:>7}  {:<22}  {}",
+            "{:<10} {:<10} {:<14} {:<14} {:<32} {:>7}  {:<22}  {}",
             state_word(key.state),
             words(now - key.created_at),
             short(&key.tenant),
             &key.key_hash[..12],
+            request_words(key, 32),
             key.attempt,
             lease_words(key, now),
             detail(key),
@@ -391,6 +392,12 @@ fn print_view(view: &KeyView) -> anyhow::Result<()> {
     writeln!(out, "tenant          {}", view.tenant)?;
     writeln!(out, "key hash        {}", view.key_hash)?;
     writeln!(out, "state           {}", state_word(view.state))?;
+    if let Some(request) = &view.request {
+        writeln!(out, "request         {} {}", request.method, request.path)?;
+    }
+    if let Some(trace_id) = &view.trace_id {
+        writeln!(out, "trace id        {trace_id}")?;
+    }
     writeln!(out, "attempt         {}", view.attempt)?;
     writeln!(out, "reservation id  {}", view.reservation_id)?;
     writeln!(
@@ -448,6 +455,20 @@ fn short(tenant: &str) -> String {
         tenant.to_owned()
     } else {
         format!("{}…", tenant.chars().take(13).collect::<String>())
+    }
+}
+
+/// What the key was for, as `METHOD /path`, cut to `width` characters;
+/// `-` where it is not known.
+fn request_words(key: &KeyView, width: usize) -> String {
+    let Some(request) = &key.request else {
+        return "-".into();
+    };
+    let text = format!("{} {}", request.method, request.path);
+    if text.chars().count() <= width {
+        text
+    } else {
+        format!("{}…", text.chars().take(width - 1).collect::<String>())
     }
 }
 

@@ -61,6 +61,24 @@ pub struct KeyView {
     pub marked_unknown: Option<MarkedUnknownView>,
     /// How an operator settled it, if one did.
     pub resolution: Option<ResolutionView>,
+    /// What the key was for, where the door that claimed it knew: the proxy
+    /// and the layer always, the reservation API when the reserve described
+    /// its `request`. `null` for a key claimed without one, or by a release
+    /// that did not keep it.
+    pub request: Option<RequestView>,
+    /// The W3C trace id of the request that claimed the key, when it came
+    /// with a `traceparent`: where to look for it in the traces.
+    #[schema(pattern = "^[0-9a-f]{32}$")]
+    pub trace_id: Option<String>,
+}
+
+/// The request a key was for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
+pub struct RequestView {
+    /// Its method.
+    pub method: String,
+    /// Its path, with its query.
+    pub path: String,
 }
 
 /// A key's state, as an operator sees it.
@@ -150,6 +168,7 @@ pub fn view(record: &Record, now: DateTime<Utc>) -> KeyView {
         Some(store::KeyState::Unknown) => ShownState::Unknown,
         None => ShownState::Released,
     };
+    let opened = record.request.as_ref().and_then(store::KeptRequest::open);
     KeyView {
         tenant: record.tenant.clone(),
         key_hash: hex::encode(&record.key_hash),
@@ -170,6 +189,11 @@ pub fn view(record: &Record, now: DateTime<Utc>) -> KeyView {
             by: r.by.clone(),
             at: r.at,
         }),
+        request: opened.map(|r| RequestView {
+            method: r.method.clone(),
+            path: r.path.clone(),
+        }),
+        trace_id: opened.and_then(|r| r.trace_id.clone()),
     }
 }
 
