@@ -115,6 +115,7 @@ fn writes(ops: &[Op], case: usize) -> (Vec<Write>, Vec<Option<usize>>) {
                     lease_seconds: lease,
                     ttl_seconds: ttl,
                     max_in_flight: limit,
+                    request: None,
                 }));
             }
             Op::Complete { back, .. } | Op::Release { back }
@@ -420,6 +421,7 @@ fn storm_request(key: usize, payload: &str) -> ReserveRequest {
         lease_seconds: 30,
         ttl_seconds: 3600,
         wait: None,
+        request: None,
     }
 }
 
@@ -511,6 +513,7 @@ fn bound_claim(i: u32) -> ClaimRequest {
         lease_seconds: 60,
         ttl_seconds: 3600,
         max_in_flight: None,
+        request: None,
     }
 }
 
@@ -660,6 +663,7 @@ fn storm_claim(key: usize) -> ClaimRequest {
         ttl_seconds: 3600,
         max_in_flight: None,
         on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
+        request: None,
     }
 }
 

@@ -163,6 +163,7 @@ async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
         lease_seconds: 60,
         ttl_seconds: 3600,
         max_in_flight: None,
+        request: None,
     };
     let writes = vec![
         Write::Claim(claim(&tenants[0], 1, "a")),
@@ -628,6 +629,7 @@ async fn operators_list_and_resolve_unknown_keys_across_shards() {
         ttl_seconds: 600,
         wait: None,
         on_lease_expiry: LeaseExpiry::Hold,
+        request: None,
     };
     for tenant in 0..40 {
         assert!(matches!(
@@ -778,6 +780,7 @@ async fn an_upgrade_of_a_distributed_database_keeps_its_records() {
                 ttl_seconds: 600,
                 wait: None,
                 on_lease_expiry: LeaseExpiry::Hold,
+                request: None,
             })
             .await
             .unwrap();

@@ -178,11 +178,29 @@ async fn kill_9_proxy_mid_request_leaves_held_keys_for_an_operator() {
             .iter()
             .all(|k| k["state"] == "unknown" && k["attempt"] == 1)
     );
+    // Each names the call it was for, as the killed proxy claimed it.
+    assert!(
+        listed
+            .iter()
+            .all(|k| k["request"] == json!({"method": "POST", "path": "/numbered/1500"})),
+        "{listed:#?}"
+    );
     let table = common::bin::keys(&db.url, &["list", "--state", "unknown"]);
     let table = String::from_utf8_lossy(&table.stdout);
     assert!(
-        table.contains("unknown") && table.contains("seconds") && table.contains("ended"),
+        table.contains("unknown")
+            && table.contains("seconds")
+            && table.contains("ended")
+            && table.contains("REQUEST")
+            && table.contains("POST /numbered/1500"),
         "{table}"
+    );
+    let tenant = listed[0]["tenant"].as_str().unwrap();
+    let shown = common::bin::keys(&db.url, &["show", tenant, "--key", &keys[0]]);
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("request         POST /numbered/1500"),
+        "{shown}"
     );
     for (i, key) in keys.iter().enumerate() {
         let tenant = listed[0]["tenant"].as_str().unwrap().to_owned();

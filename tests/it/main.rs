@@ -14,6 +14,7 @@ mod admin_access;
 mod api;
 mod batching;
 mod citus;
+mod claimed_request;
 mod config;
 mod console;
 mod crash;

@@ -26,6 +26,7 @@ fn claim(key: &str) -> ClaimRequest {
         lease_seconds: 30,
         ttl_seconds: 3600,
         max_in_flight: None,
+        request: None,
     }
 }
 

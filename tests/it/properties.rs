@@ -1061,6 +1061,7 @@ impl Subject {
                     lease_seconds: lease,
                     ttl_seconds: TTL as u32,
                     wait: None,
+                    request: None,
                 };
                 match self.engine.reserve(&req).await.unwrap_or_else(store_err) {
                     ReserveOutcome::Reserved(r) => {

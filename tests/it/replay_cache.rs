@@ -52,6 +52,7 @@ fn request(tenant: &str, key: [u8; 32], fingerprint: Option<&str>) -> ReserveReq
         lease_seconds: 30,
         ttl_seconds: 86_400,
         wait: None,
+        request: None,
     }
 }
 

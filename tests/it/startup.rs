@@ -182,6 +182,7 @@ async fn claim_hashes(url: &str, tenant: &str, hashes: &[[u8; 32]]) {
                 lease_seconds: 1,
                 ttl_seconds: 3600,
                 max_in_flight: None,
+                request: None,
             })
             .await
             .unwrap();

@@ -41,6 +41,7 @@ fn request(key: [u8; 32], fingerprint: Option<&str>) -> ReserveRequest {
         lease_seconds: 30,
         ttl_seconds: 86_400,
         wait: None,
+        request: None,
     }
 }
 

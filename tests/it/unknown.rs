@@ -433,6 +433,7 @@ async fn a_dead_holder(b: &Backend, key: &str, choice: LeaseExpiry) {
             ttl_seconds: 60,
             wait: None,
             on_lease_expiry: choice,
+            request: None,
         })
         .await
         .unwrap();
@@ -850,6 +851,7 @@ async fn an_upgrade_keeps_what_existing_records_meant(b: Backend) {
         ttl_seconds: 60,
         wait: None,
         on_lease_expiry: LeaseExpiry::Hold,
+        request: None,
     };
     match engine.reserve(&request(&lapsed_hash)).await.unwrap() {
         ReserveOutcome::Reserved(r) => assert_eq!(r.attempt, 2, "taken over, as it was meant"),
@@ -915,6 +917,7 @@ async fn a_claim_whose_answer_was_lost_is_released(b: Backend) {
         ttl_seconds: 600,
         wait: None,
         on_lease_expiry: LeaseExpiry::Hold,
+        request: None,
     };
     let lost = engine.reserve(&request).await;
     assert!(matches!(&lost, Err(e) if e.is_unavailable()), "{lost:?}");
@@ -961,6 +964,7 @@ async fn a_lost_takeover_is_not_released(b: Backend) {
             ttl_seconds: 600,
             wait: None,
             on_lease_expiry,
+            request: None,
         };
         // Attempt 1 goes out (and may act), then its holder goes quiet.
         match engine

@@ -117,14 +117,15 @@ async fn version_names_the_release_and_the_schema_each_store_ends_at() {
         .output()
         .expect("idemgate --version");
     assert!(out.status.success());
+    let (pg, sqlite) = (newest("migrations/postgres"), newest("migrations/sqlite"));
+    let schema = if pg == sqlite {
+        format!("schema {pg}")
+    } else {
+        format!("schema {pg} on PostgreSQL, {sqlite} on SQLite")
+    };
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
-        format!(
-            "idemgate {} (schema {} on PostgreSQL, {} on SQLite)",
-            env!("CARGO_PKG_VERSION"),
-            newest("migrations/postgres"),
-            newest("migrations/sqlite")
-        )
+        format!("idemgate {} ({schema})", env!("CARGO_PKG_VERSION"))
     );
 }
 
@@ -154,7 +155,7 @@ async fn migrate_status_lists_the_migrations_and_the_versions_connected_and_chan
     );
     assert!(fresh.contains("connected: no idemgate process"), "{fresh}");
     assert!(
-        fresh.contains("idemgate migrate would apply 9 migration(s)"),
+        fresh.contains("idemgate migrate would apply 10 migration(s)"),
         "{fresh}"
     );
     // --status changed nothing.
@@ -166,7 +167,7 @@ async fn migrate_status_lists_the_migrations_and_the_versions_connected_and_chan
         .expect("a statement");
     let (_old, pid) = older_process(&db.url).await;
     let out = status(&db.url);
-    assert!(out.contains("applied: 9\n"), "{out}");
+    assert!(out.contains("applied: 10\n"), "{out}");
     assert!(out.contains("pending: none"), "{out}");
     assert!(
         out.contains(&format!("  {APPLICATION_NAME} (pid")),
@@ -388,11 +389,12 @@ async fn across_one_table_beside_an_older_process_migrate_keeps_a_compatibility_
     .expect("read");
     assert_eq!(found, 1, "the compatibility write wrote the current id");
     // The batch's commit answers with the response, as the older process expects.
-    let batch: String =
-        sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = 'idemgate_write_batch'")
-            .fetch_one(&mut conn)
-            .await
-            .expect("read");
+    let batch: String = sqlx::query_scalar(
+        "SELECT prosrc FROM pg_proc WHERE proname = 'idemgate_write_batch' AND pronargs = 13",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("read");
     assert!(!batch.contains("NULL::bytea"));
 
     // Still connected: a migrate keeps it.
@@ -411,10 +413,11 @@ async fn across_one_table_beside_an_older_process_migrate_keeps_a_compatibility_
         .await
         .expect("read");
     assert_eq!(on, 0);
-    let batch: String =
-        sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE proname = 'idemgate_write_batch'")
-            .fetch_one(&mut conn)
-            .await
-            .expect("read");
+    let batch: String = sqlx::query_scalar(
+        "SELECT prosrc FROM pg_proc WHERE proname = 'idemgate_write_batch' AND pronargs = 13",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("read");
     assert!(batch.contains("NULL::bytea"));
 }
