@@ -264,3 +264,109 @@ fn the_table_names_every_setting_with_its_variable() {
         assert!(table.contains(needle), "{needle} missing from:\n{table}");
     }
 }
+
+/// Every page of `docs/` (but the images), by its file name.
+fn page_files() -> Vec<(String, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
+    let mut pages: Vec<(String, String)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .map(|p| {
+            let slug = p.file_stem().unwrap().to_string_lossy().into_owned();
+            (slug, std::fs::read_to_string(&p).unwrap())
+        })
+        .collect();
+    pages.sort();
+    pages
+}
+
+#[tokio::test]
+async fn a_running_serve_serves_every_page_offline_beside_the_apis() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(crate::common::bin::BIN);
+    cmd.current_dir(dir.path())
+        .env_remove("DATABASE_URL")
+        .env_remove("IDEMGATE_TOKENS")
+        .env_remove("IDEMGATE_CONFIG");
+    let served = crate::common::bin::Served::spawn(cmd, &[]).await;
+    let http = crate::common::http();
+    let index = http
+        .get(format!("{}/docs", served.base()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let files = page_files();
+    assert!(
+        files.len() >= 8,
+        "{:?}",
+        files.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    for (slug, markdown) in &files {
+        let title = markdown
+            .lines()
+            .find_map(|l| l.strip_prefix("# "))
+            .unwrap_or_else(|| panic!("docs/{slug}.md has no # title"));
+        assert!(
+            index.contains(&format!("<a href=\"/docs/{slug}\">")),
+            "/docs does not link {slug}:\n{index}"
+        );
+        let res = http
+            .get(format!("{}/docs/{slug}", served.base()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200, "/docs/{slug}");
+        let content_type = res.headers()["content-type"].to_str().unwrap().to_owned();
+        assert!(
+            content_type.starts_with("text/html"),
+            "{slug}: {content_type}"
+        );
+        let html = res.text().await.unwrap();
+        assert!(
+            html.contains(&format!("<title>{title} · idemgate</title>")),
+            "{slug}: {}",
+            &html[..html.len().min(400)]
+        );
+        assert!(html.contains("<h1 id="), "{slug}");
+        // Nothing it shows comes from elsewhere: no script, style sheet,
+        // font or image of another host.
+        for asset in ["<script", "<link", "<img", "@import", "url("] {
+            assert!(!html.contains(asset), "{slug} holds {asset}");
+        }
+        // Links between pages stay on the server, and lead to a page.
+        for link in html.split("href=\"/docs/").skip(1) {
+            let target = &link[..link.find(['"', '#']).unwrap()];
+            assert!(
+                files.iter().any(|(s, _)| s == target),
+                "{slug} links /docs/{target}, which is no page"
+            );
+        }
+        // A relative link to a Markdown file would lead nowhere here.
+        for href in html.split("href=\"").skip(1) {
+            let href = &href[..href.find('"').unwrap()];
+            assert!(
+                href.starts_with("http") || !href.split('#').next().unwrap().ends_with(".md"),
+                "{slug} links {href}"
+            );
+        }
+    }
+    let missing = http
+        .get(format!("{}/docs/no-such-page", served.base()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    assert_eq!(
+        missing.headers()["content-type"],
+        "application/problem+json"
+    );
+    let problem: serde_json::Value = missing.json().await.unwrap();
+    assert!(
+        problem["type"].as_str().unwrap().ends_with("/not-found"),
+        "{problem}"
+    );
+}
