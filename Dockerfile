@@ -11,6 +11,8 @@ COPY campaign ./campaign
 COPY src ./src
 COPY migrations ./migrations
 COPY examples ./examples
+# The reference pages of docs/ are built into the binary (/docs/{page}).
+COPY docs ./docs
 RUN cargo build --release --locked --bin idemgate --bin idemgate-demo-origin
 
 # Runtime stage: a small image, run as an unprivileged user. The SQLite store

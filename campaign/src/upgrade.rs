@@ -62,7 +62,7 @@ pub struct Plan {
     pub out: PathBuf,
     /// N's `migrate` is expected to refuse while N−1 is connected (an
     /// upgrade across a contract step): the N−1 processes are stopped
-    /// first, as README's upgrade notes say, and there is no rollback.
+    /// first, as the upgrade notes (docs/operations.md) say, and there is no rollback.
     pub expect_refusal: bool,
     /// Skip the rollback (an N−1 that cannot start on N's schema).
     pub no_rollback: bool,
@@ -267,7 +267,7 @@ impl Run {
             if !refused {
                 bail!("N's migrate applied while N-1 processes were connected");
             }
-            // The README's order for such an upgrade: stop N-1, migrate,
+            // The upgrade notes' order for such an upgrade: stop N-1, migrate,
             // start N.
             self.phase("n-1 stops (as the upgrade notes say)");
             self.stop_where("N-1").await;

@@ -138,7 +138,7 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                 store.migrate().await.map_err(|e| {
                     // insufficient_privilege: a role granted only what serving needs.
                     let owner = if e.reason().contains("SQLSTATE 42501") {
-                        ": migrations need a role that owns the schema (README: Least privilege)"
+                        ": migrations need a role that owns the schema (docs/operations.md, Least privilege)"
                     } else {
                         ""
                     };

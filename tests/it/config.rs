@@ -10,7 +10,7 @@ use idemgate::server::cli::{Cli, CliError, Command};
 use idemgate::server::config::LogFormat;
 
 const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/idemgate.example.toml");
-const README: &str = include_str!("../../README.md");
+const CONFIGURATION: &str = include_str!("../../docs/configuration.md");
 
 fn serve_debug(argv: &[&str]) -> String {
     let argv = argv.iter().map(Into::into).collect();
@@ -32,7 +32,7 @@ fn the_example_file_holds_the_defaults() {
 }
 
 #[test]
-fn the_example_file_and_readme_document_every_setting() {
+fn the_example_file_and_the_configuration_page_document_every_setting() {
     let example = std::fs::read_to_string(EXAMPLE).unwrap();
     let table: toml::Table = example.parse().unwrap();
     let cmd = Cli::command();
@@ -94,8 +94,8 @@ fn the_example_file_and_readme_document_every_setting() {
             "{id}: its variable {env:?} is not named in the example"
         );
         assert!(
-            README.contains(&format!("`{env}`")),
-            "{env} is missing from the README's configuration table"
+            CONFIGURATION.contains(&format!("`{env}`")),
+            "{env} is missing from docs/configuration.md"
         );
     }
     assert!(checked.iter().any(|id| id == "log_format"), "{checked:?}");

@@ -1,6 +1,7 @@
 //! The examples run as README says: the proxy quick start's origin and the
 //! layer example can run at once (3000 and 3001), and an address already in
-//! use is a message that names it, not a bare "Address already in use".
+//! use is a message that names it (the MCP server's too), not a bare
+//! "Address already in use".
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -8,11 +9,15 @@ use std::time::{Duration, Instant};
 
 /// An example binary `cargo test` built beside this test (a plain
 /// `cargo test` builds the examples; `cargo test --test it examples::` alone does
-/// not, so run `cargo build --examples` first then). The origin is the bin
-/// `idemgate-demo-origin`, which cargo always builds for the tests.
+/// not, so run `cargo build --examples` first then). The origin and the MCP
+/// server are the bins `idemgate-demo-origin` and `idemgate-demo-mcp`, which
+/// cargo always builds for the tests.
 fn example(name: &str) -> PathBuf {
     if name == "origin" {
         return PathBuf::from(env!("CARGO_BIN_EXE_idemgate-demo-origin"));
+    }
+    if name == "mcp_server" {
+        return PathBuf::from(env!("CARGO_BIN_EXE_idemgate-demo-mcp"));
     }
     let exe = std::env::current_exe().unwrap();
     let debug = exe.parent().and_then(|deps| deps.parent()).unwrap();
@@ -28,7 +33,7 @@ fn an_address_in_use_is_named() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
-    for name in ["origin", "axum_app"] {
+    for name in ["origin", "mcp_server", "axum_app"] {
         let path = example(name);
         assert!(
             path.exists(),

@@ -1,5 +1,5 @@
 //! A role that owns nothing: only SELECT, INSERT, UPDATE and DELETE on
-//! idemgate's tables and EXECUTE on its functions, granted as README's
+//! idemgate's tables and EXECUTE on its functions, granted as docs/operations.md's
 //! "Least privilege" says, after the owner migrated the database. Every
 //! command but `migrate` works with it: `serve --no-migrate`, `proxy
 //! --no-migrate`, `prune` and `keys`; `migrate` is refused by the server.
@@ -52,7 +52,7 @@ async fn every_command_but_migrate_works_with_a_role_that_owns_nothing() {
         .fetch_one(&mut admin)
         .await
         .unwrap();
-    // README's grants, word for word but the names.
+    // docs/operations.md's grants, word for word but the names.
     let grants = format!(
         "CREATE ROLE {role} LOGIN;
          GRANT USAGE ON SCHEMA {schema} TO {role};

@@ -21,6 +21,7 @@ mod crash;
 mod db_faults;
 mod db_setup;
 mod defaults;
+mod docs;
 mod examples;
 mod failover;
 mod harness_selftest;

@@ -16,7 +16,7 @@ use crate::common::upstream::Upstream;
 
 const POOLER: [&str; 2] = ["--pg-pooler", "transaction"];
 
-/// `idemgate migrate` on the direct connection, as README says to run it.
+/// `idemgate migrate` on the direct connection, as docs/operations.md says to run it.
 fn migrate(db: &TestDb) {
     let out = idemgate_at(&db.url)
         .args(["migrate"])

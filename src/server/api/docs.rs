@@ -5,10 +5,11 @@
 //!
 //! `/docs` itself is a page of ours rather than Swagger UI's `index.html`: it
 //! answers 200 at the fixed path (no redirect to `/docs/`), names its assets
-//! by absolute path, and carries a plain link to the document that works
-//! without scripts.
+//! by absolute path, and carries plain links that work without scripts: to
+//! the document and to the reference pages of `docs/`, served beside it
+//! (`docs_pages`).
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use axum::Router;
 use axum::extract::Path;
@@ -17,10 +18,11 @@ use axum::routing::get;
 use http::header;
 use utoipa_swagger_ui::Config;
 
+use super::docs_pages;
 use crate::problem::ApiError;
 
-/// The page at `/docs`. Swagger UI renders into `#swagger-ui`; the link
-/// above it is there even when scripts are off or fail.
+/// The page at `/docs`. Swagger UI renders into `#swagger-ui`; the links
+/// above it are there even when scripts are off or fail.
 const PAGE: &str = r#"<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -29,10 +31,11 @@ const PAGE: &str = r#"<!DOCTYPE html>
 <title>idemgate API</title>
 <link rel="stylesheet" href="/docs/swagger-ui.css">
 <link rel="icon" type="image/png" href="/docs/favicon-32x32.png" sizes="32x32">
-<style>body { margin: 0 } .idemgate-doc-link { font-family: sans-serif; margin: 1em 20px 0 }</style>
+<style>body { margin: 0 } .idemgate-doc-link { font-family: sans-serif; margin: 1em 20px 0 } .idemgate-doc-link ul { margin: .25em 0 }</style>
 </head>
 <body>
-<p class="idemgate-doc-link">The OpenAPI document: <a href="/openapi.json">/openapi.json</a></p>
+<div class="idemgate-doc-link"><p>The OpenAPI document: <a href="/openapi.json">/openapi.json</a>. The reference pages:</p>
+<ul>{pages}</ul></div>
 <div id="swagger-ui"></div>
 <script src="/docs/swagger-ui-bundle.js" charset="utf-8"></script>
 <script src="/docs/swagger-ui-standalone-preset.js" charset="utf-8"></script>
@@ -59,12 +62,20 @@ pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
         )
 }
 
+/// [`PAGE`] with the reference pages' links.
+static PAGE_WITH_INDEX: LazyLock<String> =
+    LazyLock::new(|| PAGE.replace("{pages}", &docs_pages::index_items()));
+
 async fn page() -> Html<&'static str> {
-    Html(PAGE)
+    Html(PAGE_WITH_INDEX.as_str())
 }
 
-/// One of Swagger UI's files; `swagger-initializer.js` carries `config`.
+/// A reference page (`/docs/proxy`), or one of Swagger UI's files
+/// (`swagger-initializer.js` carries `config`).
 async fn asset(file: String, config: Arc<Config<'static>>) -> Response {
+    if let Some(page) = docs_pages::find(&file) {
+        return Html(page.html.as_str()).into_response();
+    }
     match utoipa_swagger_ui::serve(&file, config) {
         Ok(Some(found)) => {
             let mut res = found.bytes.into_owned().into_response();
@@ -74,7 +85,8 @@ async fn asset(file: String, config: Arc<Config<'static>>) -> Response {
             res
         }
         Ok(None) => {
-            ApiError::NotFound("no such file of the docs page; see /docs".into()).into_response()
+            ApiError::NotFound("no such page or file under /docs; see /docs for the list".into())
+                .into_response()
         }
         // Only the initializer's config can fail to build, and it is ours:
         // a bug, not the client's doing.

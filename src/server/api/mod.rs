@@ -2,6 +2,7 @@
 
 pub mod admin;
 pub mod docs;
+pub mod docs_pages;
 pub mod extract;
 pub mod ops;
 mod problems;

@@ -31,7 +31,7 @@ pub fn available(test: &str) -> bool {
     }
     let why = format!(
         "{test}: the Citus extension is not installed for the PostgreSQL at {} (build and \
-         install Citus 13 from citusdata/citus: see README, \"Scaling out\")",
+         install Citus 13 from citusdata/citus: see docs/operations.md, \"Scaling out\")",
         TempCluster::bindir().map_or_else(|| "(none found)".into(), |d| d.display().to_string())
     );
     assert!(
