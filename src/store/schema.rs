@@ -307,7 +307,7 @@ impl SchemaStatus {
                 "{} has migration {} pending, which removes what processes connected to it \
                  still use: {by}. Applying it now would leave the keys they hold stranded. \
                  Stop those processes (or replace them with idemgate {}), then run `idemgate \
-                 migrate` again; `idemgate migrate --status` lists what is connected (README, \
+                 migrate` again; `idemgate migrate --status` lists what is connected (docs/operations.md, \
                  Upgrading)",
                 self.database,
                 blocked.step.name(),

@@ -59,7 +59,7 @@ pub enum Command {
     /// A migration that removes what an older release uses (a contract
     /// step) is refused, naming it and the processes, while a process that
     /// cannot work with it is connected to the database: upgrade them first
-    /// (README, Upgrading). Processes of 0.2.0 and later name themselves
+    /// (docs/operations.md, Upgrading). Processes of 0.2.0 and later name themselves
     /// (application_name idemgate/VERSION); a connection without a name
     /// whose last statement used idemgate's tables is taken for a process
     /// of an earlier release.

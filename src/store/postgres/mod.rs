@@ -377,7 +377,7 @@ impl PgStore {
                 {
                     Some(format!(
                         "keeps its list of migrations (_sqlx_migrations) where the role {} may \
-                         not read it ({}): grant the role what README's \"Least privilege\" \
+                         not read it ({}): grant the role what docs/operations.md's \"Least privilege\" \
                          lists, SELECT on _sqlx_migrations among it",
                         errors::shell_word(&target.user),
                         e.as_database_error()
