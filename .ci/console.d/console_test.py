@@ -365,9 +365,20 @@ def case_proxy(w: World, store: str) -> None:
     later = wait_until(older, 8, 1.0, "the key's age to grow")
     c.ok(f"its age grows: {row.get('age')!r}, then {later.get('age')!r}")
     tenant = urllib.parse.unquote(row["href"].split("/")[3])
+    c.that("POST /charges" in row.get("text", ""),
+           "the queue's row names what the key was for: POST /charges", f"row {row}")
 
-    open_key_page(t, row)
+    # Found by the look-up box, as a person who has the key from the
+    # client's log finds it: the key as sent and its tenant.
+    field(t.page, "Its tenant").fill(tenant, timeout=5000)
+    field(t.page, "Key, hash or prefix").fill(sf_string(a), timeout=5000)
+    t.page.get_by_role("button", name="Find", exact=True).click()
+    t.page.wait_for_url(re.compile(re.escape(row["href"]) + r"$"), timeout=10000)
+    c.ok("the look-up box, given the key as the client sent it and its tenant, opens its page")
     timeline = key_page_view(w, t, tenant, ha, "unknown")
+    request = t.wait_text(r"POST /charges", 10, "#key-request")
+    c.that("POST /charges" in request, 'the key\'s page names its request: "POST /charges"',
+           f"it says {short(request)}")
     c.soft(re.search(r"lease", timeline, re.I), "the timeline says the lease ended",
            f"it says {short(timeline)}")
     t.fill_settle("complete", "checked the books: charged once", status="201",

@@ -116,12 +116,12 @@ pub fn shell(main: Main<'_>, docs: bool) -> Markup {
                                 hx-post="/console/fragments/lookup" hx-target="#lookup-result"
                                 hx-sync="this:replace" {
                                 div {
-                                    label for="lookup-tenant" { "Tenant" }
+                                    label for="lookup-tenant" { "Its tenant" }
                                     input #lookup-tenant type="text" name="tenant" autocomplete="off"
                                         placeholder="default" required;
                                 }
                                 div {
-                                    label for="lookup-key" { "Key" }
+                                    label for="lookup-key" { "Key, hash or prefix" }
                                     input #lookup-key type="text" name="key" autocomplete="off"
                                         spellcheck="false" required aria-describedby="lookup-hint";
                                 }
