@@ -232,7 +232,8 @@ fn bound<'q>(
             .bind(30.0_f64)
             .bind(60.0_f64)
             .bind(None::<i64>)
-            .bind("hold"),
+            .bind("hold")
+            .bind(br#"{"method":"POST","path":"/charges"}"#.to_vec()),
         "complete" => query
             .bind(id)
             .bind(201_i32)
