@@ -213,6 +213,9 @@ impl Worker for RawPair {
     }
 }
 
+/// The request [`RESERVE_BODY`] describes, as the store keeps it.
+const REQUEST_KEPT: &[u8] = br#"{"method":"POST","path":"/v1/charges"}"#;
+
 /// idemgate's reserve statement for a new key, which must claim it.
 async fn raw_reserve(
     pool: &PgPool,
@@ -230,6 +233,8 @@ async fn raw_reserve(
         .bind(None::<i64>)
         // The proxy's default: its keys are held past their lease.
         .bind("hold")
+        // What the key is for, as the reservation API keeps it.
+        .bind(REQUEST_KEPT)
         .fetch_optional(pool)
         .await?
         .context("the reserve statement returned no row")?;
