@@ -21,7 +21,7 @@ RUN cargo build --release --locked --bin idemgate --bin idemgate-demo-origin
 FROM debian:bookworm-slim
 # The release, as Cargo.toml, the client packages and CHANGELOG.md name it.
 LABEL org.opencontainers.image.title="idemgate" \
-      org.opencontainers.image.version="0.2.0" \
+      org.opencontainers.image.version="0.3.0" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \

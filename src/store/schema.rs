@@ -52,7 +52,7 @@ pub const BRIDGED: &[i64] = &[20261207000001];
 /// migration it works with: a process named `idemgate/0.2.0` cannot work
 /// with a contract step newer than that. One line per release, added when
 /// the release is made.
-pub const RELEASES: &[(&str, i64)] = &[("0.2.0", 20261207000001)];
+pub const RELEASES: &[(&str, i64)] = &[("0.2.0", 20261207000001), ("0.3.0", 20261209000001)];
 
 /// Whether the migration `version` with `description` (as sqlx reads it
 /// from the file name: `contract drop x` for `…_contract_drop_x.sql`) is a
