@@ -22,7 +22,13 @@ pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
         .expect("seal settings are checked by ServeArgs::validate");
     let tokens = args.tokens.clone().unwrap_or_default();
     let admin = args.admin.access(args.listen, &tokens);
-    AppState::new(Arc::new(engine), tokens, admin, &args.policy)
+    AppState::new(
+        Arc::new(engine),
+        tokens,
+        admin,
+        &args.policy,
+        args.require_fingerprint,
+    )
 }
 
 /// What `serve` answers on its listener: the reservation API (its

@@ -27,6 +27,13 @@ pub struct ServeArgs {
           value_parser = TokensParser::new("--tokens", "IDEMGATE_TOKENS", parse_tenant_tokens))]
     pub tokens: Option<Tokens>,
 
+    /// Refuse a reservation that sends neither `fingerprint` nor `request`
+    /// (400 invalid-request). Without either, a key alone identifies its
+    /// request, and the key reused with another payload cannot be told
+    /// apart from a retry.
+    #[arg(long, env = "IDEMGATE_REQUIRE_FINGERPRINT")]
+    pub require_fingerprint: bool,
+
     #[command(flatten)]
     pub admin: AdminArgs,
 
