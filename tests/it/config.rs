@@ -706,6 +706,99 @@ fn migrate_and_prune_help_describes_what_they_do() {
     }
 }
 
+/// `--help` puts what most starts need first, under clap's "Options" (the
+/// listeners, `--database-url`, the tokens), then the rest in groups: a
+/// reader finds the database URL on the first screen.
+#[test]
+fn help_puts_the_common_settings_first_then_groups() {
+    for (args, first, common, headings) in [
+        (
+            &["serve", "--help"][..],
+            25,
+            &[
+                "--listen",
+                "--database-url",
+                "--tokens",
+                "--admin-tokens",
+                "--config",
+            ][..],
+            &[
+                "Keys and leases",
+                "Tenants and limits",
+                "Database",
+                "Connections",
+                "Observability",
+                "Sealing at rest",
+                "TLS",
+            ][..],
+        ),
+        (
+            &["proxy", "--help"],
+            35,
+            &[
+                "--upstream",
+                "--listen",
+                "--admin-listen",
+                "--database-url",
+                "--admin-tokens",
+            ],
+            &[
+                "Upstream",
+                "MCP",
+                "Keys and leases",
+                "Tenants and limits",
+                "Stored responses",
+                "Database",
+                "TLS",
+            ],
+        ),
+        (
+            &["keys", "list", "--help"],
+            30,
+            &["--state", "--database-url", "--server", "--token", "--json"],
+            &["Database", "Sealing at rest"],
+        ),
+    ] {
+        let out = bare(&[]).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+        let help = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = help.lines().collect();
+        let at = |heading: &str| lines.iter().position(|l| *l == format!("{heading}:"));
+        let options = at("Options").unwrap_or_else(|| panic!("{args:?}: no Options:\n{help}"));
+        let groups = lines
+            .iter()
+            .skip(options + 1)
+            .position(|l| l.ends_with(':') && !l.starts_with(' '))
+            .map_or(lines.len(), |i| options + 1 + i);
+        for flag in common {
+            let line = lines
+                .iter()
+                .position(|l| l.split_whitespace().next() == Some(*flag))
+                .unwrap_or_else(|| panic!("{args:?}: no {flag}:\n{help}"));
+            assert!(
+                line > options && line < groups,
+                "{args:?}: {flag} is not among the common options (line {line}):\n{help}"
+            );
+        }
+        let url = lines
+            .iter()
+            .position(|l| l.split_whitespace().next() == Some("--database-url"))
+            .unwrap();
+        assert!(
+            url < first,
+            "{args:?}: --database-url is on line {} (over {first}):\n{help}",
+            url + 1
+        );
+        for heading in headings {
+            let line = at(heading).unwrap_or_else(|| panic!("{args:?}: no {heading}:\n{help}"));
+            assert!(
+                line >= groups,
+                "{args:?}: {heading} before the common options"
+            );
+        }
+    }
+}
+
 /// The boolean settings of `sub`, by id.
 /// Whether boolean setting `id` of `sub` is on when nothing sets it.
 fn on_by_default(sub: &str, id: &str) -> bool {
