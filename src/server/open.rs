@@ -126,11 +126,14 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                         }
                         .into());
                     }
+                    // Named as the operator set it, as a SQLite file that
+                    // cannot be opened is.
                     Err(e) => {
-                        return Err(anyhow::anyhow!(
-                            "cannot read the PostgreSQL database named by DATABASE_URL: {}",
-                            e.reason()
-                        ));
+                        return Err(ConfigError {
+                            setting: "database_url",
+                            problem: format!("cannot read the PostgreSQL database: {}", e.reason()),
+                        }
+                        .into());
                     }
                 }
             } else if migrate {
@@ -254,11 +257,14 @@ pub async fn schema_status(args: &StoreArgs) -> anyhow::Result<crate::store::sch
                 .schema_status(&crate::store::postgres::MIGRATOR)
                 .await
                 .map_err(|e| {
-                    anyhow::anyhow!(
-                        "cannot read the schema of the PostgreSQL database named by DATABASE_URL: \
-                         {}",
-                        e.reason()
-                    )
+                    ConfigError {
+                        setting: "database_url",
+                        problem: format!(
+                            "cannot read the schema of the PostgreSQL database: {}",
+                            e.reason()
+                        ),
+                    }
+                    .into()
                 })
         }
         #[cfg(feature = "sqlite")]
