@@ -63,7 +63,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         setting: "listen",
         problem: "cannot listen there".into(),
     })?;
-    let store = open::open_store(&args.store, !args.run.no_migrate).await?;
+    let (store, opened) = open::open_for_serving(&args.store, !args.run.no_migrate).await?;
     let state = app_state(&args, store.clone());
     if state.tokens.is_empty() {
         tracing::warn!(
@@ -88,9 +88,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Make the metric visible before the first pass.
     crate::telemetry::record_pruned(0);
     let scheme = args.run.tls.scheme();
+    let base = format!("{scheme}://{}", listener.local_addr()?);
     tracing::info!(
         listen = %listener.local_addr()?,
-        docs = %format!("{scheme}://{}/docs", listener.local_addr()?),
+        console = %format!("{base}/console"),
+        docs = %format!("{base}/docs"),
+        database = opened.database.as_str(),
+        migrations = opened.migrations.to_string().as_str(),
         "idemgate serve is listening"
     );
     log_tls(&args.run.tls);
