@@ -714,7 +714,7 @@ fn help_puts_the_common_settings_first_then_groups() {
     for (args, first, common, headings) in [
         (
             &["serve", "--help"][..],
-            25,
+            15,
             &[
                 "--listen",
                 "--database-url",
@@ -734,7 +734,7 @@ fn help_puts_the_common_settings_first_then_groups() {
         ),
         (
             &["proxy", "--help"],
-            35,
+            15,
             &[
                 "--upstream",
                 "--listen",
@@ -754,7 +754,7 @@ fn help_puts_the_common_settings_first_then_groups() {
         ),
         (
             &["keys", "list", "--help"],
-            30,
+            15,
             &["--state", "--database-url", "--server", "--token", "--json"],
             &["Database", "Sealing at rest"],
         ),

@@ -12,8 +12,10 @@ use super::{boolean_style, heading, seconds};
 pub struct StoreArgs {
     /// Database URL: postgres://… (any number of idemgate processes) or
     /// sqlite://… (one process per file).
+    // Among the first settings of every command's --help.
     #[arg(
         long,
+        display_order = 0,
         env = "DATABASE_URL",
         value_name = "URL",
         default_value = "sqlite://idemgate.db",
