@@ -207,6 +207,7 @@ def case_refusals(w: World) -> None:
            "no request under /console/assets/")
     t.wait_text(r"unauthorized")
     c.that(t.token_form_shown(), 'no token: the page says "unauthorized" and shows the token form')
+    said_once(w, t, "unauthorized")
     t.use_token("not-a-token-" + secrets.token_hex(4))
     t.wait_text(r"unauthorized")
     wait_until(t.token_form_shown, 5, what="the token form back after a refused token")
@@ -218,6 +219,7 @@ def case_refusals(w: World) -> None:
 
     t.use_token(w.tenant_tokens["acme"])
     t.wait_text(r"forbidden")
+    said_once(w, t, "forbidden")
     listed = t.rows() if t.page.locator("#queue").count() else []
     c.that(not listed, "a tenant's token (acme): the page shows the refusal \"forbidden\" "
            "and lists no key", f"it lists {[r['link'] for r in listed]}")
@@ -225,11 +227,24 @@ def case_refusals(w: World) -> None:
     d = w.console(w.disabled.base, "serve without admin tokens")
     d.wait_text(r"admin-disabled")
     c.ok('serve with IDEMGATE_TOKENS and no IDEMGATE_ADMIN_TOKENS, no token: "admin-disabled"')
+    said_once(w, d, "admin-disabled")
     d.use_token(w.tenant_tokens["acme"])
     d.wait_text(r"admin-disabled")
     listed = d.rows() if d.page.locator("#queue").count() else []
     c.that(not listed, 'the same with a tenant\'s token pasted: "admin-disabled", nothing listed',
            f"it lists {[r['link'] for r in listed]}")
+
+
+def said_once(w: World, t: Console, slug: str) -> None:
+    """The refusal `slug` is shown once, where the keys would be; the
+    counts only say there are none to show."""
+    t.wait_text(r"No counts", 10, "#counts")
+    t.quiet()
+    problems = t.page.locator(".problem")
+    shown = [problems.nth(i).inner_text() for i in range(problems.count())]
+    w.checks.that(len(shown) == 1 and slug in shown[0],
+                  f'"{slug}" is shown once (the counts say "No counts …")',
+                  f"{len(shown)} problems: {[short(x, 80) for x in shown]}")
 
 
 def case_open(w: World) -> None:
@@ -379,8 +394,18 @@ def case_proxy(w: World, store: str) -> None:
     request = t.wait_text(r"POST /charges", 10, "#key-request")
     c.that("POST /charges" in request, 'the key\'s page names its request: "POST /charges"',
            f"it says {short(request)}")
-    c.soft(re.search(r"lease", timeline, re.I), "the timeline says the lease ended",
+    c.that(re.search(r"lease ended", timeline, re.I), "the timeline says the lease ended",
            f"it says {short(timeline)}")
+    chosen = t.settle_form().locator("input[name=action]:checked").count()
+    c.that(chosen == 0, "the settle form chooses nothing for the operator (no radio checked)",
+           f"{chosen} checked")
+    field(t.settle_form(), "Reason").fill("checked the books: charged once", timeout=5000)
+    t.settle_button().click()
+    said = t.wait_text(r"choose what happened", 10, "#settle-result")
+    c.that(t.settle_form().count() == 1 and "unknown" in t.page.locator("dl").first.inner_text(),
+           'Settle without a choice: "choose what happened", beside the form; nothing settled',
+           f"it says {short(said)}")
+    waiting = count_waiting(t.counts())
     t.fill_settle("complete", "checked the books: charged once", status="201",
                   headers="content-type: application/json", body=COMPLETE_BODY)
     t.settle_button().click()
@@ -388,10 +413,23 @@ def case_proxy(w: World, store: str) -> None:
     c.that(re.search(r"A retry now replays 201", result),
            'Complete 201: #settle-result says "completed" and "A retry now replays 201"',
            f"it says {short(result)}")
-    first_post = (t.sends("POST") or [{}])[0]
-    c.that(first_post.get("settleDisabled") is True,
+    settle_post = (t.sends("POST") or [{}])[-1]
+    c.that(settle_post.get("settleDisabled") is True,
            "the Settle button was disabled while the settle was in flight",
-           f"when the POST left it was {first_post.get('settleDisabled')!r}")
+           f"when the POST left it was {settle_post.get('settleDisabled')!r}")
+    counted = [s for s in t.sends("GET") if "/fragments/counts" in s["url"]
+               and s["at"] >= settle_post.get("at", 0)]
+    c.that(counted and counted[0]["at"] - settle_post["at"] < 1500,
+           "the counts are asked again as the settle answers, not at the next 5 s tick",
+           f"counts asked {[x['at'] - settle_post.get('at', 0) for x in counted]} ms after")
+    after = wait_until(lambda: (lambda n: str(n) if n is not None and waiting is not None
+                                and n == waiting - 1 else None)(count_waiting(t.counts())),
+                       2, 0.1, f"#counts to say {waiting} - 1 keys wait")
+    c.ok(f"#counts says {after} keys wait (one fewer) within 2 s of the settle")
+    timeline = t.page.locator("#timeline").inner_text()
+    c.that(re.search(r"lease ended", timeline, re.I) and re.search(r"by ops", timeline),
+           'settled, the timeline still says the lease ended, then "completed by ops"',
+           f"it says {short(timeline)}")
 
     t.page.reload()
     resp = t.wait_text(r"201", 10, "#response")
@@ -402,6 +440,8 @@ def case_proxy(w: World, store: str) -> None:
     c.that(re.search(r"(resolved|completed|settled)\b.{0,20}\bby ops", timeline, re.I)
            and "checked the books: charged once" in timeline,
            "its timeline says resolved by ops, and why", f"it says {short(timeline)}")
+    c.that(re.search(r"lease ended", timeline, re.I),
+           "reloaded, the timeline still says the lease ended", f"it says {short(timeline)}")
 
     r = proxy.charge(a)
     c.that(r.status == 201 and r.text == COMPLETE_BODY
@@ -514,6 +554,8 @@ def case_bulk(w: World) -> None:
     t.filter(tenant="", older_than_minutes="60")
     t.wait_text(r"No keys", 10, "#queue")
     c.that(not t.rows(), 'Older than 60 minutes (older than every key): "No keys"')
+    said = t.text().count("No keys")
+    c.that(said == 1, '"No keys" is said once on the page', f"{said} times")
 
 
 def case_store_away(w: World) -> None:
@@ -532,6 +574,10 @@ def case_store_away(w: World) -> None:
         took = time.monotonic() - t0
         c.that(took <= 15, f"the database cut off: #counts says \"store: unavailable\" after {took:.0f} s",
                f"after {took:.0f} s (over 15)")
+        t.wait_text(r"store-unavailable", 10, "#queue-section")
+        said = t.text().count("store is unavailable")
+        c.that(said == 1, "the queue says why (store-unavailable) and the counts do not repeat it",
+               f"said {said} times: {short(t.text(), 300)}")
     finally:
         w.forwarder.start()
     t1 = time.monotonic()

@@ -64,18 +64,23 @@ pub fn parse(argv: Vec<OsString>) -> Result<(Cli, Sources), CliError> {
     Ok((cli, sources_of(&matches, Some(&merged))))
 }
 
-/// Where the settings of the subcommand `matches` ran came from.
+/// Where the settings of the subcommand `matches` ran came from: the
+/// innermost one (`keys list`'s, not `keys`'s), which holds the settings.
 fn sources_of(matches: &ArgMatches, merged: Option<&Merged>) -> Sources {
-    let Some((name, sub)) = matches.subcommand() else {
-        return Sources::default();
-    };
     let cmd = built();
-    let Some(sub_cmd) = cmd.find_subcommand(name) else {
+    let (mut at_cmd, mut at) = (&cmd, matches);
+    while let Some((name, sub)) = at.subcommand() {
+        let Some(sub_cmd) = at_cmd.find_subcommand(name) else {
+            return Sources::default();
+        };
+        (at_cmd, at) = (sub_cmd, sub);
+    }
+    if std::ptr::eq(at_cmd, &cmd) {
         return Sources::default();
-    };
+    }
     Sources::of(
-        sub_cmd,
-        sub,
+        at_cmd,
+        at,
         merged.and_then(|m| m.path.as_deref()),
         merged.map_or(&[], |m| &m.settings),
     )
@@ -97,9 +102,46 @@ fn refusal(e: clap::Error, argv: &[OsString], merged: Option<&Merged>) -> CliErr
     }
     // Anything else (an unknown flag, a missing subcommand) is clap's to
     // word, under the one prefix; its text has no colour codes.
-    let text = e.render().to_string();
+    let mut text = e.render().to_string();
+    if matches!(
+        e.kind(),
+        ErrorKind::MissingRequiredArgument | ErrorKind::ArgumentConflict
+    ) {
+        text = with_plain_usage(&text, argv);
+    }
     let text = text.strip_prefix("error: ").unwrap_or(&text);
     CliError::Config(text.trim_end().to_owned())
+}
+
+/// clap's refusal `text` of a command line that lacks a required argument
+/// (or holds two that exclude each other), its usage line replaced by the
+/// command's own (as `--help` shows it).
+/// clap's lists every argument present, and a setting given by its
+/// variable is present: with `DATABASE_URL` set, `keys resolve` without
+/// `--reason` would show `--database-url <URL>` as if it were what is
+/// missing.
+fn with_plain_usage(text: &str, argv: &[OsString]) -> String {
+    let cmd = built();
+    let mut run = &cmd;
+    for arg in argv.iter().skip(1) {
+        if let Some(sub) = arg.to_str().and_then(|a| run.find_subcommand(a)) {
+            run = sub;
+        }
+    }
+    let usage = run.clone().render_usage().to_string();
+    let Some(usage) = usage.lines().find(|l| l.starts_with("Usage: ")) else {
+        return text.to_owned();
+    };
+    text.lines()
+        .map(|line| {
+            if line.starts_with("Usage: ") {
+                usage
+            } else {
+                line
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// A refused value, as `SOURCE: expected FORM; WHY`, naming where it came

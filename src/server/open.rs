@@ -38,12 +38,91 @@ pub enum Opening {
 
 /// Opens the store `DATABASE_URL` names, applying migrations unless told not to.
 pub async fn open_store(args: &StoreArgs, migrate: bool) -> anyhow::Result<Arc<dyn Store>> {
+    open_for_serving(args, migrate)
+        .await
+        .map(|(store, _)| store)
+}
+
+/// [`open_store`] for `serve` and `proxy`, with what it opened and did, for
+/// their start-up log.
+pub async fn open_for_serving(
+    args: &StoreArgs,
+    migrate: bool,
+) -> anyhow::Result<(Arc<dyn Store>, Opened)> {
     let opening = if migrate {
         Opening::Migrate
     } else {
         Opening::NoMigrate
     };
-    open_store_as(args, opening).await
+    open_reporting(args, opening).await
+}
+
+/// What a store was opened on, and what became of its migrations: what
+/// `serve` and `proxy` say when they start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opened {
+    /// The database: a PostgreSQL URL with its password masked, or the
+    /// SQLite file's path.
+    pub database: String,
+    /// The migrations at the opening.
+    pub migrations: Migrations,
+}
+
+/// What became of the migrations when a store was opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Migrations {
+    /// This many were pending and are now applied.
+    Applied(usize),
+    /// Applied, how many not known (the count could not be read first).
+    Done,
+    /// None was pending.
+    Current,
+    /// Not applied, for the reason given (the setting that said so).
+    Skipped(&'static str),
+}
+
+impl std::fmt::Display for Migrations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Migrations::Applied(1) => f.write_str("applied 1 migration"),
+            Migrations::Applied(n) => write!(f, "applied {n} migrations"),
+            Migrations::Done => f.write_str("migrations applied"),
+            Migrations::Current => f.write_str("already current: no migration pending"),
+            Migrations::Skipped(why) => write!(f, "not migrated at start ({why})"),
+        }
+    }
+}
+
+/// What applying the migrations did, `pending` of them found first (if
+/// the count could be read).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+fn applied(pending: Option<usize>) -> Migrations {
+    match pending {
+        Some(0) => Migrations::Current,
+        Some(n) => Migrations::Applied(n),
+        None => Migrations::Done,
+    }
+}
+
+/// The database `url` names as a log line may show it: a PostgreSQL URL
+/// with any password masked, a SQLite file's absolute path.
+fn shown_database(url: &str) -> String {
+    #[cfg(feature = "sqlite")]
+    if url.starts_with("sqlite:") {
+        use std::str::FromStr as _;
+        return match sqlx::sqlite::SqliteConnectOptions::from_str(url) {
+            Ok(_) if url.contains(":memory:") => format!("{url} (in memory)"),
+            Ok(options) => {
+                let file = options.get_filename();
+                std::path::absolute(file)
+                    .unwrap_or_else(|_| file.to_path_buf())
+                    .display()
+                    .to_string()
+            }
+            Err(_) => crate::server::config::source::mask_password(url),
+        };
+    }
+    crate::server::config::source::mask_password(url)
 }
 
 /// A `--no-migrate` start's refusal of a database that cannot serve: `why`
@@ -65,7 +144,20 @@ fn not_set_up(why: &str) -> anyhow::Error {
     allow(unused_variables)
 )]
 pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result<Arc<dyn Store>> {
+    open_reporting(args, opening).await.map(|(store, _)| store)
+}
+
+/// [`open_store_as`], with what it opened and did.
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres")),
+    allow(unused_variables)
+)]
+async fn open_reporting(
+    args: &StoreArgs,
+    opening: Opening,
+) -> anyhow::Result<(Arc<dyn Store>, Opened)> {
     let url = args.database_url.trim();
+    let database = shown_database(url);
     let migrate = opening != Opening::NoMigrate;
     // `sqlite:rel.db` and `sqlite::memory:` are SQLite URLs too (sqlx reads
     // them), so the scheme ends at the first colon.
@@ -91,6 +183,11 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                      --no-migrate; run `idemgate migrate` on a direct connection to PostgreSQL"
                 );
             }
+            let skipped = if migrate {
+                Migrations::Skipped("IDEMGATE_PG_POOLER=transaction")
+            } else {
+                Migrations::Skipped("--no-migrate")
+            };
             let migrate = migrate && !(pooled && opening != Opening::Migration);
             let settings = PgSettings {
                 max_connections: args.db_max_connections.max(1),
@@ -111,6 +208,7 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                 }
                 .into());
             }
+            let mut migrations = skipped;
             if opening == Opening::Existing {
                 // `prune` and `keys` never migrate: the role they run as may
                 // own nothing (only `idemgate migrate` needs the owner).
@@ -126,14 +224,22 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                         }
                         .into());
                     }
+                    // Named as the operator set it, as a SQLite file that
+                    // cannot be opened is.
                     Err(e) => {
-                        return Err(anyhow::anyhow!(
-                            "cannot read the PostgreSQL database named by DATABASE_URL: {}",
-                            e.reason()
-                        ));
+                        return Err(ConfigError {
+                            setting: "database_url",
+                            problem: format!("cannot read the PostgreSQL database: {}", e.reason()),
+                        }
+                        .into());
                     }
                 }
             } else if migrate {
+                let pending = store
+                    .schema_status(&crate::store::postgres::MIGRATOR)
+                    .await
+                    .ok()
+                    .map(|status| status.pending.len());
                 // The store's message names the cause and what to do about it.
                 store.migrate().await.map_err(|e| {
                     // insufficient_privilege: a role granted only what serving needs.
@@ -149,6 +255,7 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                         e.reason()
                     )
                 })?;
+                migrations = applied(pending);
             } else {
                 match store.not_set_up().await {
                     Ok(None) => {}
@@ -179,7 +286,13 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
             if let Err(e) = store.report_durability().await {
                 tracing::debug!(error = e.reason(), "the durability check did not run");
             }
-            Ok(Arc::new(store))
+            Ok((
+                Arc::new(store),
+                Opened {
+                    database,
+                    migrations,
+                },
+            ))
         }
         #[cfg(feature = "sqlite")]
         "sqlite" => {
@@ -200,7 +313,13 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                 }
                 .into()
             })?;
+            let mut migrations = Migrations::Skipped("--no-migrate");
             if migrate {
+                let pending = store
+                    .schema_status(crate::store::SqliteStore::migrator())
+                    .await
+                    .ok()
+                    .map(|status| status.pending.len());
                 store.migrate().await.map_err(|e| {
                     anyhow::anyhow!(
                         "could not apply migrations to the SQLite database {url} \
@@ -208,6 +327,7 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                         e.reason()
                     )
                 })?;
+                migrations = applied(pending);
             } else {
                 let why = store.not_set_up().await.map_err(|e| {
                     anyhow::anyhow!("cannot read the SQLite database {url}: {}", e.reason())
@@ -217,7 +337,13 @@ pub async fn open_store_as(args: &StoreArgs, opening: Opening) -> anyhow::Result
                 }
             }
             tracing::info!(database = %url, "embedded SQLite store: one idemgate process per file");
-            Ok(Arc::new(store))
+            Ok((
+                Arc::new(store),
+                Opened {
+                    database,
+                    migrations,
+                },
+            ))
         }
         _ => Err(unsupported(scheme).into()),
     }
@@ -254,11 +380,14 @@ pub async fn schema_status(args: &StoreArgs) -> anyhow::Result<crate::store::sch
                 .schema_status(&crate::store::postgres::MIGRATOR)
                 .await
                 .map_err(|e| {
-                    anyhow::anyhow!(
-                        "cannot read the schema of the PostgreSQL database named by DATABASE_URL: \
-                         {}",
-                        e.reason()
-                    )
+                    ConfigError {
+                        setting: "database_url",
+                        problem: format!(
+                            "cannot read the schema of the PostgreSQL database: {}",
+                            e.reason()
+                        ),
+                    }
+                    .into()
                 })
         }
         #[cfg(feature = "sqlite")]

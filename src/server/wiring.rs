@@ -22,7 +22,13 @@ pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
         .expect("seal settings are checked by ServeArgs::validate");
     let tokens = args.tokens.clone().unwrap_or_default();
     let admin = args.admin.access(args.listen, &tokens);
-    AppState::new(Arc::new(engine), tokens, admin, &args.policy)
+    AppState::new(
+        Arc::new(engine),
+        tokens,
+        admin,
+        &args.policy,
+        args.require_fingerprint,
+    )
 }
 
 /// What `serve` answers on its listener: the reservation API (its
@@ -57,7 +63,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         setting: "listen",
         problem: "cannot listen there".into(),
     })?;
-    let store = open::open_store(&args.store, !args.run.no_migrate).await?;
+    let (store, opened) = open::open_for_serving(&args.store, !args.run.no_migrate).await?;
     let state = app_state(&args, store.clone());
     if state.tokens.is_empty() {
         tracing::warn!(
@@ -82,9 +88,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Make the metric visible before the first pass.
     crate::telemetry::record_pruned(0);
     let scheme = args.run.tls.scheme();
+    let base = format!("{scheme}://{}", listener.local_addr()?);
     tracing::info!(
         listen = %listener.local_addr()?,
-        docs = %format!("{scheme}://{}/docs", listener.local_addr()?),
+        console = %format!("{base}/console"),
+        docs = %format!("{base}/docs"),
+        database = opened.database.as_str(),
+        migrations = opened.migrations.to_string().as_str(),
         "idemgate serve is listening"
     );
     log_tls(&args.run.tls);

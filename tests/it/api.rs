@@ -600,6 +600,41 @@ async fn docs_page_needs_nothing_but_the_server(app: &TestApp) {
     missing.assert_problem(404, "not-found");
 }
 
+/// `--require-fingerprint`: a reserve with neither `fingerprint` nor
+/// `request` is refused, naming the setting and what to send; one with
+/// either is reserved; the policy says so. Off (the default), the key alone
+/// is enough and the policy says that.
+async fn a_required_fingerprint_refuses_a_reserve_without_one(b: Backend) {
+    let strict = TestApp::new(&b.url(), &["--require-fingerprint"]).await;
+    for body in ["", "{}", r#"{"lease_seconds":5}"#] {
+        let res = strict.reserve(&fresh_key(), body).await;
+        res.assert_problem(400, "invalid-request");
+        let detail = res.body["detail"].as_str().unwrap();
+        for want in ["IDEMGATE_REQUIRE_FINGERPRINT", "`request`", "`fingerprint`"] {
+            assert!(detail.contains(want), "{body:?}: {detail:?} lacks {want}");
+        }
+    }
+    let key = fresh_key();
+    let with_fp = strict.reserve(&key, r#"{"fingerprint":"fp-1"}"#).await;
+    assert_eq!(with_fp.status, 201, "{with_fp:#?}");
+    strict
+        .reserve(&key, r#"{"fingerprint":"fp-2"}"#)
+        .await
+        .assert_problem(422, "key-reused");
+    let with_request = strict.reserve(&fresh_key(), CHARGE).await;
+    assert_eq!(with_request.status, 201, "{with_request:#?}");
+    let policy = strict.send("GET", "/v1/policy", &[], None).await;
+    assert_eq!(policy.body["fingerprint"]["required"], true, "{policy:#?}");
+
+    let open = app(&b).await;
+    let key = fresh_key();
+    assert_eq!(open.reserve(&key, "").await.status, 201);
+    let again = open.reserve(&key, "{}").await;
+    again.assert_problem(409, "request-in-flight");
+    let policy = open.send("GET", "/v1/policy", &[], None).await;
+    assert_eq!(policy.body["fingerprint"]["required"], false, "{policy:#?}");
+}
+
 async fn logs_carry_the_key_hash_prefix_never_the_key(b: Backend) {
     let app = app(&b).await;
     let key = fresh_key();
@@ -635,6 +670,7 @@ both_stores! {
         checkpoint_and_get_show_the_public_record,
         operations_endpoints,
         logs_carry_the_key_hash_prefix_never_the_key,
+        a_required_fingerprint_refuses_a_reserve_without_one,
     ],
     concurrent: [
     ],

@@ -706,6 +706,177 @@ fn migrate_and_prune_help_describes_what_they_do() {
     }
 }
 
+/// `--help` puts what most starts need first, under clap's "Options" (the
+/// listeners, `--database-url`, the tokens), then the rest in groups: a
+/// reader finds the database URL on the first screen.
+#[test]
+fn help_puts_the_common_settings_first_then_groups() {
+    for (args, first, common, headings) in [
+        (
+            &["serve", "--help"][..],
+            15,
+            &[
+                "--listen",
+                "--database-url",
+                "--tokens",
+                "--admin-tokens",
+                "--config",
+            ][..],
+            &[
+                "Keys and leases",
+                "Tenants and limits",
+                "Database",
+                "Connections",
+                "Observability",
+                "Sealing at rest",
+                "TLS",
+            ][..],
+        ),
+        (
+            &["proxy", "--help"],
+            15,
+            &[
+                "--upstream",
+                "--listen",
+                "--admin-listen",
+                "--database-url",
+                "--admin-tokens",
+            ],
+            &[
+                "Upstream",
+                "MCP",
+                "Keys and leases",
+                "Tenants and limits",
+                "Stored responses",
+                "Database",
+                "TLS",
+            ],
+        ),
+        (
+            &["keys", "list", "--help"],
+            15,
+            &["--state", "--database-url", "--server", "--token", "--json"],
+            &["Database", "Sealing at rest"],
+        ),
+    ] {
+        let out = bare(&[]).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+        let help = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = help.lines().collect();
+        let at = |heading: &str| lines.iter().position(|l| *l == format!("{heading}:"));
+        let options = at("Options").unwrap_or_else(|| panic!("{args:?}: no Options:\n{help}"));
+        let groups = lines
+            .iter()
+            .skip(options + 1)
+            .position(|l| l.ends_with(':') && !l.starts_with(' '))
+            .map_or(lines.len(), |i| options + 1 + i);
+        for flag in common {
+            let line = lines
+                .iter()
+                .position(|l| l.split_whitespace().next() == Some(*flag))
+                .unwrap_or_else(|| panic!("{args:?}: no {flag}:\n{help}"));
+            assert!(
+                line > options && line < groups,
+                "{args:?}: {flag} is not among the common options (line {line}):\n{help}"
+            );
+        }
+        let url = lines
+            .iter()
+            .position(|l| l.split_whitespace().next() == Some("--database-url"))
+            .unwrap();
+        assert!(
+            url < first,
+            "{args:?}: --database-url is on line {} (over {first}):\n{help}",
+            url + 1
+        );
+        for heading in headings {
+            let line = at(heading).unwrap_or_else(|| panic!("{args:?}: no {heading}:\n{help}"));
+            assert!(
+                line >= groups,
+                "{args:?}: {heading} before the common options"
+            );
+        }
+    }
+}
+
+/// A command line that lacks a required argument is told what it lacks,
+/// and its usage line is the command's own: a setting given by its
+/// variable (`DATABASE_URL`) is not shown as if it were required.
+#[test]
+fn a_missing_argument_is_named_and_the_usage_shows_what_is_required() {
+    let hash = "ab".repeat(32);
+    for (args, missing) in [
+        (
+            vec!["keys", "resolve", "default", hash.as_str(), "--release"],
+            &["--reason"][..],
+        ),
+        (
+            vec!["keys", "resolve", "default", hash.as_str(), "--reason", "x"],
+            &["--release", "--complete"],
+        ),
+        (
+            vec!["keys", "resolve", "default", hash.as_str()],
+            &["--reason", "--release", "--complete"],
+        ),
+    ] {
+        let said = refused(bare(&[("DATABASE_URL", "sqlite://held.db")]).args(&args));
+        let (list, usage) = said.split_once("Usage: ").unwrap_or((&said, ""));
+        for flag in missing {
+            assert!(list.contains(flag), "{args:?} does not name {flag}: {said}");
+        }
+        assert!(
+            usage.starts_with("idemgate keys resolve [OPTIONS] --reason <REASON>"),
+            "{args:?}: {said}"
+        );
+        assert!(!said.contains("--database-url"), "{args:?}: {said}");
+    }
+}
+
+/// `prune` and `keys` name the store setting alike, as the operator set
+/// it (the default, the variable or the flag, a password masked), when the
+/// SQLite file is not there and when PostgreSQL cannot be reached.
+#[test]
+fn prune_and_keys_name_the_database_setting_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let hash = "ab".repeat(32);
+    let pg = "postgres://idem:hunter2@127.0.0.1:1/idem";
+    let masked = "postgres://idem:***@127.0.0.1:1/idem";
+    for (env, flag, names) in [
+        (
+            None,
+            None,
+            "the default --database-url sqlite://idemgate.db: ".to_owned(),
+        ),
+        (Some(pg), None, format!("DATABASE_URL={masked}: ")),
+        (None, Some(pg), format!("--database-url {masked}: ")),
+    ] {
+        let mut said = Vec::new();
+        for args in [
+            vec!["prune"],
+            vec!["keys", "list"],
+            vec!["keys", "show", "default", hash.as_str()],
+        ] {
+            let mut cmd = std::process::Command::new(common::bin::BIN);
+            cmd.env_clear().current_dir(dir.path()).args(&args);
+            if let Some(url) = env {
+                cmd.env("DATABASE_URL", url);
+            }
+            if let Some(url) = flag {
+                cmd.args(["--database-url", url]);
+            }
+            let text = refused(&mut cmd);
+            assert!(
+                text.starts_with(&format!("idemgate: error: {names}")),
+                "{args:?}: {text}"
+            );
+            assert!(!text.contains("hunter2"), "{args:?}: {text}");
+            said.push(text);
+        }
+        assert!(said.iter().all(|t| *t == said[0]), "{said:#?}");
+    }
+    assert!(!dir.path().join("idemgate.db").exists());
+}
+
 /// The boolean settings of `sub`, by id.
 /// Whether boolean setting `id` of `sub` is on when nothing sets it.
 fn on_by_default(sub: &str, id: &str) -> bool {

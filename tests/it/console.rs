@@ -117,6 +117,13 @@ async fn every_fragment_keeps_the_admin_rule(b: Backend) {
                             assert!(res.text.contains(&hash), "{at}: lists the key");
                         }
                     }
+                    // The counts only note a refusal, with its status: the
+                    // queue or the key beside them says it, once.
+                    Some((status, _)) if path.ends_with("/counts") => {
+                        assert_eq!(res.status, status, "{at}: {}", res.text);
+                        assert!(res.text.contains("No counts"), "{at}: {}", res.text);
+                        assert!(!res.text.contains("problem"), "{at}: {}", res.text);
+                    }
                     Some((status, slug)) => {
                         assert_eq!(res.status, status, "{at}: {}", res.text);
                         assert!(res.text.contains(slug), "{at}: {}", res.text);
@@ -180,12 +187,42 @@ async fn settling_from_the_console_happens_once(b: Backend) {
     assert_eq!(page.status, 200, "{}", page.text);
     assert!(page.text.contains("Settle this key"), "{}", page.text);
     assert!(page.text.contains("id=\"timeline\""), "{}", page.text);
-
+    // The operator chooses what happened: nothing is chosen for them, and
+    // a settle without a choice says so, beside the form, and settles
+    // nothing.
+    assert!(!page.text.contains("checked"), "{}", page.text);
     let settle = format!("{path}/resolve");
+    let unchosen = fragment(
+        &app,
+        Some(ADMIN),
+        "POST",
+        &settle,
+        Some("status=201&reason=checked+the+books"),
+    )
+    .await;
+    assert_eq!(unchosen.status, 400, "{}", unchosen.text);
+    assert!(
+        unchosen.text.contains("choose what happened"),
+        "{}",
+        unchosen.text
+    );
+    assert_eq!(unchosen.headers["hx-retarget"], "#settle-result");
+    assert!(!unchosen.headers.contains_key("hx-trigger"));
+
     let form = "action=complete&status=201&headers=Content-Type%3A+application%2Fjson\
                 &body=%7B%22charge%22%3A1%7D&reason=checked+the+books";
     let first = fragment(&app, Some(ADMIN), "POST", &settle, Some(form)).await;
     assert_eq!(first.status, 200, "{}", first.text);
+    // The counts follow at once, and the timeline keeps the lease's end
+    // that made the key wait for a person.
+    assert_eq!(first.headers["hx-trigger"], "key-settled");
+    assert!(
+        first.text.contains("lease ended without news"),
+        "{}",
+        first.text
+    );
+    let counts = fragment(&app, Some(ADMIN), "GET", "/console/fragments/counts", None).await;
+    assert!(counts.text.contains("data-stuck=\"1\""), "{}", counts.text);
     assert!(
         first
             .text
@@ -201,6 +238,7 @@ async fn settling_from_the_console_happens_once(b: Backend) {
         "{}",
         again.text
     );
+    assert_eq!(again.headers["hx-trigger"], "key-settled");
 
     // The retry replays what the operator entered.
     let retry = app.reserve_as(ACME, &completed, "").await;
@@ -370,7 +408,12 @@ async fn the_queue_is_what_waits_paged_and_filtered(b: Backend) {
         None,
     )
     .await;
-    assert!(old.text.contains("No keys"), "{}", old.text);
+    assert_eq!(
+        old.text.matches("No keys").count(),
+        1,
+        "said once: {}",
+        old.text
+    );
     let bad = fragment(
         &app,
         Some(ADMIN),

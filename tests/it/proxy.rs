@@ -590,6 +590,8 @@ async fn the_admin_listener_serves_the_operational_endpoints() {
     assert_eq!(status, 200);
     let policy: Value = serde_json::from_str(&policy).unwrap();
     assert_eq!(policy["header"], "X-Idempotency-Key");
+    // Every guarded request is fingerprinted: no key goes unchecked.
+    assert_eq!(policy["fingerprint"]["required"], true, "{policy}");
     assert_eq!(
         policy["guarded_methods"],
         serde_json::json!(["POST", "PATCH"])

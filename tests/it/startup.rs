@@ -7,7 +7,8 @@ use std::process::Stdio;
 
 use crate::common;
 
-use common::bin::{idemgate_at, refused};
+use common::bin::{Served, idemgate_at, refused};
+use common::proxy::ProxyProcess;
 
 /// `serve` and `proxy` on a port already taken: refused naming the
 /// address, and the SQLite file they would have created is not there.
@@ -295,4 +296,80 @@ async fn a_reader_of_standard_error_that_goes_away_ends_a_command_quietly() {
         assert_eq!(out.status.code(), Some(code), "{args:?}: {stdout}");
         assert!(!stdout.contains("panicked"), "{args:?}: {stdout}");
     }
+}
+
+/// The start-up log line of `child` (stderr piped) that says `what` is
+/// listening, once it is written.
+async fn listening_line(child: &mut std::process::Child, what: &str) -> String {
+    let log = common::bin::drain_stderr(child);
+    let said = |log: &std::sync::Mutex<String>| {
+        log.lock()
+            .unwrap()
+            .lines()
+            .find(|l| l.contains(what))
+            .map(str::to_owned)
+    };
+    assert!(
+        common::until(std::time::Duration::from_secs(10), || said(&log).is_some()).await,
+        "no {what:?} line in:\n{}",
+        log.lock().unwrap()
+    );
+    said(&log).unwrap()
+}
+
+/// `serve` and `proxy` say at start where the console is (serve's listener,
+/// the proxy's admin listener) and the docs (serve), which database they
+/// opened (a SQLite file's path; a PostgreSQL URL with its password
+/// masked), and what became of its migrations: applied, already current, or
+/// skipped by --no-migrate.
+#[tokio::test]
+async fn the_start_says_where_the_console_is_and_which_database_it_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("start.db");
+    let url = format!("sqlite://{}", path.display());
+    let database = format!("database=\"{}\"", path.display());
+    for (extra, migrations) in [
+        (&[][..], "applied "),
+        (&[][..], "already current"),
+        (
+            &["--no-migrate"][..],
+            "not migrated at start (--no-migrate)",
+        ),
+    ] {
+        let mut served = Served::spawn(idemgate_at(&url), extra).await;
+        let line = listening_line(&mut served.child, "idemgate serve is listening").await;
+        let base = served.base();
+        for want in [
+            format!("console={base}/console"),
+            format!("docs={base}/docs"),
+            database.clone(),
+            format!("migrations=\"{migrations}"),
+        ] {
+            assert!(
+                line.contains(&want),
+                "{extra:?}: {want} missing from: {line}"
+            );
+        }
+    }
+
+    let pg = common::pg::TestDb::new().await;
+    // The test server trusts its clients: a password in the URL is sent
+    // and ignored (one it needs already is there, and is the secret).
+    let mut parsed = reqwest::Url::parse(&pg.url).unwrap();
+    if parsed.password().is_none() {
+        parsed.set_password(Some("s3cret-pw")).unwrap();
+    }
+    let secret = parsed.password().unwrap().to_owned();
+    let with_password = parsed.to_string();
+    let mut proxy = ProxyProcess::start_at(&with_password, "http://127.0.0.1:9", &[]).await;
+    let line = listening_line(&mut proxy.child, "idemgate proxy is listening").await;
+    let masked = with_password.replace(&format!(":{secret}@"), ":***@");
+    for want in [
+        format!("console=http://127.0.0.1:{}/console", proxy.admin),
+        format!("database=\"{masked}\""),
+        "migrations=\"applied ".to_owned(),
+    ] {
+        assert!(line.contains(&want), "{want} missing from: {line}");
+    }
+    assert!(!line.contains(&secret), "{line}");
 }

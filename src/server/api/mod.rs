@@ -42,6 +42,9 @@ pub struct App {
     pub methods: Vec<String>,
     /// Who may use the operators' endpoints.
     pub admin: AdminAccess,
+    /// Whether a reservation must send `fingerprint` or `request`
+    /// (`IDEMGATE_REQUIRE_FINGERPRINT`).
+    pub require_fingerprint: bool,
 }
 
 /// The shared, cheap-to-clone application state.
@@ -51,17 +54,20 @@ pub struct AppState(pub Arc<App>);
 impl AppState {
     /// The API's state over `engine`, checking `tokens` (and `admin` on the
     /// operators' endpoints), with the key and fingerprint rules of `policy`
-    /// and what it publishes.
+    /// and what it publishes; `require_fingerprint` refuses a reservation
+    /// that does not describe its request.
     pub fn new(
         engine: Arc<Engine>,
         tokens: Tokens,
         admin: AdminAccess,
         policy: &PolicyArgs,
+        require_fingerprint: bool,
     ) -> AppState {
         AppState(Arc::new(App {
             engine,
             tokens,
             admin,
+            require_fingerprint,
             key_policy: policy.key_policy(),
             fingerprint_policy: policy.fingerprint_policy(),
             max_body_bytes: policy.max_body_bytes,

@@ -156,6 +156,12 @@ pub struct FingerprintRules {
     pub method: &'static str,
     /// JSON Pointers left out of JSON bodies.
     pub ignored_pointers: Vec<String>,
+    /// Whether every key is checked against its request: `true`, a
+    /// reservation that sends neither `fingerprint` nor `request` is refused
+    /// with 400 invalid-request (`IDEMGATE_REQUIRE_FINGERPRINT`; the proxy
+    /// always fingerprints); `false`, such a reservation is identified by
+    /// its key alone, and the key reused with another payload replays.
+    pub required: bool,
 }
 
 /// Limits on stored responses.
@@ -278,6 +284,7 @@ pub fn policy(state: &AppState) -> Policy {
                 .iter()
                 .map(|p| p.as_str().to_owned())
                 .collect(),
+            required: state.require_fingerprint,
         },
         guarded_methods: state.methods.clone(),
         tenant_scoping: "keys are scoped by tenant: (tenant, SHA-256(key)); the bearer token names the tenant",

@@ -128,17 +128,14 @@ pub struct ShowArgs {
 
 /// `keys resolve`.
 #[derive(Debug, Args)]
+#[group(id = "action", required = true, multiple = false, args = ["release", "complete"])]
 pub struct ResolveArgs {
     #[command(flatten)]
     pub key: KeyRef,
 
     /// Nothing happened: forget the key, so that the next request with it
     /// executes.
-    #[arg(
-        long,
-        conflicts_with = "complete",
-        required_unless_present = "complete"
-    )]
+    #[arg(long)]
     pub release: bool,
 
     /// This is what happened: store the response given by --status,

@@ -32,6 +32,32 @@ use std::time::Duration;
 
 use clap::ArgAction;
 
+/// The headings of `--help` (clap's `help_heading`): the settings most
+/// starts need (listeners, the database URL, tokens) come first, under
+/// clap's own "Options", then one group after another.
+pub mod heading {
+    /// Keys, fingerprints, leases, TTLs and waits: the published policy.
+    pub const KEYS: &str = "Keys and leases";
+    /// What one tenant, one body or the replay cache may take.
+    pub const LIMITS: &str = "Tenants and limits";
+    /// The responses the proxy stores for replay.
+    pub const STORED: &str = "Stored responses";
+    /// The database pool, migrations and pruning.
+    pub const DATABASE: &str = "Database";
+    /// How long connections and shutdown may take.
+    pub const CONNECTIONS: &str = "Connections";
+    /// Traces.
+    pub const OBSERVABILITY: &str = "Observability";
+    /// Stored responses sealed at rest.
+    pub const SEALING: &str = "Sealing at rest";
+    /// TLS on idemgate's own listeners.
+    pub const TLS: &str = "TLS";
+    /// The proxy's origin.
+    pub const UPSTREAM: &str = "Upstream";
+    /// The MCP door.
+    pub const MCP: &str = "MCP";
+}
+
 /// Gives a boolean setting its one form: `--strict-key` alone turns it on,
 /// `--strict-key true|false` or `--strict-key=true|false` says which, and so
 /// do `IDEMGATE_STRICT_KEY=true|false` and `strict_key = true|false` in the

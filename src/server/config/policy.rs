@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::{ConfigError, boolean_style};
+use super::{ConfigError, boolean_style, heading};
 use crate::engine::Limits;
 use crate::fingerprint::{FingerprintPolicy, JsonPointer};
 use crate::key::{KeyFormat, KeyPolicy};
@@ -15,11 +15,11 @@ use crate::key::{KeyFormat, KeyPolicy};
 #[command(mut_args = boolean_style)]
 pub struct PolicyArgs {
     /// Reject bare (unquoted) keys: only RFC 8941 sf-strings are accepted.
-    #[arg(long, env = "IDEMGATE_STRICT_KEY")]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_STRICT_KEY")]
     pub strict_key: bool,
 
     /// Longest key accepted, in characters after unquoting.
-    #[arg(long, env = "IDEMGATE_KEY_MAX_LEN", value_name = "N", default_value_t = 255,
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_KEY_MAX_LEN", value_name = "N", default_value_t = 255,
           value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub key_max_len: u16,
 
@@ -28,50 +28,50 @@ pub struct PolicyArgs {
     /// SDKs do) and answer those requests with `Repeatability-Result`; a
     /// request first sent longer ago than keys are remembered is refused
     /// with 412, not executed. Off: those headers are ignored.
-    #[arg(long, env = "IDEMGATE_REPEATABILITY")]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_REPEATABILITY")]
     pub repeatability: bool,
 
     /// Key format: `any` or `uuid`.
-    #[arg(long, env = "IDEMGATE_KEY_FORMAT", default_value = "any", value_parser = parse_key_format)]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_KEY_FORMAT", default_value = "any", value_parser = parse_key_format)]
     pub key_format: KeyFormat,
 
     /// JSON Pointers left out of the fingerprint, comma-separated
     /// (e.g. /sent_at,/metadata/trace_id).
-    #[arg(long, env = "IDEMGATE_FINGERPRINT_IGNORE", value_delimiter = ',', value_parser = parse_pointer)]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_FINGERPRINT_IGNORE", value_delimiter = ',', value_parser = parse_pointer)]
     pub fingerprint_ignore: Vec<JsonPointer>,
 
     /// Methods the proxy and the layer guard, comma-separated.
-    #[arg(long, env = "IDEMGATE_METHODS", value_delimiter = ',', default_value = "POST,PATCH",
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_METHODS", value_delimiter = ',', default_value = "POST,PATCH",
           value_parser = parse_method)]
     pub methods: Vec<http::Method>,
 
     /// Largest stored response body (and proxied request body), in bytes.
-    #[arg(long, env = "IDEMGATE_MAX_BODY_BYTES", value_name = "BYTES", default_value_t = 1024 * 1024)]
+    #[arg(help_heading = heading::LIMITS, long, env = "IDEMGATE_MAX_BODY_BYTES", value_name = "BYTES", default_value_t = 1024 * 1024)]
     pub max_body_bytes: usize,
 
     /// Lease in seconds when a reservation names none [default: 30, or
     /// IDEMGATE_MAX_LEASE if that is shorter].
-    #[arg(long, env = "IDEMGATE_DEFAULT_LEASE", value_name = "SECONDS")]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_DEFAULT_LEASE", value_name = "SECONDS")]
     pub default_lease: Option<u32>,
 
     /// Longest lease in seconds a reservation may ask for [default: 3600,
     /// or IDEMGATE_DEFAULT_LEASE if that is longer].
-    #[arg(long, env = "IDEMGATE_MAX_LEASE", value_name = "SECONDS")]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_MAX_LEASE", value_name = "SECONDS")]
     pub max_lease: Option<u32>,
 
     /// Seconds a key is remembered when a reservation names no TTL
     /// [default: 86400, or IDEMGATE_MAX_TTL if that is shorter].
-    #[arg(long, env = "IDEMGATE_DEFAULT_TTL", value_name = "SECONDS")]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_DEFAULT_TTL", value_name = "SECONDS")]
     pub default_ttl: Option<u32>,
 
     /// Longest TTL in seconds a reservation may ask for [default: 604800,
     /// or IDEMGATE_DEFAULT_TTL if that is longer].
-    #[arg(long, env = "IDEMGATE_MAX_TTL", value_name = "SECONDS")]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_MAX_TTL", value_name = "SECONDS")]
     pub max_ttl: Option<u32>,
 
     /// Longest `Prefer: wait=N` honoured, in seconds [default: 10, or the
     /// proxy's IDEMGATE_DEFAULT_WAIT if that is longer].
-    #[arg(long, env = "IDEMGATE_MAX_WAIT", value_name = "SECONDS")]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_MAX_WAIT", value_name = "SECONDS")]
     pub max_wait: Option<u32>,
 }
 

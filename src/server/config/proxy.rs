@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::{AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, seconds};
+use super::{
+    AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, heading, seconds,
+};
 use crate::store::LeaseExpiry;
 
 /// Settings of `idemgate proxy`.
@@ -23,7 +25,7 @@ pub struct ProxyArgs {
     /// A PEM file of the certificates an https upstream's certificate is
     /// checked against, instead of the system's roots: the CA of a private
     /// network, or the upstream's own self-signed certificate.
-    #[arg(long, env = "IDEMGATE_UPSTREAM_CA_FILE", value_name = "PATH")]
+    #[arg(help_heading = heading::UPSTREAM, long, env = "IDEMGATE_UPSTREAM_CA_FILE", value_name = "PATH")]
     pub upstream_ca_file: Option<PathBuf>,
 
     /// Address the proxy listens on.
@@ -52,6 +54,7 @@ pub struct ProxyArgs {
     /// extended every third of that while the call runs [default: 30, or
     /// IDEMGATE_UPSTREAM_ABANDON_AFTER if that is shorter].
     #[arg(
+        help_heading = heading::UPSTREAM,
         long,
         env = "IDEMGATE_UPSTREAM_TIMEOUT",
         value_name = "SECONDS",
@@ -67,6 +70,7 @@ pub struct ProxyArgs {
     /// call still running [default: 300, or IDEMGATE_UPSTREAM_TIMEOUT if
     /// that is longer].
     #[arg(
+        help_heading = heading::UPSTREAM,
         long,
         env = "IDEMGATE_UPSTREAM_ABANDON_AFTER",
         value_name = "SECONDS",
@@ -77,6 +81,7 @@ pub struct ProxyArgs {
     /// Seconds to wait for a connection to the upstream, its TLS handshake
     /// included (502 upstream-unavailable after that; the key is released).
     #[arg(
+        help_heading = heading::UPSTREAM,
         long,
         env = "IDEMGATE_UPSTREAM_CONNECT_TIMEOUT",
         value_name = "SECONDS",
@@ -92,6 +97,7 @@ pub struct ProxyArgs {
     /// its key is then held outcome-unknown. 0 opens a new connection for
     /// every request.
     #[arg(
+        help_heading = heading::UPSTREAM,
         long,
         env = "IDEMGATE_UPSTREAM_IDLE_TIMEOUT",
         value_name = "SECONDS",
@@ -105,7 +111,7 @@ pub struct ProxyArgs {
     /// clients use; false sends the upstream URL's host:port instead, for an
     /// origin that routes by its own name. X-Forwarded-Host carries the
     /// client's either way.
-    #[arg(long, env = "IDEMGATE_PRESERVE_HOST", default_value_t = true)]
+    #[arg(help_heading = heading::UPSTREAM, long, env = "IDEMGATE_PRESERVE_HOST", default_value_t = true)]
     pub preserve_host: bool,
 
     /// What the upstream speaks: `http` guards requests by their HTTP
@@ -113,7 +119,7 @@ pub struct ProxyArgs {
     /// streamable-HTTP endpoint, whose write tools' `tools/call` requests are
     /// guarded by their `idempotency_key` argument (everything else passes
     /// through, and `tools/list` tells clients about the argument).
-    #[arg(long, env = "IDEMGATE_PROTOCOL", value_name = "http|mcp", default_value = "http",
+    #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_PROTOCOL", value_name = "http|mcp", default_value = "http",
           value_parser = ["http", "mcp"])]
     pub protocol: String,
 
@@ -121,6 +127,7 @@ pub struct ProxyArgs {
     /// (`*` for all). Unset, every tool the server's tools/list does not
     /// annotate `readOnlyHint: true`.
     #[arg(
+        help_heading = heading::MCP,
         long,
         env = "IDEMGATE_MCP_TOOLS",
         value_name = "NAME,...",
@@ -133,7 +140,7 @@ pub struct ProxyArgs {
     /// to send. false leaves tools/list as the server wrote it, for a
     /// runtime that sets the key itself (`_meta["dev.idemgate/idempotency-key"]`
     /// or the key header) and keeps it out of the model's view.
-    #[arg(long, env = "IDEMGATE_MCP_ADVERTISE_KEY", value_name = "true|false",
+    #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_MCP_ADVERTISE_KEY", value_name = "true|false",
           default_value_t = true, action = clap::ArgAction::Set)]
     pub mcp_advertise_key: bool,
 
@@ -148,7 +155,7 @@ pub struct ProxyArgs {
     /// lease sends it upstream again, with `Idempotency-Attempt: N`, for an
     /// origin that dedupes on the key it is forwarded. Per route in the
     /// config file too.
-    #[arg(long, env = "IDEMGATE_ON_LEASE_EXPIRY", value_name = "hold|takeover",
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_ON_LEASE_EXPIRY", value_name = "hold|takeover",
           default_value = "hold", value_parser = parse_lease_expiry)]
     pub on_lease_expiry: LeaseExpiry,
 
@@ -160,6 +167,7 @@ pub struct ProxyArgs {
     /// mcp (the OpenAI Agents SDK's MCP session reads for 5 s), or
     /// IDEMGATE_MAX_WAIT if that is shorter].
     #[arg(
+        help_heading = heading::KEYS,
         long,
         env = "IDEMGATE_DEFAULT_WAIT",
         value_name = "SECONDS",
@@ -169,43 +177,44 @@ pub struct ProxyArgs {
 
     /// Answer 400 key-missing to a guarded request without a key, instead of
     /// passing it through unguarded.
-    #[arg(long, env = "IDEMGATE_REQUIRE_KEY")]
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_REQUIRE_KEY")]
     pub require_key: bool,
 
     /// The request header that carries the key.
-    #[arg(long, env = "IDEMGATE_KEY_HEADER", default_value = "Idempotency-Key",
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_KEY_HEADER", default_value = "Idempotency-Key",
           value_parser = parse_header_name)]
     pub key_header: Header,
 
     /// The request header whose value names the tenant (hashed); requests
     /// without it share one anonymous tenant.
-    #[arg(long, env = "IDEMGATE_TENANT_HEADER", default_value = "Authorization",
+    #[arg(help_heading = heading::LIMITS, long, env = "IDEMGATE_TENANT_HEADER", default_value = "Authorization",
           value_parser = parse_header_name)]
     pub tenant_header: Header,
 
     /// Response statuses returned but not stored: the key is released, since
     /// the origin did not act.
-    #[arg(long, env = "IDEMGATE_RELEASE_STATUSES", value_name = "STATUS", value_delimiter = ',',
+    #[arg(help_heading = heading::STORED, long, env = "IDEMGATE_RELEASE_STATUSES", value_name = "STATUS", value_delimiter = ',',
           default_value = "408,425,429,503", value_parser = clap::value_parser!(u16).range(100..=599))]
     pub release_statuses: Vec<u16>,
 
     /// Response headers never stored for replay (hop-by-hop headers never
     /// are), comma-separated.
-    #[arg(long, env = "IDEMGATE_STORE_HEADERS_DENY", value_delimiter = ',',
+    #[arg(help_heading = heading::STORED, long, env = "IDEMGATE_STORE_HEADERS_DENY", value_delimiter = ',',
           default_value = "set-cookie,www-authenticate", value_parser = parse_header_name)]
     pub store_headers_deny: Vec<Header>,
 
     #[command(flatten)]
     pub admin: AdminArgs,
 
+    // The order of the groups below is the order of `--help`'s headings.
     #[command(flatten)]
-    pub run: RunArgs,
+    pub policy: PolicyArgs,
 
     #[command(flatten)]
     pub store: StoreArgs,
 
     #[command(flatten)]
-    pub policy: PolicyArgs,
+    pub run: RunArgs,
 }
 
 /// A header name as set: the name, and its spelling for what the proxy

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::{ConfigError, boolean_style, positive_seconds, seconds};
+use super::{ConfigError, boolean_style, heading, positive_seconds, seconds};
 use crate::engine::{DEFAULT_REPLAY_CACHE_BYTES, TenantLimits};
 use crate::seal::Sealer;
 
@@ -17,11 +17,12 @@ use crate::seal::Sealer;
 #[command(mut_args = boolean_style)]
 pub struct RunArgs {
     /// Do not apply pending migrations at start (`idemgate migrate` does).
-    #[arg(long, env = "IDEMGATE_NO_MIGRATE")]
+    #[arg(help_heading = heading::DATABASE, long, env = "IDEMGATE_NO_MIGRATE")]
     pub no_migrate: bool,
 
     /// Seconds between pruning passes (0 turns the job off).
     #[arg(
+        help_heading = heading::DATABASE,
         long,
         env = "IDEMGATE_PRUNE_INTERVAL",
         value_name = "SECONDS",
@@ -32,6 +33,7 @@ pub struct RunArgs {
 
     /// Seconds in-flight requests get to finish after SIGTERM or ctrl-c.
     #[arg(
+        help_heading = heading::CONNECTIONS,
         long,
         env = "IDEMGATE_SHUTDOWN_GRACE",
         value_name = "SECONDS",
@@ -43,7 +45,7 @@ pub struct RunArgs {
     /// Seconds a client has to send a request's headers before its
     /// connection is closed, and at most between two pieces of its body
     /// before it gets 408 (slow clients cannot hold connections open).
-    #[arg(long, env = "IDEMGATE_HEADER_READ_TIMEOUT", value_name = "SECONDS", default_value = "10",
+    #[arg(help_heading = heading::CONNECTIONS, long, env = "IDEMGATE_HEADER_READ_TIMEOUT", value_name = "SECONDS", default_value = "10",
           value_parser = positive_seconds)]
     pub header_read_timeout: Duration,
 
@@ -52,19 +54,20 @@ pub struct RunArgs {
     /// any Retry-After sent under the default leases (30 s for serve, 35 s
     /// for the proxy), so a client that waits as told still finds its pooled
     /// connection open.
-    #[arg(long, env = "IDEMGATE_KEEP_ALIVE_TIMEOUT", value_name = "SECONDS", default_value = "75",
+    #[arg(help_heading = heading::CONNECTIONS, long, env = "IDEMGATE_KEEP_ALIVE_TIMEOUT", value_name = "SECONDS", default_value = "75",
           value_parser = positive_seconds)]
     pub keep_alive_timeout: Duration,
 
     /// Bytes of memory for completed responses, replayed from there without
     /// a database round trip until they expire (0 turns the cache off).
-    #[arg(long, env = "IDEMGATE_REPLAY_CACHE_BYTES", value_name = "BYTES",
+    #[arg(help_heading = heading::LIMITS, long, env = "IDEMGATE_REPLAY_CACHE_BYTES", value_name = "BYTES",
           default_value_t = DEFAULT_REPLAY_CACHE_BYTES)]
     pub replay_cache_bytes: u64,
 
     /// Most keys one tenant may hold in flight at once; a new key beyond it
     /// is answered 429 tenant-limit with Retry-After (0: no limit).
     #[arg(
+        help_heading = heading::LIMITS,
         long,
         env = "IDEMGATE_TENANT_MAX_IN_FLIGHT",
         value_name = "N",
@@ -76,6 +79,7 @@ pub struct RunArgs {
     /// expire; at or over it, its new keys are answered 429 tenant-limit
     /// with Retry-After while its replays go on (0: no limit).
     #[arg(
+        help_heading = heading::LIMITS,
         long,
         env = "IDEMGATE_TENANT_MAX_STORED_BYTES",
         value_name = "BYTES",
@@ -87,7 +91,7 @@ pub struct RunArgs {
     /// upstream call and commit) over OTLP/HTTP to this collector's base
     /// URL, e.g. http://127.0.0.1:4318 (`/v1/traces` is added). Unset: no
     /// export. OTEL_SERVICE_NAME names the service (default idemgate).
-    #[arg(long, env = "IDEMGATE_OTLP_ENDPOINT", value_name = "URL",
+    #[arg(help_heading = heading::OBSERVABILITY, long, env = "IDEMGATE_OTLP_ENDPOINT", value_name = "URL",
           value_parser = parse_endpoint)]
     pub otlp_endpoint: Option<String>,
 
@@ -104,18 +108,18 @@ pub struct TlsArgs {
     /// Serves the listeners over TLS with this certificate (PEM: the leaf
     /// first, then its intermediates); needs --tls-key. Read again when it
     /// changes: a rotated certificate is served from the next handshake on.
-    #[arg(long, env = "IDEMGATE_TLS_CERT", value_name = "PEM FILE")]
+    #[arg(help_heading = heading::TLS, long, env = "IDEMGATE_TLS_CERT", value_name = "PEM FILE")]
     pub tls_cert: Option<PathBuf>,
 
     /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1); read
     /// again when it changes.
-    #[arg(long, env = "IDEMGATE_TLS_KEY", value_name = "PEM FILE")]
+    #[arg(help_heading = heading::TLS, long, env = "IDEMGATE_TLS_KEY", value_name = "PEM FILE")]
     pub tls_key: Option<PathBuf>,
 
     /// Requires clients to present a certificate signed by one of these CAs
     /// (PEM) on the TLS listeners: mutual TLS. It is not a token: tokens and
     /// the admin rule apply as they are.
-    #[arg(long, env = "IDEMGATE_TLS_CLIENT_CA", value_name = "PEM FILE")]
+    #[arg(help_heading = heading::TLS, long, env = "IDEMGATE_TLS_CLIENT_CA", value_name = "PEM FILE")]
     pub tls_client_ca: Option<PathBuf>,
 }
 
@@ -125,12 +129,12 @@ pub struct TlsArgs {
 pub struct SealArgs {
     /// Seals stored responses at rest (AES-256-GCM): 32 random bytes,
     /// base64 (`openssl rand -base64 32`). New responses are sealed under it.
-    #[arg(long, env = "IDEMGATE_SEAL_KEY", hide_env_values = true)]
+    #[arg(help_heading = heading::SEALING, long, env = "IDEMGATE_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<SecretString>,
 
     /// Retired seal keys, comma-separated base64: responses sealed under them
     /// still open, none is sealed under them any more.
-    #[arg(long, env = "IDEMGATE_SEAL_KEY_PREVIOUS", hide_env_values = true)]
+    #[arg(help_heading = heading::SEALING, long, env = "IDEMGATE_SEAL_KEY_PREVIOUS", hide_env_values = true)]
     pub seal_key_previous: Option<SecretString>,
 }
 

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use clap::Args;
 
 use super::tokens::{TokensParser, parse_tenant_tokens};
-use super::{AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style};
+use super::{AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, heading};
 use crate::server::auth::Tokens;
 
 /// Settings of `idemgate serve`.
@@ -30,14 +30,22 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub admin: AdminArgs,
 
+    // The order of the groups below is the order of `--help`'s headings.
     #[command(flatten)]
-    pub run: RunArgs,
+    pub policy: PolicyArgs,
 
     #[command(flatten)]
     pub store: StoreArgs,
 
+    /// Refuse a reservation that sends neither `fingerprint` nor `request`
+    /// (400 invalid-request). Without either, a key alone identifies its
+    /// request, and the key reused with another payload cannot be told
+    /// apart from a retry.
+    #[arg(help_heading = heading::KEYS, long, env = "IDEMGATE_REQUIRE_FINGERPRINT")]
+    pub require_fingerprint: bool,
+
     #[command(flatten)]
-    pub policy: PolicyArgs,
+    pub run: RunArgs,
 }
 
 // === impl ServeArgs ===

@@ -213,20 +213,37 @@ impl Setting {
 }
 
 /// `text` with the password of a `scheme://user:password@host` URL in it
-/// replaced by `***`; a lone `scheme://secret@host` is masked whole, since
-/// a token is often passed that way.
+/// replaced by `***`, and so the value of a `password` or `sslpassword`
+/// query parameter (libpq takes both); a lone `scheme://secret@host` is
+/// masked whole, since a token is often passed that way.
 pub fn mask_password(text: &str) -> String {
     let Some((scheme, rest)) = text.split_once("://") else {
         return text.to_owned();
     };
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return text.to_owned();
+    let masked = match rest[..authority_end].rfind('@') {
+        None => text.to_owned(),
+        Some(at) => match rest[..at].split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+            None => format!("{scheme}://***{}", &rest[at..]),
+        },
     };
-    match rest[..at].split_once(':') {
-        Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-        None => format!("{scheme}://***{}", &rest[at..]),
-    }
+    let Some((base, query)) = masked.split_once('?') else {
+        return masked;
+    };
+    let query: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _))
+                if name.eq_ignore_ascii_case("password")
+                    || name.eq_ignore_ascii_case("sslpassword") =>
+            {
+                format!("{name}=***")
+            }
+            _ => pair.to_owned(),
+        })
+        .collect();
+    format!("{base}?{}", query.join("&"))
 }
 
 /// Where every setting of the command being run came from, to name each in
@@ -427,6 +444,14 @@ mod tests {
             ("http://t0ken@origin/", "http://***@origin/"),
             ("http://u:p@h/a@b", "http://u:***@h/a@b"),
             ("sqlite://idemgate.db", "sqlite://idemgate.db"),
+            (
+                "postgres://app@db/idem?sslmode=require&password=hunter2&PassWord=x",
+                "postgres://***@db/idem?sslmode=require&password=***&PassWord=***",
+            ),
+            (
+                "postgres://app:p@db/idem?sslpassword=k",
+                "postgres://app:***@db/idem?sslpassword=***",
+            ),
             ("30", "30"),
         ] {
             assert_eq!(mask_password(text), want, "{text}");

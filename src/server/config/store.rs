@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::{boolean_style, seconds};
+use super::{boolean_style, heading, seconds};
 
 /// Where the records live.
 #[derive(Debug, Clone, Args)]
@@ -12,8 +12,10 @@ use super::{boolean_style, seconds};
 pub struct StoreArgs {
     /// Database URL: postgres://… (any number of idemgate processes) or
     /// sqlite://… (one process per file).
+    // Among the first settings of every command's --help.
     #[arg(
         long,
+        display_order = 0,
         env = "DATABASE_URL",
         value_name = "URL",
         default_value = "sqlite://idemgate.db",
@@ -23,6 +25,7 @@ pub struct StoreArgs {
 
     /// Most database connections this process opens.
     #[arg(
+        help_heading = heading::DATABASE,
         long,
         env = "IDEMGATE_DB_MAX_CONNECTIONS",
         value_name = "N",
@@ -33,6 +36,7 @@ pub struct StoreArgs {
     /// Seconds a request waits for a database connection before it answers
     /// 503 store-unavailable.
     #[arg(
+        help_heading = heading::DATABASE,
         long,
         env = "IDEMGATE_DB_ACQUIRE_TIMEOUT",
         value_name = "SECONDS",
@@ -44,6 +48,7 @@ pub struct StoreArgs {
     /// Seconds one statement may run before the database cancels it (and the
     /// request answers 503 store-unavailable).
     #[arg(
+        help_heading = heading::DATABASE,
         long,
         env = "IDEMGATE_DB_STATEMENT_TIMEOUT",
         value_name = "SECONDS",
@@ -59,6 +64,7 @@ pub struct StoreArgs {
     /// own transaction; `serve` and `proxy` then do not migrate at start
     /// (run `idemgate migrate` on a direct connection).
     #[arg(
+        help_heading = heading::DATABASE,
         long,
         env = "IDEMGATE_PG_POOLER",
         value_name = "none|transaction",

@@ -212,10 +212,16 @@ impl IntoResponse for Fragment {
     }
 }
 
-async fn counts(State(console): State<Console>, _: Operator) -> maud::Markup {
+async fn counts(State(console): State<Console>, operator: Result<Operator, Fragment>) -> Response {
+    // A refusal is the whole page's, and the queue or the key says it: the
+    // counts only note it (with its status, so that a 401 still brings the
+    // token form back).
+    if let Err(Fragment(e)) = operator {
+        return (e.status(), pages::counts_refused()).into_response();
+    }
     // The store away is what the counts are there to say: shown, not
     // refused, and asked again at the next refresh.
-    pages::counts(operations::counts(&console.0.engine).await)
+    pages::counts(operations::counts(&console.0.engine).await).into_response()
 }
 
 /// The queue's filters, as the page's form sends them.
@@ -386,7 +392,8 @@ async fn settle(
         .await
     }
     .await;
-    match outcome {
+    let settled = matches!(outcome, Ok(_) | Err(ApiError::NotStuck(_)));
+    let mut res = match outcome {
         Ok(_) => {
             // The key as it now is, with what a retry gets, in place of the
             // page's key panel.
@@ -425,7 +432,14 @@ async fn settle(
                 .insert("hx-reswap", HeaderValue::from_static("innerHTML"));
             res
         }
+    };
+    if settled {
+        // The counts follow at once (htmx fires the event as the answer
+        // arrives, from the form, before the form is replaced).
+        res.headers_mut()
+            .insert("hx-trigger", HeaderValue::from_static("key-settled"));
     }
+    res
 }
 
 /// The operation's body from the form: `complete` takes a status, header

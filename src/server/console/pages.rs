@@ -78,7 +78,7 @@ pub fn shell(main: Main<'_>, docs: bool) -> Markup {
                     }
                     section.panel #counts aria-label="Counts"
                         hx-get="/console/fragments/counts"
-                        hx-trigger="load, every 5s, token-changed from:body" {
+                        hx-trigger="load, every 5s, token-changed from:body, key-settled from:body" {
                         p.muted { "Counting the keys that wait…" }
                     }
                     @match main {
@@ -201,15 +201,21 @@ pub fn counts(counts: Result<Counts, ApiError>) -> Markup {
                 span.muted { "as of " (c.now.format("%H:%M:%S UTC")) }
             }
         },
-        Err(e @ ApiError::StoreUnavailable) => html! {
+        // The queue or the key below says why in full: said once.
+        Err(ApiError::StoreUnavailable) => html! {
             p data-stuck="?" data-up="0" role="alert" {
                 span { "store: " span.down { "unavailable" } }
-                span { (e.problem("").detail) }
                 span.muted { "asked again every 5 s" }
             }
         },
         Err(e) => html! { div data-stuck="?" data-up="?" { (problem(&e)) } },
     }
+}
+
+/// The counts of a page whose requests are refused (no token, a wrong one,
+/// no admin endpoints): the queue or the key below says why, once.
+pub fn counts_refused() -> Markup {
+    html! { p.muted data-stuck="?" data-up="?" { "No counts without an operator's access: see below." } }
 }
 
 /// One page of the queue, with the way to the next.
@@ -222,7 +228,6 @@ pub fn queue(page: &KeyList, query: &ListQuery) -> Markup {
     html! {
         @if page.keys.is_empty() {
             table #queue {
-                caption.muted { "No keys" }
                 tbody { tr { td { "No keys" @if query.cursor.is_some() { " on this page" } " match." } } }
             }
         } @else {
@@ -348,7 +353,7 @@ pub fn key(shown: &Shown, settled: Option<Settled<'_>>) -> Markup {
             }
         }
         h3 { "Timeline" }
-        ol.timeline #timeline { @for (at, what) in timeline(key, shown.now) { li { (when(at, shown.now)) ": " (what) } } }
+        ol.timeline #timeline { @for (at, timed, what) in timeline(key, shown.now) { li { @if timed { (when(at, shown.now)) ": " } (what) } } }
         @if let Some(response) = &shown.response {
             section #response aria-label="Stored response" {
                 h3 { "Stored response" }
@@ -417,7 +422,7 @@ fn settle_form(key: &KeyView) -> Markup {
                     }
                 }
                 div.choice {
-                    input #action-complete type="radio" name="action" value="complete" checked
+                    input #action-complete type="radio" name="action" value="complete"
                         aria-describedby="action-complete-note";
                     div {
                         label for="action-complete" { "Complete: this is what happened" }
@@ -513,13 +518,15 @@ fn not_stuck_note(key: &KeyView, shown: &Shown) -> Markup {
 }
 
 /// The key's life, oldest first, from what its record keeps (no history
-/// table: a takeover's time is not kept, only that there were some).
-fn timeline(key: &KeyView, now: DateTime<Utc>) -> Vec<(DateTime<Utc>, Markup)> {
-    let mut events: Vec<(DateTime<Utc>, Markup)> =
-        vec![(key.created_at, html! { "reserved (attempt 1)" })];
+/// table: a takeover's time is not kept, only that there were some); each
+/// event with whether its time is known (shown) or only its place.
+fn timeline(key: &KeyView, now: DateTime<Utc>) -> Vec<(DateTime<Utc>, bool, Markup)> {
+    let mut events: Vec<(DateTime<Utc>, bool, Markup)> =
+        vec![(key.created_at, true, html! { "reserved (attempt 1)" })];
     if key.attempt > 1 {
         events.push((
             key.lease_expires_at.unwrap_or(key.created_at).min(now),
+            true,
             html! {
                 "taken over: now attempt " (key.attempt) " (" (key.attempt - 1)
                 @if key.attempt == 2 { " takeover" } @else { " takeovers" }
@@ -532,12 +539,14 @@ fn timeline(key: &KeyView, now: DateTime<Utc>) -> Vec<(DateTime<Utc>, Markup)> {
         // reservation, before what follows.
         events.push((
             key.created_at,
+            true,
             html! { "recovery point recorded: " code { (recovery.recovery_point) } },
         ));
     }
     if let Some(mark) = &key.marked_unknown {
         events.push((
             mark.at,
+            true,
             html! { "marked unknown by its holder: " q { (mark.reason) } },
         ));
     }
@@ -545,26 +554,44 @@ fn timeline(key: &KeyView, now: DateTime<Utc>) -> Vec<(DateTime<Utc>, Markup)> {
         && end <= now
         && key.completed_at.is_none()
     {
-        events.push((end, html! { "lease ended without news from its holder" }));
+        events.push((
+            end,
+            true,
+            html! { "lease ended without news from its holder" },
+        ));
+    } else if let Some(r) = &key.resolution
+        && key.marked_unknown.is_none()
+    {
+        // Settled by an operator and never marked unknown: it waited for
+        // one because its lease ended without news. The record keeps no
+        // lease once settled, so that end has no time of its own: placed
+        // just before the settlement.
+        events.push((
+            r.at,
+            false,
+            html! { "lease ended without news from its holder (before it was settled; the time is not kept)" },
+        ));
     }
     if let Some(done) = key.completed_at
         && key.resolution.is_none()
     {
         events.push((
             done,
+            true,
             html! { "completed by its holder" @if let Some(s) = key.status { " (" (s) ")" } },
         ));
     }
     if let Some(r) = &key.resolution {
         events.push((
             r.at,
+            true,
             html! {
                 @if r.action.as_str() == "release" { "released" } @else { "completed" }
                 " by " strong { (r.by) } ": " q { (r.reason) }
             },
         ));
     }
-    events.sort_by_key(|(at, _)| *at);
+    events.sort_by_key(|(at, _, _)| *at);
     events
 }
 

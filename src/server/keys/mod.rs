@@ -370,9 +370,12 @@ fn key_of(key: &KeyRef) -> anyhow::Result<(String, String)> {
 fn refused(e: ApiError) -> anyhow::Error {
     match e {
         ApiError::Internal(why) => anyhow::anyhow!("internal error: {why}"),
-        ApiError::StoreUnavailable => {
-            anyhow::anyhow!("the database named by DATABASE_URL is unavailable")
+        ApiError::StoreUnavailable => crate::server::config::ConfigError {
+            setting: "database_url",
+            problem: "the database is unavailable (store-unavailable); try again once it answers"
+                .into(),
         }
+        .into(),
         other => anyhow::anyhow!("{} ({})", other, other.slug()),
     }
 }

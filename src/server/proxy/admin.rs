@@ -28,6 +28,9 @@ pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Ro
         Tokens::default(),
         args.admin.access(args.admin_listen, &Tokens::default()),
         &args.policy,
+        // The admin listener takes no reservation; the proxy publishes its
+        // own fingerprint rule (`policy_patch`).
+        false,
     );
     let patch = Arc::new(policy_patch(args, policy, sealed));
     let console = console::router(console::Console::new(
@@ -63,6 +66,9 @@ fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
                      `takeover` sends it upstream again with Idempotency-Attempt: N",
         },
         "default_wait_seconds": policy.default_wait.map_or(0, |w| w.as_secs()),
+        // Every guarded request is fingerprinted from its method, path and
+        // body: no key goes unchecked.
+        "fingerprint": { "required": true },
         "stored_response": {
             "statuses": format!(
                 "every status is stored and replayed except {}, which release the key",

@@ -176,7 +176,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
             setting: "admin_listen",
             problem: "cannot listen there".into(),
         })?;
-    let store = open::open_store(&args.store, !args.run.no_migrate).await?;
+    let (store, opened) = open::open_for_serving(&args.store, !args.run.no_migrate).await?;
     let proxy = Proxy::build(&args, routes, store.clone())?;
     // `idemgate keys`, refused the SQLite file this process holds, then says
     // where to ask instead.
@@ -193,6 +193,9 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         admin = %admin.local_addr()?,
         scheme,
         upstream = args.upstream.as_deref().unwrap_or_default(),
+        console = %format!("{scheme}://{}/console", admin.local_addr()?),
+        database = opened.database.as_str(),
+        migrations = opened.migrations.to_string().as_str(),
         "idemgate proxy is listening"
     );
     crate::server::wiring::log_tls(&args.run.tls);

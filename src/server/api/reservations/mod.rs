@@ -58,7 +58,7 @@ pub(super) fn register_metrics() {
         ("Repeatability-Client-ID" = Option<String>, Header, description = "With `Repeatability-Request-ID`: the client the request id is unique within (it scopes the id)."),
     ),
     request_body(content = Option<ReserveBody>, content_type = "application/json",
-        description = "Optional: no body, or `null`, is `{}` (every field takes its default)."),
+        description = "Optional: no body, or `null`, is `{}` (every field takes its default). A server that requires fingerprints (`fingerprint.required` in `GET /v1/policy`) refuses a reservation without `fingerprint` or `request` with 400 invalid-request."),
     responses(
         (status = 201, description = "Reserved: perform the effect, then commit.", body = ReservedView,
          headers(
@@ -175,6 +175,16 @@ async fn reserve(
             Some(fp)
         }
         (None, Some(req)) => Some(fingerprint_of(&req, state)?),
+        (None, None) if state.require_fingerprint => {
+            return Err(ApiError::InvalidRequest(
+                "this server requires every reservation to describe its request \
+                 (IDEMGATE_REQUIRE_FINGERPRINT=true): send `request` ({\"method\", \"path\", \
+                 \"body\"}, fingerprinted here) or `fingerprint` (one you computed, at most 512 \
+                 characters), so that the key reused with another payload is refused (422 \
+                 key-reused) rather than replayed"
+                    .into(),
+            ));
+        }
         (None, None) => None,
     };
     if let Some(first_sent) = keyed.first_sent {
