@@ -41,6 +41,35 @@ async fn admin_view(proxy: &TestProxy, tenant: &str, key: &str) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// A reserve of `key` on `app` with `body`, in the trace of [`traceparent`].
+async fn reserve_traced(app: &TestApp, key: &str, body: &Value) -> TestResponse {
+    let tp = traceparent();
+    let body = body.to_string();
+    let res = app
+        .send(
+            "POST",
+            "/v1/reservations",
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+                ("traceparent", &tp),
+            ],
+            Some(&body),
+        )
+        .await;
+    assert_eq!(res.status, 201, "{res:#?}");
+    res
+}
+
+/// The admin view of tenant `default`'s key named by `hash` (or a prefix).
+async fn view_of(app: &TestApp, hash: &str) -> Value {
+    let view = app
+        .send("GET", &format!("/v1/admin/keys/default/{hash}"), &[], None)
+        .await;
+    assert_eq!(view.status, 200, "{view:#?}");
+    view.body
+}
+
 /// Every raw `request` column, as bytes.
 async fn raw_requests(b: &Backend) -> Vec<Vec<u8>> {
     match b {
@@ -141,53 +170,23 @@ async fn the_proxy_keeps_what_each_key_was_for(b: Backend) {
 async fn the_reservation_api_keeps_the_described_request(b: Backend) {
     let app = TestApp::new(&b.url(), &[]).await;
     let key = fresh_key();
-    let tp = traceparent();
-    let body = json!({"request": {"method": "POST", "path": "/v1/charges?currency=eur", "body": {"amount": 5}}})
-        .to_string();
-    let res = app
-        .send(
-            "POST",
-            "/v1/reservations",
-            &[
-                ("idempotency-key", &key),
-                ("content-type", "application/json"),
-                ("traceparent", &tp),
-            ],
-            Some(&body),
-        )
-        .await;
-    assert_eq!(res.status, 201, "{res:#?}");
-    let view = app
-        .send(
-            "GET",
-            &format!("/v1/admin/keys/default/{}", hash_hex(&key)),
-            &[],
-            None,
-        )
-        .await;
-    assert_eq!(view.status, 200, "{view:#?}");
+    let body = json!({"request": {"method": "POST", "path": "/v1/charges?currency=eur", "body": {"amount": 5}}});
+    reserve_traced(&app, &key, &body).await;
+    let view = view_of(&app, &hash_hex(&key)).await;
     assert_eq!(
-        view.body["request"],
+        view["request"],
         json!({"method": "POST", "path": "/v1/charges?currency=eur"})
     );
-    assert_eq!(view.body["trace_id"], TRACE_ID);
+    assert_eq!(view["trace_id"], TRACE_ID);
 
     let bare = fresh_key();
     assert_eq!(
         app.reserve(&bare, r#"{"fingerprint":"fp"}"#).await.status,
         201
     );
-    let view = app
-        .send(
-            "GET",
-            &format!("/v1/admin/keys/default/{}", &hash_hex(&bare)[..12]),
-            &[],
-            None,
-        )
-        .await;
-    assert_eq!(view.status, 200, "{view:#?}");
-    assert_eq!(view.body["request"], Value::Null);
-    assert_eq!(view.body["trace_id"], Value::Null);
+    let view = view_of(&app, &hash_hex(&bare)[..12]).await;
+    assert_eq!(view["request"], Value::Null);
+    assert_eq!(view["trace_id"], Value::Null);
 }
 
 /// Sealed at rest: the column holds no byte of the path, and the view
@@ -221,25 +220,14 @@ async fn the_request_is_sealed_with_the_responses(b: Backend) {
     let sealing_app = TestApp::new(&url, &["--seal-key", SEAL_KEY]).await;
     let body = json!({"request": {"method": "PUT", "path": "/orders/7"}}).to_string();
     assert_eq!(sealing_app.reserve(&held, &body).await.status, 201);
-    let view = app
-        .send(
-            "GET",
-            &format!("/v1/admin/keys/default/{}", hash_hex(&held)),
-            &[],
-            None,
-        )
-        .await;
-    assert_eq!(view.status, 200, "{view:#?}");
-    assert_eq!(view.body["request"], Value::Null);
-    let view = sealing_app
-        .send(
-            "GET",
-            &format!("/v1/admin/keys/default/{}", hash_hex(&held)),
-            &[],
-            None,
-        )
-        .await;
-    assert_eq!(view.body["request"]["path"], "/orders/7");
+    assert_eq!(
+        view_of(&app, &hash_hex(&held)).await["request"],
+        Value::Null
+    );
+    assert_eq!(
+        view_of(&sealing_app, &hash_hex(&held)).await["request"]["path"],
+        "/orders/7"
+    );
 }
 
 /// A request as the console page's htmx sends it.
@@ -258,26 +246,12 @@ async fn fragment(app: &TestApp, method: &str, path: &str, form: Option<&str>) -
 async fn the_console_shows_and_finds_keys_by_what_they_were_for(b: Backend) {
     let app = TestApp::new(&b.url(), &[]).await;
     let key = fresh_key();
-    let tp = traceparent();
     let body = json!({
         "request": {"method": "POST", "path": "/v1/charges?currency=eur"},
         "lease_seconds": 1,
         "on_lease_expiry": "hold"
-    })
-    .to_string();
-    let res = app
-        .send(
-            "POST",
-            "/v1/reservations",
-            &[
-                ("idempotency-key", &key),
-                ("content-type", "application/json"),
-                ("traceparent", &tp),
-            ],
-            Some(&body),
-        )
-        .await;
-    assert_eq!(res.status, 201, "{res:#?}");
+    });
+    let res = reserve_traced(&app, &key, &body).await;
     let id = res.reservation_id();
     let checkpoint = app
         .act(
