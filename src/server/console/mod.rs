@@ -318,14 +318,16 @@ async fn lookup(
             .filter(|t| !t.is_empty())
             .ok_or_else(|| {
                 ApiError::InvalidRequest(
-                    "give the key's tenant, as the queue shows it (`default` on a server without                      tenant tokens, `anonymous` on a proxy without a tenant header)"
+                    "give the key's tenant, as the queue shows it (`default` on a server without \
+                     tenant tokens, `anonymous` on a proxy without a tenant header)"
                         .into(),
                 )
             })?;
         let text = form.key.unwrap_or_default();
         if text.trim().is_empty() {
             return Err(ApiError::InvalidRequest(
-                "give the key: as the client sent it, or its hash (all 64 hex digits or the                  first 8 or more)"
+                "give the key: as the client sent it, or its hash (all 64 hex digits or the \
+                 first 8 or more)"
                     .into(),
             ));
         }

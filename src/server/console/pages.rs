@@ -134,7 +134,8 @@ pub fn shell(main: Main<'_>, docs: bool) -> Markup {
                                 }
                                 button type="submit" { "Find" }
                                 p.hint #lookup-hint {
-                                    "The key as the client sent it (hashed by idemgate; never logged                                      or kept), or its hash: all 64 hex digits, or the first 8 or more."
+                                    "The key as the client sent it (hashed by idemgate; never logged or kept), \
+                                     or its hash: all 64 hex digits, or the first 8 or more."
                                 }
                             }
                             div #lookup-result role="status" aria-live="polite" {}
