@@ -140,11 +140,18 @@ class World:
         m = self.main
         self.case3 = m.lapsed("acme", lease=1)
         self.case7 = m.lapsed("globex", lease=1)
+        # Each described by its request, as a backend that calls the
+        # reservation API around a charge, a refund and a shipment would.
         self.shots = [
             m.marked_unknown("acme", "the payment provider timed out after the request was sent",
-                             checkpoint="card-authorized"),
-            m.lapsed("globex", lease=1),
-            m.marked_unknown("acme", "the worker lost its connection mid-call"),
+                             checkpoint="card-authorized",
+                             request={"method": "POST", "path": "/v1/charges",
+                                      "body": {"amount": 4200, "currency": "eur"}}),
+            m.lapsed("globex", lease=1,
+                     request={"method": "POST", "path": "/v1/refunds?charge=ch_3Pq",
+                              "body": {"amount": 1500}}),
+            m.marked_unknown("acme", "the worker lost its connection mid-call",
+                             request={"method": "PUT", "path": "/v1/orders/1042/shipment"}),
         ]
         self.narrow_key = self.shots[1]
         self.open_key = self.open_serve.lapsed("default", lease=1)

@@ -38,7 +38,8 @@ class Serve:
         headers = {"idempotency-key": sf_string(key)}
         if tenant in self.tokens:
             headers.update(bearer(self.tokens[tenant]))
-        body.setdefault("fingerprint", f"fp-{key}")
+        if "request" not in body:
+            body.setdefault("fingerprint", f"fp-{key}")
         r = call("POST", f"{self.base}/v1/reservations", body, headers, conn=conn)
         if r.status != 201:
             raise Failed(f"reserve {key} for {tenant}: expected 201, got {r!r}")
@@ -49,11 +50,12 @@ class Serve:
         return call("POST", f"{self.base}{path}", body, headers, conn=conn)
 
     def lapsed(self, tenant: str, key: str | None = None, lease: int = 1,
-               checkpoint: str | None = None) -> tuple[str, str]:
+               checkpoint: str | None = None, request: dict | None = None) -> tuple[str, str]:
         """A key reserved under `hold` with a short lease and never settled:
         once the lease is over it is unknown. Returns (key, hash)."""
         key = key or new_key()
-        res = self.reserve(tenant, key, lease_seconds=lease, on_lease_expiry="hold")
+        extra = {"request": request} if request else {}
+        res = self.reserve(tenant, key, lease_seconds=lease, on_lease_expiry="hold", **extra)
         if checkpoint:
             r = self.post(tenant, f"/v1/reservations/{res['reservation_id']}/checkpoint",
                           {"recovery_point": checkpoint, "data": {"step": 2, "ledger": "ok"}})
@@ -62,10 +64,12 @@ class Serve:
         return key, key_hash(key)
 
     def marked_unknown(self, tenant: str, reason: str, key: str | None = None,
-                       conn=None, checkpoint: str | None = None) -> tuple[str, str]:
+                       conn=None, checkpoint: str | None = None,
+                       request: dict | None = None) -> tuple[str, str]:
         """A key whose holder said it cannot tell whether its effect happened."""
         key = key or new_key()
-        res = self.reserve(tenant, key, conn=conn)
+        extra = {"request": request} if request else {}
+        res = self.reserve(tenant, key, conn=conn, **extra)
         rid = res["reservation_id"]
         if checkpoint:
             r = self.post(tenant, f"/v1/reservations/{rid}/checkpoint",
