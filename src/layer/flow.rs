@@ -43,16 +43,17 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
 
     // === request_filter ===
     let guard = policy.guard(req.method(), req.uri().path());
-    // On the request's log lines, with their OpenTelemetry names: the path
-    // without its query, whose values may hold secrets (the record keeps the
-    // query for the operator, sealed when responses are).
-    let method = req.method().clone();
-    let url_path = req.uri().path().to_owned();
     if !guard.guarded {
         // Extensions and all: a WebSocket handshake keeps the connection's
         // `OnUpgrade`, and its `101` comes back as it is.
         return passthrough(policy, inner, req, started).await;
     }
+    // On the request's log lines, with their OpenTelemetry names: the path
+    // without its query, whose values may hold secrets (the record keeps the
+    // query for the operator, sealed when responses are). Guarded requests
+    // only: a passthrough logs no line of its own.
+    let method = req.method().clone();
+    let url_path = req.uri().path().to_owned();
     // A guarded request is never upgraded, keyed or not: what a switched
     // connection does next can be neither stored nor replayed.
     req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
