@@ -120,7 +120,7 @@ impl std::fmt::Debug for Sealer {
 
 /// A seal setting that cannot be used: which one, and why (never its value).
 #[derive(Debug, PartialEq, Eq)]
-pub struct KeyError {
+pub struct SealKeyError {
     /// `IDEMGATE_SEAL_KEY` or `IDEMGATE_SEAL_KEY_PREVIOUS`.
     pub setting: &'static str,
     /// What is wrong.
@@ -128,18 +128,18 @@ pub struct KeyError {
 }
 
 /// Decodes one base64 key of exactly 32 bytes.
-fn decode_key(setting: &'static str, text: &str) -> Result<[u8; 32], KeyError> {
+fn decode_key(setting: &'static str, text: &str) -> Result<[u8; 32], SealKeyError> {
     let text = text.trim();
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(text)
         .or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(text))
-        .map_err(|_| KeyError {
+        .map_err(|_| SealKeyError {
             setting,
             problem: "not valid base64 (expected 32 random bytes, base64-encoded: \
                       `openssl rand -base64 32`)"
                 .into(),
         })?;
-    <[u8; 32]>::try_from(bytes.as_slice()).map_err(|_| KeyError {
+    <[u8; 32]>::try_from(bytes.as_slice()).map_err(|_| SealKeyError {
         setting,
         problem: format!(
             "decodes to {} bytes; an AES-256 key is exactly 32 bytes (`openssl rand -base64 32`)",
@@ -159,7 +159,7 @@ impl Sealer {
 
     /// A sealer from the settings' text: `current` base64, `previous`
     /// comma-separated base64 keys (empty entries ignored).
-    pub fn from_settings(current: &str, previous: Option<&str>) -> Result<Sealer, KeyError> {
+    pub fn from_settings(current: &str, previous: Option<&str>) -> Result<Sealer, SealKeyError> {
         let current = decode_key("IDEMGATE_SEAL_KEY", current)?;
         let previous = previous
             .unwrap_or_default()

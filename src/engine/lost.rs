@@ -115,17 +115,17 @@ async fn sweep(lost: Weak<LostClaims>) {
                 continue;
             }
             match settle(&*lost.store, &entry.tenant, entry.id).await {
-                Ok(Some((key_hash, Settled::Released))) => tracing::info!(
+                Ok(Some((key_hash, LostClaimSettledAs::Released))) => tracing::info!(
                     key.hash = %crate::key::hash_prefix(&key_hash),
                     "a claim whose answer was lost had committed: released, for its request was \
                      never sent"
                 ),
-                Ok(Some((key_hash, Settled::LeaseEnded))) => tracing::info!(
+                Ok(Some((key_hash, LostClaimSettledAs::LeaseEnded))) => tracing::info!(
                     key.hash = %crate::key::hash_prefix(&key_hash),
                     "a takeover whose answer was lost had committed: its lease ended, so the next \
                      request takes the key over as a later attempt (an earlier one may have acted)"
                 ),
-                Ok(Some((key_hash, Settled::Unknown))) => tracing::warn!(
+                Ok(Some((key_hash, LostClaimSettledAs::Unknown))) => tracing::warn!(
                     key.hash = %crate::key::hash_prefix(&key_hash),
                     "a takeover whose answer was lost had committed under hold: the key is \
                      unknown, for an earlier attempt may have acted"
@@ -149,7 +149,7 @@ async fn sweep(lost: Weak<LostClaims>) {
 }
 
 /// What became of a lost claim's key.
-enum Settled {
+enum LostClaimSettledAs {
     Released,
     LeaseEnded,
     Unknown,
@@ -162,7 +162,7 @@ async fn settle(
     store: &dyn Store,
     tenant: &str,
     id: Uuid,
-) -> Result<Option<(Vec<u8>, Settled)>, StoreError> {
+) -> Result<Option<(Vec<u8>, LostClaimSettledAs)>, StoreError> {
     let Some(found) = store.find_by_reservation(tenant, id).await? else {
         return Ok(None);
     };
@@ -174,14 +174,14 @@ async fn settle(
         return Ok(store
             .release(tenant, id)
             .await?
-            .map(|key_hash| (key_hash, Settled::Released)));
+            .map(|key_hash| (key_hash, LostClaimSettledAs::Released)));
     }
     let key_hash = record.key_hash.clone();
     let settled = match record.on_lease_expiry {
         LeaseExpiry::Takeover => store
             .extend(tenant, id, 0)
             .await?
-            .map(|_| Settled::LeaseEnded),
+            .map(|_| LostClaimSettledAs::LeaseEnded),
         LeaseExpiry::Hold => store
             .mark_unknown(
                 tenant,
@@ -189,7 +189,7 @@ async fn settle(
                 "a later attempt's claim was lost with the store; an earlier attempt may have acted",
             )
             .await?
-            .map(|_| Settled::Unknown),
+            .map(|_| LostClaimSettledAs::Unknown),
     };
     Ok(settled.map(|settled| (key_hash, settled)))
 }

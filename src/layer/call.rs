@@ -13,7 +13,7 @@ use http::Request;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::holder::{Holder, Settled};
+use super::holder::{Holder, SettledAs};
 use super::shared::{Inner, Shared};
 use crate::engine::{EngineError, ReserveOutcome, ReserveRequest};
 use crate::telemetry::Outcome;
@@ -43,7 +43,7 @@ pub(super) enum Decision {
     /// holder's answer comes on `answer`.
     Holding {
         attempt: i32,
-        answer: oneshot::Receiver<(Settled, Response)>,
+        answer: oneshot::Receiver<(SettledAs, Response)>,
     },
     /// Anything else (a replay, a refusal).
     Other(ReserveOutcome),

@@ -18,8 +18,8 @@ use tracing::Instrument;
 
 use super::call::{Call, Decided, Decision};
 use super::encoding;
-use super::holder::{Settled, timed_out};
-use super::policy::{LayerPolicy, Tenant};
+use super::holder::{SettledAs, timed_out};
+use super::policy::{LayerPolicy, TenantSource};
 use super::shared::{Inner, Shared};
 use crate::engine::{ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
@@ -190,7 +190,7 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     let outcome = decision.outcome();
     let (outcome, settled, res) = match decision {
         Decision::Holding { answer, .. } => match answer.await {
-            Ok((Settled::Released, res)) => (Outcome::Released, Some(Settled::Released), res),
+            Ok((SettledAs::Released, res)) => (Outcome::Released, Some(SettledAs::Released), res),
             Ok((settled, res)) => (outcome, Some(settled), res),
             Err(_) => {
                 let e = ApiError::Internal("the request task ended without an answer".into());
@@ -223,7 +223,7 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
         tenant.id = %tenant_shown,
         key.hash = %key_hash,
         outcome = outcome.as_str(),
-        settled = settled.map(Settled::as_str),
+        settled = settled.map(SettledAs::as_str),
         status = res.status().as_u16(),
         "idempotency"
     );
@@ -272,8 +272,8 @@ async fn passthrough(
 fn tenant_of(parts: &http::request::Parts, policy: &LayerPolicy) -> String {
     let mut hasher = Sha256::new();
     match &policy.tenant {
-        Tenant::Single => return ANONYMOUS.to_owned(),
-        Tenant::Header(name) => {
+        TenantSource::Single => return ANONYMOUS.to_owned(),
+        TenantSource::Header(name) => {
             let mut values = parts.headers.get_all(name).iter().peekable();
             if values.peek().is_none() {
                 return ANONYMOUS.to_owned();
@@ -285,7 +285,7 @@ fn tenant_of(parts: &http::request::Parts, policy: &LayerPolicy) -> String {
                 hasher.update(value.as_bytes());
             }
         }
-        Tenant::From(of) => match of(parts) {
+        TenantSource::From(of) => match of(parts) {
             Some(id) => hasher.update(id.as_bytes()),
             None => return ANONYMOUS.to_owned(),
         },

@@ -32,7 +32,7 @@ const FENCE: Duration = Duration::from_secs(1);
 
 /// What became of the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Settled {
+pub(crate) enum SettledAs {
     /// The response is stored for replay.
     Stored,
     /// Status and headers stored; the body was over the limit.
@@ -61,20 +61,20 @@ pub(crate) enum Settled {
     NotSent,
 }
 
-impl Settled {
+impl SettledAs {
     /// For the log line.
     pub fn as_str(self) -> &'static str {
         match self {
-            Settled::Stored => "stored",
-            Settled::Tombstone => "tombstone",
-            Settled::Released => "released",
-            Settled::InFlight => "in_flight",
-            Settled::Unknown => "unknown",
-            Settled::Deferred => "deferred",
-            Settled::RunningOn => "running_on",
-            Settled::Streaming => "streaming",
-            Settled::NotStored => "not_stored",
-            Settled::NotSent => "not_sent",
+            SettledAs::Stored => "stored",
+            SettledAs::Tombstone => "tombstone",
+            SettledAs::Released => "released",
+            SettledAs::InFlight => "in_flight",
+            SettledAs::Unknown => "unknown",
+            SettledAs::Deferred => "deferred",
+            SettledAs::RunningOn => "running_on",
+            SettledAs::Streaming => "streaming",
+            SettledAs::NotStored => "not_stored",
+            SettledAs::NotSent => "not_sent",
         }
     }
 }
@@ -103,7 +103,7 @@ pub(crate) struct Holder {
 }
 
 /// What the holder answers its client with, and what became of the key.
-pub(crate) type Reply = oneshot::Sender<(Settled, Response)>;
+pub(crate) type Reply = oneshot::Sender<(SettledAs, Response)>;
 
 impl Holder {
     /// Calls the inner service, answers the client through `reply`, and
@@ -168,7 +168,7 @@ impl Holder {
     /// store is back, and the client gets the `503`. A pause after this
     /// check, before the request's bytes leave, is not caught: that window
     /// is the origin's to fence, with the key and the attempt it is sent.
-    async fn fence(&mut self) -> Result<(), (Settled, Response)> {
+    async fn fence(&mut self) -> Result<(), (SettledAs, Response)> {
         let policy = &self.shared.policy;
         let lease = policy.lease;
         if Instant::now() + FENCE.min(lease / 4) < self.lease_ends {
@@ -198,7 +198,7 @@ impl Holder {
                     lease_expires_at: Utc::now()
                         + chrono::TimeDelta::from_std(lease).unwrap_or_default(),
                 };
-                Err((Settled::NotSent, policy.problem(e)))
+                Err((SettledAs::NotSent, policy.problem(e)))
             }
             Err(e) => {
                 tracing::warn!(
@@ -209,7 +209,7 @@ impl Holder {
                      and the key is settled once the store is back"
                 );
                 engine.settle_unsent(&self.tenant, self.reservation_id);
-                Err((Settled::NotSent, policy.problem(ApiError::from(e))))
+                Err((SettledAs::NotSent, policy.problem(ApiError::from(e))))
             }
         }
     }
@@ -281,7 +281,7 @@ impl Holder {
                     if let Some(reply) = reply.take() {
                         let after = policy.answer_timeout.unwrap_or_default();
                         let res = timed_out(policy, after, true);
-                        let _ = reply.send((Settled::RunningOn, res));
+                        let _ = reply.send((SettledAs::RunningOn, res));
                     }
                 }
                 () = until(give_up) => return None,
@@ -290,7 +290,7 @@ impl Holder {
     }
 
     /// Releases, stores or leaves the key as `produced` says.
-    async fn settle(&self, produced: Produced) -> (Settled, Response) {
+    async fn settle(&self, produced: Produced) -> (SettledAs, Response) {
         let policy = &self.shared.policy;
         match produced {
             Produced::Failed(e) => {
@@ -305,7 +305,7 @@ impl Holder {
             }
             Produced::NotExecuted(res) => {
                 self.release().await;
-                (Settled::Released, res)
+                (SettledAs::Released, res)
             }
             Produced::Unknown(res) => (
                 self.outcome_unknown("the inner service said its outcome is unknown")
@@ -338,7 +338,7 @@ impl Holder {
             }
             // Taken by `run` before it settles anything.
             Produced::Streaming(..) => (
-                Settled::InFlight,
+                SettledAs::InFlight,
                 policy.problem(ApiError::Internal("a stream settled as a whole".into())),
             ),
         }
@@ -384,7 +384,7 @@ impl Holder {
         &self,
         stored: StoredResponse,
         headers: &mut http::HeaderMap,
-    ) -> Settled {
+    ) -> SettledAs {
         let engine = &self.shared.engine;
         match engine
             .commit(&self.tenant, self.reservation_id, &stored)
@@ -392,7 +392,7 @@ impl Holder {
         {
             Ok(CommitOutcome::Committed(record) | CommitOutcome::AlreadyCommitted(record)) => {
                 crate::headers::set_expires(headers, record.expires_at);
-                Settled::Stored
+                SettledAs::Stored
             }
             Ok(CommitOutcome::Refused(refusal)) => {
                 tracing::warn!(
@@ -400,7 +400,7 @@ impl Holder {
                     reason = ?refusal,
                     "the response was not stored"
                 );
-                Settled::NotStored
+                SettledAs::NotStored
             }
             Err(StoreError::Unavailable { why, .. }) => {
                 tracing::warn!(
@@ -427,11 +427,11 @@ impl Holder {
                     },
                     span,
                 ));
-                Settled::Deferred
+                SettledAs::Deferred
             }
             Err(StoreError::Other { why, .. }) => {
                 tracing::error!(key.hash = %self.key_hash, error = %why, "the response was not stored");
-                Settled::NotStored
+                SettledAs::NotStored
             }
         }
     }

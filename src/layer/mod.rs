@@ -155,7 +155,7 @@ pub use headers::{
     strip_connection_headers,
 };
 pub use layer::IdempotencyLayer;
-pub use policy::{LayerPolicy, Route, Tenant, TenantFn};
+pub use policy::{LayerPolicy, Route, TenantFn, TenantSource};
 pub use service::Idempotency;
 
 /// Response extension: the request never reached the origin (the proxy sets

@@ -20,7 +20,7 @@ use http_body_util::BodyExt;
 use tokio::time::Instant;
 
 use super::headers::{IDEMPOTENCY_BODY_OMITTED, storable};
-use super::holder::{Holder, Reply, Settled};
+use super::holder::{Holder, Reply, SettledAs};
 use super::produce::concat;
 use super::tee::Tee;
 use crate::headers::set_expires;
@@ -73,7 +73,7 @@ impl Holder {
                 let mut parts = parts;
                 set_expires(&mut parts.headers, self.expires_at);
                 let res = Response::from_parts(parts, Body::new(body));
-                let _ = reply.send((Settled::Streaming, res));
+                let _ = reply.send((SettledAs::Streaming, res));
                 tee
             }
             // The client had its 504 at the answer timeout: record alone.
@@ -113,7 +113,7 @@ impl Holder {
                     body: Vec::new(),
                 };
                 let settled = match self.commit(stored, &mut ignored).await {
-                    Settled::Stored => Settled::Tombstone,
+                    SettledAs::Stored => SettledAs::Tombstone,
                     other => other,
                 };
                 self.pump(rest, out, started).await;

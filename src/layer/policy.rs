@@ -27,7 +27,8 @@ pub(crate) enum Door {
 }
 
 impl Door {
-    /// The `mode` label of the metrics.
+    /// The door's name as the metrics carry it: their `mode` label (a
+    /// public label, named before the code said "door").
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Door::Layer => "layer",
@@ -49,14 +50,14 @@ impl Door {
 /// Whose keys a request's key is among: keys are scoped by tenant, so two
 /// callers never see each other's records.
 #[derive(Clone)]
-pub enum Tenant {
+pub enum TenantSource {
     /// Every request in one tenant.
     Single,
     /// The SHA-256 of this header's value(s); requests without it share one
     /// anonymous tenant. A credential that changes between a timeout and the
     /// retry (an OAuth token refreshed) lands the retry in another tenant,
     /// where it executes again: name a header that a gateway sets from the
-    /// authenticated caller, or use [`Tenant::From`].
+    /// authenticated caller, or use [`TenantSource::From`].
     Header(HeaderName),
     /// What the function makes of the request's head: its extensions hold
     /// what an authentication layer in front put there (the principal).
@@ -65,15 +66,15 @@ pub enum Tenant {
     From(TenantFn),
 }
 
-/// A function from a request's head to its tenant's id (see [`Tenant::From`]).
+/// A function from a request's head to its tenant's id (see [`TenantSource::From`]).
 pub type TenantFn = Arc<dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync>;
 
-impl std::fmt::Debug for Tenant {
+impl std::fmt::Debug for TenantSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Tenant::Single => f.write_str("Single"),
-            Tenant::Header(name) => f.debug_tuple("Header").field(name).finish(),
-            Tenant::From(_) => f.write_str("From(..)"),
+            TenantSource::Single => f.write_str("Single"),
+            TenantSource::Header(name) => f.debug_tuple("Header").field(name).finish(),
+            TenantSource::From(_) => f.write_str("From(..)"),
         }
     }
 }
@@ -111,8 +112,8 @@ pub struct LayerPolicy {
     /// How keys are validated.
     pub key_policy: KeyPolicy,
     /// Whose keys a request's key is among (default: the SHA-256 of
-    /// `Authorization`; see [`Tenant::Header`] for what that costs).
-    pub tenant: Tenant,
+    /// `Authorization`; see [`TenantSource::Header`] for what that costs).
+    pub tenant: TenantSource,
     /// What goes into the fingerprint.
     pub fingerprint_policy: FingerprintPolicy,
     /// Statuses that mean the origin did not act: the response is returned
@@ -184,7 +185,7 @@ impl Default for LayerPolicy {
             require_key: false,
             key_header: HeaderName::from_static("idempotency-key"),
             key_policy: KeyPolicy::default(),
-            tenant: Tenant::Header(http::header::AUTHORIZATION),
+            tenant: TenantSource::Header(http::header::AUTHORIZATION),
             fingerprint_policy: FingerprintPolicy::default(),
             release_statuses: vec![408, 425, 429, 503],
             store_headers_deny: vec![http::header::SET_COOKIE, http::header::WWW_AUTHENTICATE],
@@ -230,7 +231,7 @@ setters! {
     /// Sets [`key_policy`](#structfield.key_policy).
     key_policy: KeyPolicy;
     /// Sets [`tenant`](#structfield.tenant).
-    tenant: Tenant;
+    tenant: TenantSource;
     /// Sets [`fingerprint_policy`](#structfield.fingerprint_policy).
     fingerprint_policy: FingerprintPolicy;
     /// Sets [`release_statuses`](#structfield.release_statuses).
@@ -261,18 +262,18 @@ impl LayerPolicy {
     /// The tenant from the header `name` (`None`: one tenant for all).
     #[must_use]
     pub fn tenant_header(self, name: Option<HeaderName>) -> LayerPolicy {
-        self.tenant(name.map_or(Tenant::Single, Tenant::Header))
+        self.tenant(name.map_or(TenantSource::Single, TenantSource::Header))
     }
 
     /// The tenant from the caller's identity: `of` reads the request's head,
     /// typically the principal an authentication layer put in its
-    /// extensions (see [`Tenant::From`]).
+    /// extensions (see [`TenantSource::From`]).
     #[must_use]
     pub fn tenant_from(
         self,
         of: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
     ) -> LayerPolicy {
-        self.tenant(Tenant::From(Arc::new(of)))
+        self.tenant(TenantSource::From(Arc::new(of)))
     }
 
     /// The same policy, enforced by the proxy.

@@ -4,7 +4,7 @@
 //! have: the key is held unknown (`hold`), or left to the next attempt
 //! (`takeover`), never forgotten.
 
-use super::holder::{Holder, Reply, Settled, timed_out};
+use super::holder::{Holder, Reply, SettledAs, timed_out};
 use crate::store::LeaseExpiry;
 
 // === impl Holder ===
@@ -31,14 +31,14 @@ impl Holder {
     /// is marked unknown, so no request runs it again; under `takeover` it
     /// stays in flight until its lease ends.
     /// `why` is kept with the record for the operator who settles it.
-    pub(super) async fn outcome_unknown(&self, why: &'static str) -> Settled {
+    pub(super) async fn outcome_unknown(&self, why: &'static str) -> SettledAs {
         if self.on_lease_expiry == LeaseExpiry::Takeover {
             tracing::warn!(
                 key.hash = %self.key_hash,
                 "the outcome is unknown; the key stays in flight until its lease ends, then a \
                  retry takes it over (on_lease_expiry = takeover)"
             );
-            return Settled::InFlight;
+            return SettledAs::InFlight;
         }
         match self
             .shared
@@ -52,11 +52,11 @@ impl Holder {
                     "the outcome is unknown: the key is held, and every request with it gets \
                      409 outcome-unknown until it is settled"
                 );
-                Settled::Unknown
+                SettledAs::Unknown
             }
             Ok(Err(refusal)) => {
                 tracing::warn!(key.hash = %self.key_hash, reason = ?refusal, "the key could not be marked unknown");
-                Settled::NotStored
+                SettledAs::NotStored
             }
             Err(e) => {
                 tracing::warn!(
@@ -65,7 +65,7 @@ impl Holder {
                     "the key could not be marked unknown; it is held all the same, and becomes \
                      unknown when its lease ends"
                 );
-                Settled::Unknown
+                SettledAs::Unknown
             }
         }
     }
@@ -75,7 +75,7 @@ impl Holder {
     /// next request must still be sent as a later attempt. Under `takeover`
     /// its lease ends now, so the next request takes it over with the next
     /// `Idempotency-Attempt`; under `hold` its outcome is unknown.
-    pub(super) async fn not_executed_again(&self) -> Settled {
+    pub(super) async fn not_executed_again(&self) -> SettledAs {
         if self.on_lease_expiry == LeaseExpiry::Hold {
             return self
                 .outcome_unknown("a later attempt did not act, but an earlier one may have")
@@ -102,6 +102,6 @@ impl Holder {
                 "the lease could not be ended; the next attempt takes the key over once it ends"
             ),
         }
-        Settled::InFlight
+        SettledAs::InFlight
     }
 }

@@ -400,7 +400,7 @@ async fn settle(
             // The key as it now is, with what a retry gets, in place of the
             // page's key panel.
             match operations::show_with_response(&console.0.engine, &tenant, &key_hash).await {
-                Ok(shown) => pages::key(&shown, Some(pages::Settled::Now)).into_response(),
+                Ok(shown) => pages::key(&shown, Some(pages::SettleMessage::Now)).into_response(),
                 // Released: forgotten, so there is nothing left to show but
                 // that.
                 Err(ApiError::NotFound(_)) => pages::released(&by).into_response(),
@@ -413,7 +413,7 @@ async fn settle(
             match operations::show_with_response(&console.0.engine, &tenant, &key_hash).await {
                 Ok(shown) => (
                     StatusCode::CONFLICT,
-                    pages::key(&shown, Some(pages::Settled::Already(&detail))),
+                    pages::key(&shown, Some(pages::SettleMessage::Already(&detail))),
                 )
                     .into_response(),
                 // Released: forgotten, but who released it is in the

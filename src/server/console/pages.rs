@@ -296,7 +296,7 @@ fn filters_note(query: &ListQuery) -> String {
 }
 
 /// How a settle ended, for the key panel's message.
-pub enum Settled<'a> {
+pub enum SettleMessage<'a> {
     /// This request settled it.
     Now,
     /// Someone settled it first: the endpoint's `409` detail.
@@ -305,7 +305,7 @@ pub enum Settled<'a> {
 
 /// One key: its view, its timeline, its stored response, and the settle
 /// form while it waits for a person.
-pub fn key(shown: &Shown, settled: Option<Settled<'_>>) -> Markup {
+pub fn key(shown: &Shown, settled: Option<SettleMessage<'_>>) -> Markup {
     let key = &shown.view;
     let stuck = is_stuck(key, shown.now);
     let settled_now = settled.is_some();
@@ -313,13 +313,13 @@ pub fn key(shown: &Shown, settled: Option<Settled<'_>>) -> Markup {
         h2 { "Key " (prefix(&key.key_hash)) }
         div #settle-result role="status" aria-live="polite" {
             @match settled {
-                Some(Settled::Now) => {
+                Some(SettleMessage::Now) => {
                     p.settled {
                         "Settled: the key is now " strong { (key.state.as_str()) } ". "
                         (retry_now(shown))
                     }
                 }
-                Some(Settled::Already(detail)) => {
+                Some(SettleMessage::Already(detail)) => {
                     p.problem { (detail) ". " (retry_now(shown)) }
                 }
                 None => {}

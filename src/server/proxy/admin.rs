@@ -13,7 +13,7 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use crate::engine::Engine;
-use crate::layer::{LayerPolicy, Tenant};
+use crate::layer::{LayerPolicy, TenantSource};
 use crate::server::api::{self, AppState};
 use crate::server::auth::Tokens;
 use crate::server::config::ProxyArgs;
@@ -48,11 +48,11 @@ pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Ro
 fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
     let statuses: Vec<String> = policy.release_statuses.iter().map(u16::to_string).collect();
     let tenant = match &policy.tenant {
-        Tenant::Header(h) => format!(
+        TenantSource::Header(h) => format!(
             "keys are scoped by tenant: (SHA-256 of the {h} header, SHA-256(key)); requests \
              without it share one anonymous tenant"
         ),
-        Tenant::Single | Tenant::From(_) => "one tenant: (SHA-256(key))".to_owned(),
+        TenantSource::Single | TenantSource::From(_) => "one tenant: (SHA-256(key))".to_owned(),
     };
     json!({
         "header": args.key_header.spelled,

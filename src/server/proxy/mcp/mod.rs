@@ -67,7 +67,7 @@ pub const PROBLEM_META: &str = "dev.idemgate/problem";
 const UNAVAILABLE: i64 = -32000;
 
 /// The door's state.
-struct Door {
+struct McpDoorState {
     client: ProxyClient,
     guarded: Idempotency<McpUpstream>,
     running: Arc<Running>,
@@ -90,7 +90,7 @@ pub fn router(
     max_body_bytes: usize,
 ) -> Router {
     let running = Arc::new(Running::default());
-    let door = Door {
+    let door = McpDoorState {
         guarded: layer.layer(McpUpstream {
             client: client.clone(),
             running: running.clone(),
@@ -113,7 +113,7 @@ pub const FINGERPRINT_IGNORE: [&str; 2] = ["/id", "/params/_meta"];
 /// sent to the server all the same.
 const SESSION_END_BOUND: std::time::Duration = std::time::Duration::from_secs(300);
 
-async fn handle(State(door): State<Arc<Door>>, req: Request<Body>) -> Response {
+async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Response {
     if req.method() == Method::DELETE
         && let Some(session) = req
             .headers()
@@ -198,7 +198,7 @@ async fn handle(State(door): State<Arc<Door>>, req: Request<Body>) -> Response {
     }
 }
 
-impl Door {
+impl McpDoorState {
     async fn forward(&self, req: Request<Body>) -> Response {
         match self.client.clone().oneshot(req).await {
             Ok(res) => res,
