@@ -140,14 +140,12 @@ mod holder;
     reason = "tower-http's layout: layer.rs, service.rs, future.rs"
 )]
 mod layer;
-mod passing;
 mod path;
 mod policy;
 mod produce;
 mod service;
 mod shared;
 mod tee;
-mod unknown;
 
 pub use future::ResponseFuture;
 pub use headers::{

@@ -3,7 +3,11 @@
 //! if the response head is slower, and the call then runs on), and settles
 //! the key: released, stored, stored as a tombstone, or left in flight. A
 //! body that is not all there at once is streamed to the client and
-//! recorded as it passes ([`super::passing`]).
+//! recorded as it passes ([`streaming`]); a call whose outcome cannot be
+//! known is held or left to the next attempt ([`unknown`]).
+
+mod streaming;
+mod unknown;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,13 +20,13 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::deferred::retry_commit;
-use super::headers::storable;
-use super::policy::{Door, LayerPolicy};
-use super::produce::{Produced, produce};
-use super::shared::{Inner, Shared};
 use crate::engine::CommitOutcome;
 use crate::headers::IDEMPOTENCY_ATTEMPT;
+use crate::layer::deferred::retry_commit;
+use crate::layer::headers::storable;
+use crate::layer::policy::{Door, LayerPolicy};
+use crate::layer::produce::{Produced, produce};
+use crate::layer::shared::{Inner, Shared};
 use crate::problem::ApiError;
 use crate::store::{LeaseExpiry, StoreError, StoredResponse};
 

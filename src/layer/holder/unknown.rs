@@ -4,7 +4,7 @@
 //! have: the key is held unknown (`hold`), or left to the next attempt
 //! (`takeover`), never forgotten.
 
-use super::holder::{Holder, Reply, SettledAs, timed_out};
+use super::{Holder, Reply, SettledAs, timed_out};
 use crate::store::LeaseExpiry;
 
 // === impl Holder ===

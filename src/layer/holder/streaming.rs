@@ -19,11 +19,11 @@ use http::response::Parts;
 use http_body_util::BodyExt;
 use tokio::time::Instant;
 
-use super::headers::{IDEMPOTENCY_BODY_OMITTED, storable};
-use super::holder::{Holder, Reply, SettledAs};
-use super::produce::concat;
-use super::tee::Tee;
+use super::{Holder, Reply, SettledAs};
 use crate::headers::set_expires;
+use crate::layer::headers::{IDEMPOTENCY_BODY_OMITTED, storable};
+use crate::layer::produce::concat;
+use crate::layer::tee::Tee;
 use crate::store::StoredResponse;
 
 /// How the body's pass through the holder ended.
