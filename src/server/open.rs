@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use crate::engine::{Engine, Limits};
+use crate::seal::Sealer;
 use crate::server::config::{ConfigError, RunArgs, StoreArgs};
 use crate::store::Store;
 
@@ -452,10 +453,21 @@ fn unsupported(scheme: &str) -> ConfigError {
 /// The engine over `store` within `limits`, with the replay cache, seal keys
 /// and tenant limits of `run`.
 pub fn engine(run: &RunArgs, store: Arc<dyn Store>, limits: Limits) -> Result<Engine, ConfigError> {
-    Ok(Engine::new(store, limits)
+    Ok(engine_sealed(run, run.sealer()?, store, limits))
+}
+
+/// The engine of `run`'s settings with `sealer`, the seal settings already
+/// read.
+pub fn engine_sealed(
+    run: &RunArgs,
+    sealer: Option<Sealer>,
+    store: Arc<dyn Store>,
+    limits: Limits,
+) -> Engine {
+    Engine::new(store, limits)
         .with_replay_cache(run.replay_cache_bytes)
-        .with_sealer(run.sealer()?)
-        .with_tenant_limits(run.tenant_limits()))
+        .with_sealer(sealer)
+        .with_tenant_limits(run.tenant_limits())
 }
 
 /// Starts the pruning job over `store`, unless `run` turns it off.

@@ -7,19 +7,14 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 
 use crate::server::api::{self, AppState};
-use crate::server::config::{ConfigError, ServeArgs};
+use crate::server::config::{Checked, ConfigError, ServeArgs};
 use crate::server::{console, open, serve, tls};
 use crate::store::Store;
 
-/// The reservation API's state from its settings.
-///
-/// # Panics
-///
-/// When a seal setting is unusable: [`ServeArgs::validate`] refuses those
-/// first.
-pub fn app_state(args: &ServeArgs, store: Arc<dyn Store>) -> AppState {
-    let engine = open::engine(&args.run, store, args.policy.limits())
-        .expect("seal settings are checked by ServeArgs::validate");
+/// The reservation API's state from its settings, as
+/// [`ServeArgs::validate`] found them (`checked`).
+pub fn app_state(args: &ServeArgs, checked: Checked, store: Arc<dyn Store>) -> AppState {
+    let engine = open::engine_sealed(&args.run, checked.sealer, store, args.policy.limits());
     let tokens = args.tokens.clone().unwrap_or_default();
     let admin = args.admin.access(args.listen, &tokens);
     AppState::new(
@@ -52,7 +47,7 @@ pub fn router(state: AppState) -> axum::Router {
 
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    args.validate()?;
+    let checked = args.validate()?;
     // The certificate before the store too: an unusable one refuses the
     // start, naming its setting.
     let tls = tls::Listener::from_args(&args.run.tls)?;
@@ -64,7 +59,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         problem: "cannot listen there".into(),
     })?;
     let (store, opened) = open::open_for_serving(&args.store, !args.run.no_migrate).await?;
-    let state = app_state(&args, store.clone());
+    let state = app_state(&args, checked, store.clone());
     if state.tokens.is_empty() {
         tracing::warn!(
             listen = %args.listen,

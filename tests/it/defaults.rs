@@ -105,7 +105,7 @@ fn start(sub: &str, base: &[&str], flag: &str, value: u64) -> Result<(), (bool, 
     };
     let refused = |e: ConfigError, sources: &Sources| (false, sources.render(&e));
     match cli.command {
-        Command::Serve(args) => args.validate().map_err(|e| refused(e, &sources)),
+        Command::Serve(args) => args.validate().map(drop).map_err(|e| refused(e, &sources)),
         Command::Proxy(args) => {
             args.validate().map_err(|e| refused(e, &sources))?;
             // What the proxy builds from them must not panic either.
@@ -211,7 +211,7 @@ fn parsed(args: &[&str]) -> Command {
         .collect();
     let (cli, sources) = cli::parse(argv).unwrap_or_else(|e| panic!("{args:?}: {e:?}"));
     let checked = match &cli.command {
-        Command::Serve(a) => a.validate(),
+        Command::Serve(a) => a.validate().map(drop),
         Command::Proxy(a) => a.validate(),
         _ => Ok(()),
     };
@@ -309,7 +309,7 @@ fn two_values_the_operator_set_at_odds_are_refused_naming_both() {
             .collect();
         let (cli, sources) = cli::parse(argv).unwrap();
         let refused = match cli.command {
-            Command::Serve(a) => a.validate(),
+            Command::Serve(a) => a.validate().map(drop),
             Command::Proxy(a) => a.validate(),
             _ => unreachable!(),
         }

@@ -24,7 +24,7 @@ pub use admin::{AdminAccess, AdminArgs, AdminMode, LOOPBACK_OPERATOR};
 pub use policy::PolicyArgs;
 pub use proxy::{Header, ProxyArgs};
 pub use run::{RunArgs, SealArgs, TlsArgs};
-pub use serve::ServeArgs;
+pub use serve::{Checked, ServeArgs};
 pub use source::{Origin, Sources};
 pub use store::{PgPooler, StoreArgs};
 

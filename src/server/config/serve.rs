@@ -6,6 +6,7 @@ use clap::Args;
 
 use super::tokens::{TokensParser, parse_tenant_tokens};
 use super::{AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, heading};
+use crate::seal::Sealer;
 use crate::server::auth::Tokens;
 
 /// Settings of `idemgate serve`.
@@ -51,8 +52,10 @@ pub struct ServeArgs {
 // === impl ServeArgs ===
 
 impl ServeArgs {
-    /// Refuses settings the server must not start with; protected mode first.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// Refuses settings the server must not start with, protected mode
+    /// first; what it built while checking them comes back as [`Checked`],
+    /// which the server's state is made from.
+    pub fn validate(&self) -> Result<Checked, ConfigError> {
         let open = self.tokens.as_ref().is_none_or(Tokens::is_empty);
         if open && !self.listen.ip().is_loopback() {
             return Err(ConfigError {
@@ -66,10 +69,20 @@ impl ServeArgs {
                 ),
             });
         }
-        self.run.sealer()?;
+        let sealer = self.run.sealer()?;
         self.run.tls.validate()?;
-        self.policy.validate()
+        self.policy.validate()?;
+        Ok(Checked { sealer })
     }
+}
+
+/// What [`ServeArgs::validate`] built from settings it found usable: the
+/// only way to the server's state ([`app_state`](crate::server::wiring::app_state)),
+/// so no part of it can be built from settings nobody checked.
+#[derive(Debug)]
+pub struct Checked {
+    /// The sealer of `IDEMGATE_SEAL_KEY`, if set.
+    pub(crate) sealer: Option<Sealer>,
 }
 
 #[cfg(test)]

@@ -109,7 +109,8 @@ impl TestApp {
             }
         };
         let args = serve_args(flags);
-        let state = wiring::app_state(&args, store.clone());
+        let checked = args.validate().expect("valid settings");
+        let state = wiring::app_state(&args, checked, store.clone());
         let mut secrets = Vec::new();
         if let Some(pos) = flags.iter().position(|f| *f == "--tokens") {
             for pair in flags[pos + 1].split(',') {
