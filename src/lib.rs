@@ -24,6 +24,7 @@
 #![forbid(unsafe_code)]
 #![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
+mod admission;
 mod body;
 mod durations;
 pub mod engine;

@@ -4,7 +4,7 @@
 //! `logging`.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::response::Response;
@@ -21,12 +21,13 @@ use super::encoding;
 use super::holder::{SettledAs, timed_out};
 use super::policy::{LayerPolicy, TenantSource};
 use super::shared::{Inner, Shared};
+use crate::admission::{self, NotAdmitted};
 use crate::engine::{ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
 use crate::headers::{
     IDEMPOTENCY_ATTEMPT, mark_replayed, prefer_wait, set_expires, set_repeatability_result,
 };
-use crate::key::{self, Dialect, KeyError};
+use crate::key::{Dialect, KeyError};
 use crate::problem::ApiError;
 use crate::spans;
 use crate::store::{ClaimedRequest, Record};
@@ -41,73 +42,37 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     let policy = &shared.policy;
     let mode = policy.door.as_str();
 
-    // === request_filter ===
     let guard = policy.guard(req.method(), req.uri().path());
     if !guard.guarded {
         // Extensions and all: a WebSocket handshake keeps the connection's
         // `OnUpgrade`, and its `101` comes back as it is.
         return passthrough(policy, inner, req, started).await;
     }
-    // On the request's log lines, with their OpenTelemetry names: the path
-    // without its query, whose values may hold secrets (the record keeps the
-    // query for the operator, sealed when responses are). Guarded requests
-    // only: a passthrough logs no line of its own.
-    let method = req.method().clone();
-    let url_path = req.uri().path().to_owned();
     // A guarded request is never upgraded, keyed or not: what a switched
     // connection does next can be neither stored nor replayed.
     req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
     let dialect = Dialect::of(req.headers(), &policy.key_policy);
-    let keyed = key::dialect::read(
+    let seen = Seen {
+        mode,
+        method: req.method().clone(),
+        url_path: req.uri().path().to_owned(),
+        started,
+        dialect,
+    };
+    let keyed = match admission::read_key(
         req.headers(),
         &policy.key_header,
         &policy.key_policy,
         dialect,
-    );
-    let keyed = match keyed {
+    ) {
         Ok(keyed) => keyed,
-        Err(KeyError::Missing) if !guard.require_key => {
+        Err(NotAdmitted::Key(KeyError::Missing)) if !guard.require_key => {
             return passthrough(policy, inner, req, started).await;
         }
-        Err(e) => {
-            let outcome = match e {
-                KeyError::Missing => Outcome::Missing,
-                KeyError::Invalid(_) => Outcome::Invalid,
-            };
-            telemetry::record(mode, outcome, started.elapsed());
-            spans::record_request(Some(outcome.as_str()), None, None);
-            tracing::info!(
-                mode,
-                http.request.method = %method,
-                url.path = %url_path,
-                outcome = outcome.as_str(),
-                "idempotency key refused"
-            );
-            return answered(dialect, outcome, policy.problem(ApiError::from(e)));
-        }
+        Err(refusal) => return seen.refused(policy, refusal, None),
     };
-    if let Some(first_sent) = keyed.first_sent
-        && let Some(too_old) = key::dialect::too_old(first_sent, guard.ttl, SystemTime::now())
-    {
-        let outcome = Outcome::TooOld;
-        telemetry::record(mode, outcome, started.elapsed());
-        let key_hash = keyed.key.hash_prefix();
-        spans::record_request(Some(outcome.as_str()), Some(&key_hash), None);
-        tracing::info!(
-            mode,
-            http.request.method = %method,
-            url.path = %url_path,
-            key.hash = %key_hash,
-            outcome = outcome.as_str(),
-            age_seconds = too_old.age.as_secs(),
-            "first attempt older than the keys' window: refused, not executed"
-        );
-        let shown = match dialect {
-            Dialect::IdempotencyKey => "Idempotency-First-Sent",
-            Dialect::Repeatability => "Repeatability-First-Sent",
-        };
-        let e = crate::problem::first_sent_too_old(shown, too_old, guard.ttl);
-        return answered(dialect, outcome, policy.problem(e));
+    if let Err(refusal) = admission::check_first_sent(&keyed, guard.ttl) {
+        return seen.refused(policy, refusal, Some(&keyed.key.hash_prefix()));
     }
     let key = keyed.key;
     // Only a takeover says which attempt a request is; a client's own say
@@ -133,7 +98,6 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
         &policy.fingerprint_policy,
     );
 
-    // === the engine's decision ===
     // In a task of its own with the call it may lead to: a client that
     // hangs up (or gets its 504 at the answer timeout) drops this future,
     // never a claim half made, nor the call or the commit after it. A claim
@@ -212,22 +176,86 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
         }
     };
 
-    // === logging ===
-    telemetry::record(mode, outcome, decided);
-    let tenant_shown = &tenant[..tenant.len().min(12)];
-    spans::record_request(Some(outcome.as_str()), Some(&key_hash), Some(tenant_shown));
-    tracing::info!(
-        mode,
-        http.request.method = %method,
-        url.path = %url_path,
-        tenant.id = %tenant_shown,
-        key.hash = %key_hash,
-        outcome = outcome.as_str(),
-        settled = settled.map(SettledAs::as_str),
-        status = res.status().as_u16(),
-        "idempotency"
-    );
-    answered(dialect, outcome, res)
+    seen.answered(outcome, settled, &tenant, &key_hash, decided, res)
+}
+
+/// What the request's log lines say of it, and its dialect: the method,
+/// and the path without its query, whose values may hold secrets (the record
+/// keeps the query for the operator, sealed when responses are), with their
+/// OpenTelemetry names. Guarded requests only: a passthrough logs no line of
+/// its own.
+struct Seen {
+    mode: &'static str,
+    method: http::Method,
+    url_path: String,
+    started: Instant,
+    dialect: Dialect,
+}
+
+impl Seen {
+    /// A key refused before the engine: counted, logged, answered.
+    /// A request refused before the engine (`key_hash`, where its key was
+    /// read): counted, logged, answered.
+    fn refused(
+        &self,
+        policy: &LayerPolicy,
+        refusal: NotAdmitted,
+        key_hash: Option<&str>,
+    ) -> Response {
+        let outcome = refusal.outcome();
+        telemetry::record(self.mode, outcome, self.started.elapsed());
+        spans::record_request(Some(outcome.as_str()), key_hash, None);
+        match &refusal {
+            NotAdmitted::Key(_) => tracing::info!(
+                mode = self.mode,
+                http.request.method = %self.method,
+                url.path = %self.url_path,
+                outcome = outcome.as_str(),
+                "idempotency key refused"
+            ),
+            NotAdmitted::FirstSentTooOld { too_old, .. } => tracing::info!(
+                mode = self.mode,
+                http.request.method = %self.method,
+                url.path = %self.url_path,
+                key.hash = key_hash.unwrap_or_default(),
+                outcome = outcome.as_str(),
+                age_seconds = too_old.age.as_secs(),
+                "first attempt older than the keys' window: refused, not executed"
+            ),
+        }
+        answered(
+            self.dialect,
+            outcome,
+            policy.problem(refusal.into_problem()),
+        )
+    }
+
+    /// The engine's decision answered: counted, logged, and the answer.
+    fn answered(
+        &self,
+        outcome: Outcome,
+        settled: Option<SettledAs>,
+        tenant: &str,
+        key_hash: &str,
+        decided: Duration,
+        res: Response,
+    ) -> Response {
+        telemetry::record(self.mode, outcome, decided);
+        let tenant_shown = &tenant[..tenant.len().min(12)];
+        spans::record_request(Some(outcome.as_str()), Some(key_hash), Some(tenant_shown));
+        tracing::info!(
+            mode = self.mode,
+            http.request.method = %self.method,
+            url.path = %self.url_path,
+            tenant.id = %tenant_shown,
+            key.hash = %key_hash,
+            outcome = outcome.as_str(),
+            settled = settled.map(SettledAs::as_str),
+            status = res.status().as_u16(),
+            "idempotency"
+        );
+        answered(self.dialect, outcome, res)
+    }
 }
 
 /// `res` with the `Repeatability-Result` of `outcome`, for a request of

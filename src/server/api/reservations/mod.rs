@@ -1,7 +1,7 @@
 //! The reservation/commit API: a backend reserves a key before its
 //! side effect and commits the result after it.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -13,10 +13,11 @@ pub mod held;
 use super::AppState;
 use super::extract::{ApiJson, Tenant};
 use super::problems::{PayloadTooLarge, StoreUnavailable, Unauthorized};
+use crate::admission::{self, NotAdmitted};
 use crate::engine::{Refusal, ReserveOutcome, ReserveRequest};
 use crate::fingerprint;
 use crate::headers::{mark_replayed, prefer_wait, set_expires, set_repeatability_result};
-use crate::key::{self, Dialect, KeyError};
+use crate::key::Dialect;
 use crate::problem::{ApiError, Problem, Result};
 use crate::server::views::Recovery;
 use crate::server::views::{
@@ -98,48 +99,70 @@ pub async fn create_reservation(
     body: std::result::Result<ApiJson<ReserveBody>, ApiError>,
 ) -> Response {
     let dialect = Dialect::of(&headers, &state.key_policy);
-    let mut outcome = None;
     let started = Instant::now();
-    let mut res = match reserve(&state, tenant, &headers, body, dialect, &mut outcome).await {
-        Ok(res) => res,
-        Err(e) => {
-            // A body or field it cannot take (400 invalid-request) is counted
-            // as `invalid`, SPEC §10's outcome for a malformed request, like a
-            // malformed key; its Repeatability-Result stays unset.
-            if outcome.is_none() && matches!(e, ApiError::InvalidRequest(_)) {
-                telemetry::record(MODE, Outcome::Invalid, started.elapsed());
-            }
-            e.into_response()
+    let (outcome, counted, mut res) = match reserve(&state, tenant, &headers, body, dialect).await {
+        Ok((outcome, res)) => (Some(outcome), Some(outcome), res),
+        // A body or field it cannot take (400 invalid-request) is counted as
+        // `invalid`, the outcome of a malformed request, like a malformed
+        // key; its Repeatability-Result stays unset. A store that cannot
+        // answer is no outcome of the request's.
+        Err(Unreserved { outcome, error }) => {
+            let counted = outcome.or_else(|| {
+                matches!(error, ApiError::InvalidRequest(_)).then_some(Outcome::Invalid)
+            });
+            (outcome, counted, error.into_response())
         }
     };
+    if let Some(counted) = counted {
+        telemetry::record(MODE, counted, started.elapsed());
+    }
     let result = outcome.and_then(Outcome::repeatability_result);
     set_repeatability_result(res.headers_mut(), dialect, result);
     res
 }
 
-/// The reservation; `outcome` is set once the request came to one.
+/// A reservation not made: the outcome it came to, where it came to one
+/// (a refused key, a key reused, a tenant over its limit), and the problem
+/// answered.
+struct Unreserved {
+    outcome: Option<Outcome>,
+    error: ApiError,
+}
+
+impl From<ApiError> for Unreserved {
+    fn from(error: ApiError) -> Self {
+        Unreserved {
+            outcome: None,
+            error,
+        }
+    }
+}
+
+impl From<NotAdmitted> for Unreserved {
+    fn from(refusal: NotAdmitted) -> Self {
+        Unreserved {
+            outcome: Some(refusal.outcome()),
+            error: refusal.into_problem(),
+        }
+    }
+}
+
+impl From<crate::store::StoreError> for Unreserved {
+    fn from(e: crate::store::StoreError) -> Self {
+        ApiError::from(e).into()
+    }
+}
+
+/// The reservation, and the outcome it came to.
 async fn reserve(
     state: &AppState,
     tenant: String,
     headers: &HeaderMap,
     body: std::result::Result<ApiJson<ReserveBody>, ApiError>,
     dialect: Dialect,
-    outcome: &mut Option<Outcome>,
-) -> Result<Response> {
-    let started = Instant::now();
-    let keyed = match key::dialect::read(headers, &KEY_HEADER, &state.key_policy, dialect) {
-        Ok(keyed) => keyed,
-        Err(e) => {
-            let refused = match e {
-                KeyError::Missing => Outcome::Missing,
-                KeyError::Invalid(_) => Outcome::Invalid,
-            };
-            telemetry::record(MODE, refused, started.elapsed());
-            *outcome = Some(refused);
-            return Err(e.into());
-        }
-    };
-    let key = keyed.key;
+) -> std::result::Result<(Outcome, Response), Unreserved> {
+    let keyed = admission::read_key(headers, &KEY_HEADER, &state.key_policy, dialect)?;
+    let key = &keyed.key;
     let ApiJson(body) = body?;
     let limits = state.engine.limits();
     let lease_seconds = bounded(
@@ -164,13 +187,15 @@ async fn reserve(
         (Some(_), Some(_)) => {
             return Err(ApiError::InvalidRequest(
                 "send either fingerprint or request, not both".into(),
-            ));
+            )
+            .into());
         }
         (Some(fp), None) => {
             if fp.is_empty() || fp.chars().count() > MAX_FINGERPRINT_LEN {
                 return Err(ApiError::InvalidRequest(format!(
                     "fingerprint must hold 1 to {MAX_FINGERPRINT_LEN} characters"
-                )));
+                ))
+                .into());
             }
             Some(fp)
         }
@@ -183,22 +208,12 @@ async fn reserve(
                  characters), so that the key reused with another payload is refused (422 \
                  key-reused) rather than replayed"
                     .into(),
-            ));
+            )
+            .into());
         }
         (None, None) => None,
     };
-    if let Some(first_sent) = keyed.first_sent {
-        let ttl = Duration::from_secs(u64::from(ttl_seconds));
-        if let Some(too_old) = key::dialect::too_old(first_sent, ttl, SystemTime::now()) {
-            telemetry::record(MODE, Outcome::TooOld, started.elapsed());
-            *outcome = Some(Outcome::TooOld);
-            let shown = match dialect {
-                Dialect::IdempotencyKey => "Idempotency-First-Sent",
-                Dialect::Repeatability => "Repeatability-First-Sent",
-            };
-            return Err(crate::problem::first_sent_too_old(shown, too_old, ttl));
-        }
-    }
+    admission::check_first_sent(&keyed, Duration::from_secs(u64::from(ttl_seconds)))?;
     let wait = prefer_wait(headers);
     let decision = state
         .engine
@@ -215,9 +230,8 @@ async fn reserve(
             request: claimed,
         })
         .await?;
-    let metric = decision.outcome();
-    *outcome = Some(metric);
-    let response = match decision {
+    let outcome = decision.outcome();
+    let res = match decision {
         ReserveOutcome::Reserved(r) => {
             let mut res = (
                 StatusCode::CREATED,
@@ -236,24 +250,24 @@ async fn reserve(
             {
                 res.headers_mut().insert(header::LOCATION, v);
             }
-            Ok(res)
+            res
         }
         ReserveOutcome::Completed(record) => {
             let mut res = completed_response(&record);
             mark_replayed(res.headers_mut());
-            Ok(res)
+            res
         }
-        refused => Err(ApiError::refusing(&refused)
-            .unwrap_or_else(|| ApiError::Internal("a decision without an answer".into()))),
+        refused => ApiError::refusing(&refused)
+            .unwrap_or_else(|| ApiError::Internal("a decision without an answer".into()))
+            .into_response(),
     };
-    telemetry::record(MODE, metric, started.elapsed());
     tracing::info!(
         tenant.id = %tenant,
         key.hash = %key.hash_prefix(),
-        outcome = metric.as_str(),
+        outcome = outcome.as_str(),
         "reserve"
     );
-    response
+    Ok((outcome, res))
 }
 
 fn reservation_id(raw: &str) -> Result<Uuid> {
