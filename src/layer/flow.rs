@@ -1,7 +1,12 @@
-//! One request through the layer, in pingora's phases: `request_filter`
-//! (guarded? key? body within the limit?), the engine's decision, then the
-//! holder's upstream call and `response_filter` (in [`super::holder`]), and
-//! `logging`.
+//! One request through the layer, in three steps. First the request: is its
+//! route guarded (if not, or if it carries no key where none is required, it
+//! goes to the inner service untouched), its key and a first attempt's age,
+//! its tenant, its body within the limit, and its fingerprint. Then the
+//! engine's decision, in a task of its own with the call it may lead to
+//! ([`super::call`]): a reserved key's holder ([`super::holder`]) calls the
+//! inner service and answers; a completed record is replayed (decoded for a
+//! retry that cannot take its encoding, [`super::encoding`]); anything else is
+//! the problem. Last, the request's metric, span fields and log line.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -41,7 +46,7 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     let policy = &shared.policy;
     let mode = policy.door.as_str();
 
-    // === request_filter ===
+    // === the request ===
     let guard = policy.guard(req.method(), req.uri().path());
     if !guard.guarded {
         // Extensions and all: a WebSocket handshake keeps the connection's
@@ -212,7 +217,7 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
         }
     };
 
-    // === logging ===
+    // === the metric, the span and the log line ===
     telemetry::record(mode, outcome, decided);
     let tenant_shown = &tenant[..tenant.len().min(12)];
     spans::record_request(Some(outcome.as_str()), Some(&key_hash), Some(tenant_shown));
