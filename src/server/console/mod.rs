@@ -1,6 +1,7 @@
-//! The operators' console (`/console`, SPEC §13): a page where a person
-//! finds the keys that wait for one and settles them — one more door onto
-//! [`operations`], beside the admin endpoints and `idemgate keys`.
+//! The operators' console (`/console`; docs/operations.md, “The operators'
+//! console”): a page where a person finds the keys that wait for one and
+//! settles them — one more door onto [`operations`], beside the admin endpoints
+//! and `idemgate keys`.
 //!
 //! Server-rendered HTML ([`maud`]) with [htmx](https://htmx.org) for the
 //! little that moves: the page itself holds no data and needs no token; its

@@ -104,8 +104,9 @@ pub async fn create_reservation(
         Ok(res) => res,
         Err(e) => {
             // A body or field it cannot take (400 invalid-request) is counted
-            // as `invalid`, SPEC §10's outcome for a malformed request, like a
-            // malformed key; its Repeatability-Result stays unset.
+            // as `invalid`, the outcome of a malformed request
+            // (docs/operations.md, “Metrics”), like a malformed key; its
+            // Repeatability-Result stays unset.
             if outcome.is_none() && matches!(e, ApiError::InvalidRequest(_)) {
                 telemetry::record(MODE, Outcome::Invalid, started.elapsed());
             }
