@@ -8,7 +8,9 @@
 //! hop-by-hop headers from the answer; the layer stores or releases, and logs.
 //! An unguarded upgrade request (a WebSocket handshake) keeps its `Upgrade`,
 //! and a `101` splices the two connections (`upgrade`). The operational
-//! endpoints live on a separate admin listener.
+//! endpoints, the operators' endpoints and the console live on a separate
+//! admin listener (`admin`). With `--protocol mcp` the upstream is an MCP
+//! server, and [`mcp`] guards its tool calls through the same layer.
 
 mod admin;
 pub mod client;
