@@ -1,6 +1,8 @@
 //! Every door's errors as RFC 9457 `application/problem+json`, with fixed
 //! slugs, and the sentences that tell a client what happened and what to do.
-//! Internal error text never reaches a client.
+//! Internal error text never reaches a client. A problem's `type` is its
+//! slug under a base, [`DEFAULT_PROBLEM_BASE`] unless an embedder sets
+//! another.
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};

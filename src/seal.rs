@@ -17,7 +17,16 @@
 //! the reservation id that completed the record (unique per record, stored in
 //! the same row): a blob moved to another record, or a status edited in the
 //! database, fails to open. A blob that cannot be opened (unknown key,
-//! tampered bytes) is an error, never replayed.
+//! tampered bytes) is an error, never replayed and never executed again: the
+//! door answers `500 internal`, and the log line names the key id.
+//!
+//! To rotate, the new key becomes `IDEMGATE_SEAL_KEY` and the old one moves to
+//! `IDEMGATE_SEAL_KEY_PREVIOUS`: records are sealed under the current key and
+//! opened under any; records stored before any key was set stay readable.
+//! Checkpoint recovery data is sealed the same way, as an object of exactly
+//! two members, `{"@idemgate-sealed": "v1 key=…", "sealed": "<base64>"}`,
+//! bound to the tenant, the key and the recovery point (whose name stays in
+//! the clear).
 
 use aes_gcm::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
 use aes_gcm::{Aes256Gcm, Nonce};

@@ -1,5 +1,5 @@
-"""The operators' console (SPEC §13) in a real browser, used as a person
-uses it: headless Chromium with no route anywhere but 127.0.0.1, on both
+"""The operators' console (docs/operations.md) in a real browser, used as a
+person uses it: headless Chromium with no route anywhere but 127.0.0.1, on both
 doors (`serve`'s listener and a proxy's admin listener), on SQLite and on
 PostgreSQL.
 

@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 def key_hash(key: str) -> str:
-    """The hex SHA-256 of a raw key: how idemgate names it (SPEC §1)."""
+    """The hex SHA-256 of a raw key: how idemgate names it."""
     return hashlib.sha256(key.encode()).hexdigest()
 
 

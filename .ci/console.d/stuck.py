@@ -20,7 +20,7 @@ def new_key(label: str = "order") -> str:
 
 
 def sf_string(key: str) -> str:
-    """The key as an RFC 8941 sf-string, the header's form (SPEC §1)."""
+    """The key as an RFC 8941 sf-string, the header's form."""
     return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 

@@ -1,4 +1,5 @@
-//! `idemgate-campaign upgrade`: a rolling upgrade under load (SPEC §14).
+//! `idemgate-campaign upgrade`: a rolling upgrade under load
+//! (docs/operations.md, “Upgrading”).
 //!
 //! The previous release (N−1) and this one (N) serve one PostgreSQL
 //! database through both doors — proxies in front of the recording origin,

@@ -1,7 +1,12 @@
-//! One request through the layer, in pingora's phases: `request_filter`
-//! (guarded? key? body within the limit?), the engine's decision, then the
-//! holder's upstream call and `response_filter` (in [`super::holder`]), and
-//! `logging`.
+//! One request through the layer, in three steps. First the request: is its
+//! route guarded (if not, or if it carries no key where none is required, it
+//! goes to the inner service untouched), its key and a first attempt's age,
+//! its tenant, its body within the limit, and its fingerprint. Then the
+//! engine's decision, in a task of its own with the call it may lead to
+//! ([`super::call`]): a reserved key's holder ([`super::holder`]) calls the
+//! inner service and answers; a completed record is replayed (decoded for a
+//! retry that cannot take its encoding, [`super::encoding`]); anything else is
+//! the problem. Last, the request's metric, span fields and log line.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -193,7 +198,6 @@ struct Seen {
 }
 
 impl Seen {
-    /// A key refused before the engine: counted, logged, answered.
     /// A request refused before the engine (`key_hash`, where its key was
     /// read): counted, logged, answered.
     fn refused(

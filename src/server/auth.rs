@@ -1,5 +1,7 @@
 //! Who is calling the reservation API: bearer tokens, each mapped to the
-//! tenant whose keys it may touch.
+//! tenant whose keys it may touch; and, for the operators' endpoints and the
+//! console, the refusal of a request another site's page made a browser
+//! send ([`refuse_cross_site`]).
 
 use http::HeaderMap;
 use http::header::{AUTHORIZATION, HOST, ORIGIN};

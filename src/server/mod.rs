@@ -1,6 +1,16 @@
-//! The `idemgate` binary (feature `server`): its command line, the
-//! reservation API door, the reverse proxy door, the listeners they are
-//! served on, and the Prometheus exporter.
+//! The `idemgate` binary (feature `server`): its command line, its doors —
+//! the reservation API ([`api`]) and the reverse proxy ([`proxy`], with the
+//! MCP door) — the operators' work on stuck keys behind the admin endpoints,
+//! `idemgate keys` ([`keys`]) and the console ([`console`]), the listeners
+//! they are served on, and the Prometheus exporter.
+//!
+//! Bottom to top, a module here imports from its own group or an earlier one
+//! only: the settings ([`config`], and [`auth`]'s tokens); what a door runs on
+//! ([`serve`], [`open`], [`tls`], [`otel`], [`exporter`]); what an operator
+//! does and the wire shapes ([`operations`], [`views`]); the doors ([`api`],
+//! [`proxy`], [`console`], [`keys`]); and on top the parse ([`cli`]),
+//! `idemgate serve`'s wiring ([`wiring`]) and [`run`]. ARCHITECTURE.md draws
+//! the same.
 //!
 //! [`run`] is the whole binary. The modules below it are public only so that
 //! the binary and this crate's tests reach them: they are the doors'

@@ -1,10 +1,10 @@
-//! SPEC §11: who may use the operators' endpoints. Every admin route, with
-//! every kind of caller (none, a bad token, a tenant's token, an admin
-//! token, a token that is not Bearer), in every configuration of `serve` and
-//! of the proxy's admin listener; a refused caller learns nothing of the
-//! keys and settles nothing. Then the real binaries: the refusal names
-//! `IDEMGATE_ADMIN_TOKENS`, and the start-up log says how the endpoints
-//! answer.
+//! Who may use the operators' endpoints (docs/operations.md, “The command line
+//! and the endpoints”). Every admin route, with every kind of caller (none, a
+//! bad token, a tenant's token, an admin token, a token that is not Bearer), in
+//! every configuration of `serve` and of the proxy's admin listener; a refused
+//! caller learns nothing of the keys and settles nothing. Then the real
+//! binaries: the refusal names `IDEMGATE_ADMIN_TOKENS`, and the start-up log
+//! says how the endpoints answer.
 
 use crate::common;
 

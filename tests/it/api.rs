@@ -1,5 +1,6 @@
-//! The reservation/commit API (SPEC §5) against a real PostgreSQL: every row of
-//! the outcome table, every 404, 409 lease-lost and 413 path.
+//! The reservation/commit API (docs/reservation-api.md) against a real
+//! PostgreSQL: every outcome of a reserve, every 404, 409 lease-lost and 413
+//! path.
 
 use crate::common;
 

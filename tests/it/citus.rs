@@ -1,7 +1,8 @@
-//! SPEC §8, scale-out: on a Citus cluster the migrations distribute both
-//! tables by tenant, colocated, every per-request statement runs on the
-//! tenant's shard alone, pruning goes shard by shard, and a worker that is
-//! down is 503 for its tenants only, with nothing acknowledged lost.
+//! Scale-out (docs/operations.md, “Scaling out”): on a Citus cluster the
+//! migrations distribute both tables by tenant, colocated, every per-request
+//! statement runs on the tenant's shard alone, pruning goes shard by shard, and
+//! a worker that is down is 503 for its tenants only, with nothing acknowledged
+//! lost.
 //!
 //! Each test starts a private cluster (a coordinator and two workers), so it
 //! needs the Citus extension installed; see `common::citus::available`. The

@@ -1,8 +1,8 @@
-//! SPEC §13: the operators' console over HTTP, as its page calls it — the
-//! admin endpoints' rule on every fragment, settling from the page (once:
-//! the second is "already settled by …"), the queue as the gauge counts it,
-//! paged, and nothing for a request the page did not make. The page in a
-//! real browser is `.ci/console`.
+//! The operators' console over HTTP, as its page calls it — the admin
+//! endpoints' rule on every fragment, settling from the page (once: the second
+//! is "already settled by …"), the queue as the gauge counts it, paged, and
+//! nothing for a request the page did not make. The page in a real browser is
+//! `.ci/console`.
 
 use crate::common;
 

@@ -519,11 +519,12 @@ async fn the_proxy_under_a_restart_forwards_nothing_it_could_not_record() {
     );
 }
 
-/// SPEC §6 and §9 together: the origin answered while the store was away,
-/// so the proxy returned the response and retries its commit in the
-/// background; a SIGTERM then must not drop that commit. The process waits
-/// (within its grace) for the store to come back, stores the response, and
-/// exits 0; a retry afterwards is the replay, not a second execution.
+/// A commit retried in the background and a shutdown together (docs/proxy.md):
+/// the origin answered while the store was away, so the proxy returned the
+/// response and retries its commit in the background; a SIGTERM then must not
+/// drop that commit. The process waits (within its grace) for the store to come
+/// back, stores the response, and exits 0; a retry afterwards is the replay,
+/// not a second execution.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_waits_for_commits_deferred_by_an_outage() {
     use common::bin::{drain_stderr, free_port, idemgate_at, signal, wait_exit};

@@ -1,10 +1,10 @@
-//! A default never contradicts a value the operator chose: each numeric
-//! setting of `serve` and `proxy`, set alone to any value of its range with
-//! every other setting at its default, starts — or is refused for its own
-//! value (a zero that must be at least 1), named as it was set, never for a
-//! default. A default that depends on another setting follows it
-//! (`IDEMGATE_DEFAULT_WAIT` is `min(10, IDEMGATE_MAX_WAIT)`, SPEC §2); only
-//! two values the operator set can be at odds, and then both are named.
+//! A default never contradicts a value the operator chose: each numeric setting
+//! of `serve` and `proxy`, set alone to any value of its range with every other
+//! setting at its default, starts — or is refused for its own value (a zero
+//! that must be at least 1), named as it was set, never for a default. A
+//! default that depends on another setting follows it (`IDEMGATE_DEFAULT_WAIT`
+//! is `min(10, IDEMGATE_MAX_WAIT)`, docs/configuration.md); only two values the
+//! operator set can be at odds, and then both are named.
 
 use crate::common;
 

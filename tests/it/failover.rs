@@ -1,17 +1,17 @@
-//! Failover (SPEC §8, "The PostgreSQL users run"): a primary and a streaming
-//! hot standby, each a throwaway cluster on its own loopback port (initdb,
-//! then `pg_basebackup -R -X stream` of it), and `DATABASE_URL` naming both
-//! with `target_session_attrs=read-write`. Two proxies over a counting
-//! origin, each key sent through both at once, and `serve`'s reservation
-//! door, all under load; then `kill -9` of the primary's postmaster and,
-//! 2 s later, `pg_ctl promote` of the standby. Measured: every door answers
-//! 503 `store-unavailable` with Retry-After during the gap (never a 500),
-//! and each is back within 5 s of the promotion, without a restart. Then
-//! every key is sent again: with a synchronous standby every acknowledged
-//! key replays and none ran twice at the origin; with an asynchronous one
-//! the start-up log warns, and the test prints how many acknowledged keys
-//! the promotion lost (it does not assert it: that is what asynchronous
-//! replication allows).
+//! Failover (docs/operations.md, “A primary and its standbys: failover”): a
+//! primary and a streaming hot standby, each a throwaway cluster on its own
+//! loopback port (initdb, then `pg_basebackup -R -X stream` of it), and
+//! `DATABASE_URL` naming both with `target_session_attrs=read-write`. Two
+//! proxies over a counting origin, each key sent through both at once, and
+//! `serve`'s reservation door, all under load; then `kill -9` of the primary's
+//! postmaster and, 2 s later, `pg_ctl promote` of the standby. Measured: every
+//! door answers 503 `store-unavailable` with Retry-After during the gap (never
+//! a 500), and each is back within 5 s of the promotion, without a restart.
+//! Then every key is sent again: with a synchronous standby every acknowledged
+//! key replays and none ran twice at the origin; with an asynchronous one the
+//! start-up log warns, and the test prints how many acknowledged keys the
+//! promotion lost (it does not assert it: that is what asynchronous replication
+//! allows).
 //!
 //! Rerun: `cargo test --test it failover:: -- --nocapture --test-threads 1`
 //! (figures on stderr; RELIABILITY.md, "Failover").

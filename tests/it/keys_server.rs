@@ -1,7 +1,8 @@
-//! `idemgate keys --server URL` (SPEC §11): the operators' commands through a
-//! running idemgate's admin endpoints, the way to reach a SQLite file that a
-//! running `serve` or `proxy` holds; and the refusal of that file, which says
-//! the exact command that works.
+//! `idemgate keys --server URL` (docs/operations.md, “The command line and the
+//! endpoints”): the operators' commands through a running idemgate's admin
+//! endpoints, the way to reach a SQLite file that a running `serve` or `proxy`
+//! holds; and the refusal of that file, which says the exact command that
+//! works.
 
 use std::process::Command;
 use std::time::Duration;

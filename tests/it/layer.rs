@@ -1,4 +1,4 @@
-//! SPEC §7: `IdempotencyLayer` in front of an in-process service — the
+//! `IdempotencyLayer` (docs/layer.md) in front of an in-process service — the
 //! counting origin's router — driven with `oneshot`. Every scenario is written
 //! once over a [`Backend`] and runs against PostgreSQL and SQLite
 //! (`both_stores!`), and asserts how often the origin ran.

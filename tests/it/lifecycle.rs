@@ -1,4 +1,4 @@
-//! SPEC §2 over time and under real concurrency: races across pools,
+//! A key's life over time and under real concurrency: races across pools,
 //! takeover after lease expiry, the zombie holder, TTL and pruning.
 
 use crate::common;

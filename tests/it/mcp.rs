@@ -1,7 +1,7 @@
-//! The MCP door (`idemgate proxy --protocol mcp`, SPEC §12) in process, over
-//! a minimal JSON-RPC upstream that counts the tool calls it gets. The
-//! official SDKs drive it in `tests/mcp/` (`.ci/mcp`); these cover what
-//! those cannot stage: a store that is away.
+//! The MCP door (`idemgate proxy --protocol mcp`, docs/mcp.md) in process, over
+//! a minimal JSON-RPC upstream that counts the tool calls it gets. The official
+//! SDKs drive it in `tests/mcp/` (`.ci/mcp`); these cover what those cannot
+//! stage: a store that is away.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

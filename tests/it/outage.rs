@@ -1,6 +1,7 @@
-//! SPEC §5: when the database goes away every request answers 503
-//! store-unavailable (never a 500, never an unguarded execution), `/readyz`
-//! says so, and the server recovers by itself within 5 seconds of its return.
+//! When the database goes away every request answers 503 store-unavailable
+//! (never a 500, never an unguarded execution), `/readyz` says so, and the
+//! server recovers by itself within 5 seconds of its return
+//! (docs/operations.md, “Dashboards and alerts”).
 
 use crate::common;
 

@@ -1,8 +1,8 @@
-//! `IDEMGATE_PG_POOLER=transaction` (SPEC §8): processes that keep no
-//! session state. Through the pooler `IDEMGATE_TEST_PG_POOLER` names
-//! (`.ci/pgbouncer` starts Debian's PgBouncer with `pool_mode = transaction`
-//! and nothing else changed), else on a direct connection: the same
-//! assertions either way.
+//! `IDEMGATE_PG_POOLER=transaction` (docs/operations.md, “Behind a connection
+//! pooler”): processes that keep no session state. Through the pooler
+//! `IDEMGATE_TEST_PG_POOLER` names (`.ci/pgbouncer` starts Debian's PgBouncer
+//! with `pool_mode = transaction` and nothing else changed), else on a direct
+//! connection: the same assertions either way.
 
 use std::time::{Duration, Instant};
 

@@ -1,4 +1,4 @@
-//! SPEC §6: the reverse proxy on real sockets, in front of the counting
+//! The reverse proxy (docs/proxy.md) on real sockets, in front of the counting
 //! origin (`common::upstream`), over a real PostgreSQL database. Every test
 //! asserts how often the origin ran, not only what the client saw.
 
@@ -15,7 +15,7 @@ use idemgate::server::proxy::routes;
 use serde_json::Value;
 use tokio::sync::Barrier;
 
-// === SPEC §6, bullet by bullet ===
+// === docs/proxy.md, bullet by bullet ===
 
 #[tokio::test]
 async fn a_new_key_executes_once_and_its_retry_is_replayed() {

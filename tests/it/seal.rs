@@ -1,8 +1,9 @@
-//! SPEC §8–9: stored responses sealed at rest (`IDEMGATE_SEAL_KEY`,
-//! AES-256-GCM). The raw rows are read with SQL: no body or header value of a
-//! sealed response appears in them; replays are correct; keys rotate through
-//! `IDEMGATE_SEAL_KEY_PREVIOUS`; a record that cannot be opened (key gone,
-//! bytes tampered with) is a 500 problem, never garbage. Both stores.
+//! Stored responses sealed at rest (`IDEMGATE_SEAL_KEY`, AES-256-GCM;
+//! docs/configuration.md, “Sealing at rest”). The raw rows are read with SQL:
+//! no body or header value of a sealed response appears in them; replays are
+//! correct; keys rotate through `IDEMGATE_SEAL_KEY_PREVIOUS`; a record that
+//! cannot be opened (key gone, bytes tampered with) is a 500 problem, never
+//! garbage. Both stores.
 
 use crate::common;
 

@@ -1,7 +1,7 @@
-//! SPEC §4 and §7: tenants never see each other's records (the cases that
-//! tests/tenants.rs does not already cover: completed and sealed records, and
-//! the proxy's tenants), and no raw key, token or body ever leaves the process
-//! in a log line, a metric or an error body — checked on the real binary.
+//! Tenants never see each other's records (the cases that tests/tenants.rs does
+//! not already cover: completed and sealed records, and the proxy's tenants),
+//! and no raw key, token or body ever leaves the process in a log line, a
+//! metric or an error body — checked on the real binary.
 
 use crate::common;
 

@@ -1,4 +1,4 @@
-//! The embedded SQLite store when its file cannot be written (SPEC §5, §8):
+//! The embedded SQLite store when its file cannot be written:
 //! made read-only under a running server, met read-only at a restart, and a
 //! full disk. Every write answers `503 store-unavailable` (problem+json,
 //! `Retry-After`, `retry_after_seconds`), never a 500 and never a panic; the
@@ -50,7 +50,8 @@ use sha2::{Digest as _, Sha256};
 use sqlx::sqlite::SqliteConnectOptions;
 use sqlx::{ConnectOptions as _, Connection as _};
 
-/// Self-recovery must come within this of the fault's end (SPEC §5).
+/// Self-recovery must come within this of the fault's end (docs/operations.md,
+/// “Dashboards and alerts”).
 const RECOVERY: Duration = Duration::from_secs(5);
 /// `nobody`: an unprivileged user for the server when the test is root.
 const NOBODY: u32 = 65534;

@@ -1,4 +1,4 @@
-//! The store contract: every scenario of SPEC §2 that a [`Store`] must get
+//! The store contract: every scenario of a key's life that a [`Store`] must get
 //! right, written once over `Arc<dyn Store>` and the engine, and run against
 //! both PostgreSQL and the embedded SQLite store, so the two cannot drift.
 //!

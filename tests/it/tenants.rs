@@ -1,5 +1,5 @@
-//! SPEC §4: bearer tokens name tenants; a tenant never sees another's keys or
-//! reservations; no token in a log line.
+//! Bearer tokens name tenants (docs/reservation-api.md); a tenant never sees
+//! another's keys or reservations; no token in a log line.
 
 use crate::common;
 

@@ -1,9 +1,9 @@
-//! TLS on idemgate's own listeners (SPEC §9): the real binary with
-//! `--tls-cert`/`--tls-key` made per test by rcgen, driven by curl and by
-//! rustls clients: HTTP/1.1 and HTTP/2 by ALPN, a rotation under load that
-//! fails no request, mutual TLS, the proxy's two listeners, and the
-//! refusals (one file of the pair, unusable files, protected mode with TLS
-//! on).
+//! TLS on idemgate's own listeners (docs/configuration.md, “TLS on idemgate's
+//! listeners”): the real binary with `--tls-cert`/`--tls-key` made per test by
+//! rcgen, driven by curl and by rustls clients: HTTP/1.1 and HTTP/2 by ALPN, a
+//! rotation under load that fails no request, mutual TLS, the proxy's two
+//! listeners, and the refusals (one file of the pair, unusable files, protected
+//! mode with TLS on).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

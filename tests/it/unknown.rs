@@ -1,8 +1,8 @@
-//! Unknown outcomes held, and operators who settle them (SPEC §2, §5, §11):
-//! the reservation API's `on_lease_expiry`, the layer's default `hold` and
-//! its takeover's `Idempotency-Attempt`, the proxy's key whose upstream hung
-//! up after acting, and the admin endpoints that list, show and resolve such
-//! keys — on both stores.
+//! Unknown outcomes held, and operators who settle them (docs/operations.md,
+//! “Operators: stuck keys”): the reservation API's `on_lease_expiry`, the
+//! layer's default `hold` and its takeover's `Idempotency-Attempt`, the proxy's
+//! key whose upstream hung up after acting, and the admin endpoints that list,
+//! show and resolve such keys — on both stores.
 
 use crate::common;
 

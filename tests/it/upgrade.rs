@@ -1,9 +1,9 @@
-//! Upgrades (SPEC §14): every process names its release to the database,
-//! `idemgate migrate --status` says what is applied, pending and connected,
-//! and `migrate` refuses a contract step while a process that cannot work
-//! with it is connected, naming both. This release adds no migration of its
-//! own, so the rules are tested with one more migration after this
-//! release's, in a directory of the test's.
+//! Upgrades (docs/operations.md, “Upgrading”): every process names its release
+//! to the database, `idemgate migrate --status` says what is applied, pending
+//! and connected, and `migrate` refuses a contract step while a process that
+//! cannot work with it is connected, naming both. This release adds no
+//! migration of its own, so the rules are tested with one more migration after
+//! this release's, in a directory of the test's.
 //!
 //! The whole path — the previous release and this one serving one database
 //! under load while this one's `migrate` runs, then a rollback — is

@@ -1,4 +1,4 @@
-"""`idemgate proxy --protocol mcp` (SPEC §12) in front of an unmodified MCP
+"""`idemgate proxy --protocol mcp` (docs/mcp.md) in front of an unmodified MCP
 server made with the official Python SDK (server.py), driven by the official
 Python client (official.py) in each of its ways to connect — mcp 2.x's
 default `Client` (protocol 2026-07-28) and `ClientSession` + `initialize`
@@ -220,7 +220,7 @@ def test_a_server_killed_during_a_call_leaves_the_key_unknown(own_rig: Rig, mode
             return await s.call("slow_charge", args)
 
     result = asyncio.run(again())
-    # Whether the charge was made is unknown: never run again by itself (§2).
+    # Whether the charge was made is unknown: never run again by itself.
     assert problem_type(result) == "outcome-unknown"
     assert rig.executions("slow_charge") == []
 

@@ -1,8 +1,8 @@
-"""TLS on idemgate's own listeners (SPEC §9), from Python: `requests`
-against `idemgate serve --tls-cert/--tls-key`, and the official MCP client
-over https:// to `idemgate proxy --protocol mcp` in front of server.py. The
-certificate authority and the server's certificate are made per run with
-openssl.
+"""TLS on idemgate's own listeners (docs/configuration.md, “TLS on idemgate's
+listeners”), from Python: `requests` against
+`idemgate serve --tls-cert/--tls-key`, and the official MCP client over
+https:// to `idemgate proxy --protocol mcp` in front of server.py. The
+certificate authority and the server's certificate are made per run with openssl.
 
     IDEMGATE_BIN=target/debug/idemgate python -m pytest tests/mcp/test_tls.py
 """

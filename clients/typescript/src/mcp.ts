@@ -2,7 +2,7 @@
  * MCP tool calls that run once per step: for the official TypeScript SDK's
  * `Client` (`@modelcontextprotocol/sdk`) or anything with its `callTool`, in
  * front of a server that honours an `idempotency_key` argument — one behind
- * `idemgate proxy --protocol mcp` (SPEC §12), or one that dedupes itself.
+ * `idemgate proxy --protocol mcp`, or one that dedupes itself.
  *
  * ```ts
  * const result = await callToolOnce(client, { name: "charge", arguments: { customer, amount } },

@@ -1,4 +1,11 @@
 //! The reservation/commit HTTP door: routes, state and the OpenAPI document.
+//!
+//! The reserve is [`reservations`], and what a holder calls after it is
+//! `reservations::held`; the operators' endpoints are [`admin`], the ones that
+//! need no token (health, metrics, the published policy) [`ops`]; [`extract`]
+//! reads tokens and JSON bodies into problems, not axum's plain text; and
+//! `/docs` is [`docs`], the API's page, beside [`docs_pages`], the pages of
+//! `docs/`.
 
 pub mod admin;
 pub mod docs;

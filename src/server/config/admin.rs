@@ -42,8 +42,9 @@ impl AdminArgs {
     }
 }
 
-/// Who may use the operators' endpoints of one listener (SPEC §11): the one
-/// rule both doors (and anything else that settles keys over HTTP) ask.
+/// Who may use the operators' endpoints of one listener (docs/operations.md,
+/// “The command line and the endpoints”): the one rule both doors (and anything
+/// else that settles keys over HTTP) ask.
 ///
 /// | admin tokens | tenant tokens | listener | a caller gets |
 /// |---|---|---|---|

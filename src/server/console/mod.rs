@@ -1,6 +1,7 @@
-//! The operators' console (`/console`, SPEC §13): a page where a person
-//! finds the keys that wait for one and settles them — one more door onto
-//! [`operations`], beside the admin endpoints and `idemgate keys`.
+//! The operators' console (`/console`; docs/operations.md, “The operators'
+//! console”): a page where a person finds the keys that wait for one and
+//! settles them — one more door onto [`operations`], beside the admin endpoints
+//! and `idemgate keys`.
 //!
 //! Server-rendered HTML ([`maud`]) with [htmx](https://htmx.org) for the
 //! little that moves: the page itself holds no data and needs no token; its
@@ -12,6 +13,15 @@
 //! (`HX-Request`, [`refuse_cross_site`]) and take the admin endpoints'
 //! access rule ([`AdminAccess`]) as it is. Every asset is served from the
 //! binary.
+//!
+//! The pages are `/console` (the queue) and `/console/keys/{tenant}/{key_hash}`
+//! (one key); their fragments are the queue's `counts`, the `queue` itself, a
+//! `lookup` of one key, a key, and its `resolve`, each [`operations`] rendered
+//! by `pages`; a refusal or a failure is the problem rendered in the
+//! fragment's place, with its status. The assets (`/console/assets/…`) are
+//! htmx, the page's own script (which keeps the token and adds it to htmx's
+//! requests) and its styles. `idemgate serve` mounts the console beside the
+//! API, the proxy on its admin listener.
 
 mod pages;
 

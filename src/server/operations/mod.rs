@@ -1,7 +1,8 @@
-//! What an operator runs on stuck keys — `list`, `show`, `resolve` —
-//! one implementation behind both the admin endpoints (`/v1/admin/keys…`)
-//! and the `idemgate keys` command. Each takes the engine and what the
-//! operator asked, and returns the `KeyView`s both print.
+//! What an operator runs on stuck keys — `list`, `show`, `resolve`, and the
+//! queue's `counts` — one implementation behind every operators' door: the
+//! admin endpoints (`/v1/admin/keys…`), the `idemgate keys` command and the
+//! console. Each takes the engine and what the operator asked, and returns
+//! the `KeyView`s they all print.
 //!
 //! A key is named by its tenant, as stored, and its key hash (the lowercase
 //! hex SHA-256 of the key); the raw key is never shown.

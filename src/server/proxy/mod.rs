@@ -2,14 +2,15 @@
 //! [tower layer](crate::layer) over a hyper client, so the proxy and the
 //! in-process middleware are one code path.
 //!
-//! Per request, in pingora's phases: the layer's `request_filter` decides
-//! whether the request is guarded and reserves its key; the client's
-//! `upstream_request_filter` strips hop-by-hop headers, adds
-//! `X-Forwarded-*` and rewrites the target; its `response_filter` strips
-//! hop-by-hop headers from the answer; the layer stores or releases, and
-//! logs. An unguarded upgrade request (a WebSocket handshake) keeps its
-//! `Upgrade`, and a `101` splices the two connections (`upgrade`). The
-//! operational endpoints live on a separate admin listener.
+//! Per request: the layer decides whether the request is guarded and reserves
+//! its key; the client's `upstream_request_filter` strips hop-by-hop headers,
+//! adds `X-Forwarded-*` and rewrites the target; its `response_filter` strips
+//! hop-by-hop headers from the answer; the layer stores or releases, and logs.
+//! An unguarded upgrade request (a WebSocket handshake) keeps its `Upgrade`,
+//! and a `101` splices the two connections (`upgrade`). The operational
+//! endpoints, the operators' endpoints and the console live on a separate
+//! admin listener (`admin`). With `--protocol mcp` the upstream is an MCP
+//! server, and [`mcp`] guards its tool calls through the same layer.
 
 mod admin;
 pub mod client;

@@ -6,6 +6,8 @@
 //! connect and the TLS handshake together. Under TLS or not, each
 //! connection's TCP stream is a [`TcpIo`], which learns of the upstream's
 //! close at once.
+//!
+//! The connections in, TLS on idemgate's own listeners, are [`listen`].
 
 use std::error::Error as StdError;
 use std::future::Future;

@@ -141,8 +141,8 @@ impl TestApp {
             if name.eq_ignore_ascii_case("idempotency-key") {
                 let raw = value.trim().trim_matches('"');
                 if raw.len() >= 4 {
-                    // The key, and its whole hash: logs may carry only a
-                    // short prefix of the hash (SPEC §1).
+                    // The key, and its whole hash: logs may carry only a short
+                    // prefix of the hash (docs/operations.md, “Traces”).
                     let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(raw));
                     self.secrets.lock().unwrap().extend([raw.to_owned(), hash]);
                 }

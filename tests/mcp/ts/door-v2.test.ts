@@ -1,5 +1,5 @@
-// `idemgate proxy --protocol mcp` (SPEC §12) driven by the official TypeScript
-// client's v2 package (@modelcontextprotocol/client: Client +
+// `idemgate proxy --protocol mcp` (docs/mcp.md) driven by the official
+// TypeScript client's v2 package (@modelcontextprotocol/client: Client +
 // StreamableHTTPClientTransport), in front of tests/mcp/server.py, in both of
 // the server's answer forms, and in both of the client's ways to connect: its
 // default (no versionNegotiation: the 2025 `initialize` handshake) and

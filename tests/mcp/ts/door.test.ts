@@ -1,4 +1,4 @@
-// `idemgate proxy --protocol mcp` (SPEC §12) in front of an unmodified MCP
+// `idemgate proxy --protocol mcp` (docs/mcp.md) in front of an unmodified MCP
 // server made with the official Python SDK (tests/mcp/server.py), driven by
 // the official TypeScript client (@modelcontextprotocol/sdk:
 // StreamableHTTPClientTransport + Client), in both of the server's answer

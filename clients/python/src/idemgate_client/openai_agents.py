@@ -2,7 +2,8 @@
 keyed by the job, run at most once.
 
 :func:`idempotent_mcp_server` is the SDK's ``MCPServerStreamableHttp``,
-pointed at the door (SPEC §12), with the caller's half of the key:
+pointed at idemgate's MCP door (``idemgate proxy --protocol mcp``), with the
+caller's half of the key:
 
 - **The runtime mints the key**, never the model. Every ``tools/call``
   carries ``_meta["dev.idemgate/idempotency-key"]`` (through the SDK's

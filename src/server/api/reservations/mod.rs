@@ -103,8 +103,8 @@ pub async fn create_reservation(
     let (outcome, counted, mut res) = match reserve(&state, tenant, &headers, body, dialect).await {
         Ok((outcome, res)) => (Some(outcome), Some(outcome), res),
         // A body or field it cannot take (400 invalid-request) is counted as
-        // `invalid`, the outcome of a malformed request, like a malformed
-        // key; its Repeatability-Result stays unset. A store that cannot
+        // `invalid`, the outcome of a malformed request (docs/operations.md,
+        // “Metrics”), like a malformed key; its Repeatability-Result stays unset. A store that cannot
         // answer is no outcome of the request's.
         Err(Unreserved { outcome, error }) => {
             let counted = outcome.or_else(|| {

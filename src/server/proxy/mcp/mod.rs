@@ -1,6 +1,6 @@
-//! `idemgate proxy --protocol mcp` (SPEC §12): in front of an MCP server's
-//! streamable-HTTP endpoint, its write tools run once per key, with no
-//! change to the server.
+//! `idemgate proxy --protocol mcp` (docs/mcp.md): in front of an MCP server's
+//! streamable-HTTP endpoint, its write tools run once per key, with no change
+//! to the server.
 //!
 //! * Everything passes through as it is (the event stream, `DELETE`,
 //!   `initialize`, notifications, resources, prompts, the session and

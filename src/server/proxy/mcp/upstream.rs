@@ -9,7 +9,7 @@
 //! * Any other JSON-RPC error (`-32800` request cancelled, `-32603`), a body
 //!   that breaks off, or a `2xx` without the call's response: the tool may
 //!   have run and this is not its result, so it is never stored; the
-//!   outcome is unknown (§2).
+//!   outcome is unknown.
 //! * A release status (`IDEMGATE_RELEASE_STATUSES`) is released by the
 //!   layer; any other `5xx` is stored, as the HTTP door stores a `500`.
 //! * Anything else, a tool result with `isError` included, is stored: the
