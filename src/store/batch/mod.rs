@@ -43,10 +43,10 @@ mod same_key;
 mod store;
 mod writer;
 
-#[cfg(feature = "sqlite")]
-pub(crate) use plan::Sink;
 use plan::StoreSink;
 pub(crate) use plan::flush;
+#[cfg(feature = "sqlite")]
+pub(crate) use plan::{BlockingSink, flush_blocking};
 use writer::write_loop;
 
 use super::{Result, Store, StoreError, Write, Written};

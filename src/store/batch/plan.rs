@@ -18,6 +18,15 @@ pub(crate) trait Sink {
     async fn alone(&self, write: &Write) -> Result<Written>;
 }
 
+/// A [`Sink`] that writes in place, on the caller's thread: a store's own
+/// writer thread, which must never wait on a future.
+pub(crate) trait BlockingSink {
+    /// As [`Sink::together`].
+    fn together(&self, writes: &[&Write]) -> Vec<Result<Written>>;
+    /// As [`Sink::alone`].
+    fn alone(&self, write: &Write) -> Result<Written>;
+}
+
 /// A [`Store`]'s own batch and one-by-one operations.
 pub(super) struct StoreSink<'a>(pub(super) &'a dyn Store);
 
@@ -38,18 +47,112 @@ impl Sink for StoreSink<'_> {
 /// a later claim of a key whose record the run read is answered from that
 /// record where the record cannot have changed before it (see [`settled`]).
 /// So a storm of claims of one key costs one transaction, and every answer
-/// is the one the queue's order gives.
+/// is the one the queue's order gives. The decisions are [`Flush`]'s; this
+/// only writes what it asks for.
 pub(crate) async fn flush<S: Sink>(sink: &S, jobs: &mut Vec<Job>) {
-    let mut answers: Vec<Option<Result<Written>>> = (0..jobs.len()).map(|_| None).collect();
-    // The last claim answer per key: the record as that write left it.
-    let mut read: HashMap<(&str, &[u8; 32]), (usize, Claim)> = HashMap::new();
-    let mut next = 0;
-    while next < jobs.len() {
-        // The run: from `next`, up to the first second claim of a key.
+    let all: &[Job] = jobs;
+    let mut flush = Flush::new(all);
+    while let Some(run) = flush.next_run() {
+        if let [i] = run[..] {
+            let written = sink.alone(&all[i].write).await;
+            flush.answer(i, written);
+        } else {
+            let writes: Vec<&Write> = run.iter().map(|&i| &all[i].write).collect();
+            let again = flush.batch_answered(&run, sink.together(&writes).await);
+            if again.outage {
+                // Each alone waits for the database as long as the batch
+                // did: side by side, so the wait is the batch's, not the sum.
+                let alone = futures::future::join_all(
+                    again
+                        .writes
+                        .iter()
+                        .map(|&i| async move { (i, sink.alone(&all[i].write).await) }),
+                )
+                .await;
+                for (i, written) in alone {
+                    flush.answer_alone(i, written);
+                }
+            } else {
+                // One write the database refused: the others, in queue order.
+                for i in again.writes {
+                    flush.answer_alone(i, sink.alone(&all[i].write).await);
+                }
+            }
+        }
+        flush.run_written(&run);
+    }
+    let answers = flush.into_answers();
+    send(jobs, answers);
+}
+
+/// [`flush`] on the caller's thread, through a sink that writes in place:
+/// nothing here awaits, so a writer thread may run it without a runtime.
+pub(crate) fn flush_blocking<S: BlockingSink>(sink: &S, jobs: &mut Vec<Job>) {
+    let all: &[Job] = jobs;
+    let mut flush = Flush::new(all);
+    while let Some(run) = flush.next_run() {
+        if let [i] = run[..] {
+            flush.answer(i, sink.alone(&all[i].write));
+        } else {
+            let writes: Vec<&Write> = run.iter().map(|&i| &all[i].write).collect();
+            let again = flush.batch_answered(&run, sink.together(&writes));
+            // One thread, one connection: alone, in queue order, whatever
+            // failed the batch.
+            for i in again.writes {
+                flush.answer_alone(i, sink.alone(&all[i].write));
+            }
+        }
+        flush.run_written(&run);
+    }
+    let answers = flush.into_answers();
+    send(jobs, answers);
+}
+
+/// Sends each job its answer; leaves `jobs` empty.
+fn send(jobs: &mut Vec<Job>, answers: Vec<Option<Result<Written>>>) {
+    for (job, answer) in jobs.drain(..).zip(answers) {
+        let answer =
+            answer.unwrap_or_else(|| Err(StoreError::other("a batched write got no answer")));
+        let _ = job.answer.send(answer);
+    }
+}
+
+/// Writes of a run whose transaction did not answer them, to be written
+/// alone.
+struct Again {
+    writes: Vec<usize>,
+    /// The transaction failed for an outage (each alone will wait as long).
+    outage: bool,
+}
+
+/// What one flush decides, apart from the writing: which run of jobs goes
+/// next in one transaction, which of its writes go again alone, and which
+/// later claims are answered from what a run read. The drivers ([`flush`],
+/// [`flush_blocking`]) write what it asks for and hand it the answers.
+struct Flush<'j> {
+    jobs: &'j [Job],
+    answers: Vec<Option<Result<Written>>>,
+    /// The last claim answer per key: the record as that write left it.
+    read: HashMap<(&'j str, &'j [u8; 32]), (usize, Claim)>,
+}
+
+impl<'j> Flush<'j> {
+    fn new(jobs: &'j [Job]) -> Flush<'j> {
+        Flush {
+            jobs,
+            answers: (0..jobs.len()).map(|_| None).collect(),
+            read: HashMap::new(),
+        }
+    }
+
+    /// The next run: from the first write not answered yet, up to the first
+    /// second claim of a key; `None` once every write has its answer.
+    fn next_run(&self) -> Option<Vec<usize>> {
+        let next = self.answers.iter().position(Option::is_none)?;
         let mut run = Vec::new();
         let mut keys = HashSet::new();
-        for (i, job) in jobs.iter().enumerate().skip(next) {
-            if answers[i].is_some() {
+        for (i, job) in self.jobs.iter().enumerate().skip(next) {
+            if self.answers[i].is_some() {
                 continue;
             }
             if let Write::Claim(req) = &job.write
@@ -59,45 +162,97 @@ pub(crate) async fn flush<S: Sink>(sink: &S, jobs: &mut Vec<Job>) {
             }
             run.push(i);
         }
-        write_run(sink, jobs, &run, &mut answers).await;
-        for &i in &run {
-            if let (Write::Claim(req), Some(Ok(Written::Claim(Some(claim))))) =
-                (&jobs[i].write, &answers[i])
-            {
-                read.insert((req.tenant.as_str(), &req.key_hash), (i, claim.clone()));
-            }
-        }
-        // Later claims of those keys, answered from what the run read.
-        if !read.is_empty() {
-            for i in 0..jobs.len() {
-                if answers[i].is_some() {
-                    continue;
-                }
-                let Write::Claim(req) = &jobs[i].write else {
-                    continue;
-                };
-                if let Some((at, claim)) = read.get(&(req.tenant.as_str(), &req.key_hash))
-                    && *at < i
-                    && settled(claim, &jobs[*at + 1..i])
-                {
-                    answers[i] = Some(Ok(Written::Claim(Some(Claim {
-                        claimed: false,
-                        record: claim.record.clone(),
-                        now: claim.now,
-                    }))));
-                }
-            }
-        }
-        next = answers
-            .iter()
-            .position(Option::is_none)
-            .unwrap_or(jobs.len());
+        Some(run)
     }
-    drop(read);
-    for (job, answer) in jobs.drain(..).zip(answers) {
-        let answer =
-            answer.unwrap_or_else(|| Err(StoreError::other("a batched write got no answer")));
-        let _ = job.answer.send(answer);
+
+    /// Job `i`'s answer.
+    fn answer(&mut self, i: usize, written: Result<Written>) {
+        self.answers[i] = Some(written);
+    }
+
+    /// Job `i`'s answer written alone after its batch failed. The batch's
+    /// transaction may have committed after all (its answer lost with the
+    /// connection): a claim that then finds the key held by its own
+    /// reservation id holds it.
+    fn answer_alone(&mut self, i: usize, written: Result<Written>) {
+        let written = written.map(|written| match (&self.jobs[i].write, written) {
+            (Write::Claim(req), Written::Claim(Some(mut claim)))
+                if !claim.claimed
+                    && claim.record.reservation_id == req.reservation_id
+                    && claim.record.state == KeyState::InFlight =>
+            {
+                claim.claimed = true;
+                Written::Claim(Some(claim))
+            }
+            (_, written) => written,
+        });
+        self.answers[i] = Some(written);
+    }
+
+    /// The answers of `run`'s transaction: kept, but for the writes that
+    /// must go again alone.
+    fn batch_answered(&mut self, run: &[usize], results: Vec<Result<Written>>) -> Again {
+        let mut again = Again {
+            writes: Vec::new(),
+            outage: false,
+        };
+        for (&i, result) in run.iter().zip(results) {
+            match result {
+                // No row for a claim without a limit: the record went away
+                // under it (pruned at that instant); alone, the claim tries
+                // again. Under a limit it is the answer: the limit held the
+                // claim back from a key with no record.
+                Ok(Written::Claim(None)) if matches!(&self.jobs[i].write, Write::Claim(req) if req.max_in_flight.is_none()) => {
+                    again.writes.push(i)
+                }
+                Ok(written) => self.answers[i] = Some(Ok(written)),
+                Err(e) => {
+                    tracing::debug!(error = %e, "a batched write failed: writing it alone");
+                    again.outage |= matches!(e, StoreError::Unavailable { .. });
+                    again.writes.push(i);
+                }
+            }
+        }
+        again
+    }
+
+    /// After `run` is written: the later claims of keys it read, answered
+    /// from what it read where nothing between can have changed it.
+    fn run_written(&mut self, run: &[usize]) {
+        let jobs = self.jobs;
+        for &i in run {
+            if let (Write::Claim(req), Some(Ok(Written::Claim(Some(claim))))) =
+                (&jobs[i].write, &self.answers[i])
+            {
+                self.read
+                    .insert((req.tenant.as_str(), &req.key_hash), (i, claim.clone()));
+            }
+        }
+        if self.read.is_empty() {
+            return;
+        }
+        for i in 0..jobs.len() {
+            if self.answers[i].is_some() {
+                continue;
+            }
+            let Write::Claim(req) = &jobs[i].write else {
+                continue;
+            };
+            if let Some((at, claim)) = self.read.get(&(req.tenant.as_str(), &req.key_hash))
+                && *at < i
+                && settled(claim, &jobs[*at + 1..i])
+            {
+                self.answers[i] = Some(Ok(Written::Claim(Some(Claim {
+                    claimed: false,
+                    record: claim.record.clone(),
+                    now: claim.now,
+                }))));
+            }
+        }
+    }
+
+    fn into_answers(self) -> Vec<Option<Result<Written>>> {
+        self.answers
     }
 }
 
@@ -116,76 +271,4 @@ fn settled(claim: &Claim, between: &[Job]) -> bool {
             }
             Write::Claim(_) => false,
         })
-}
-
-/// Writes the jobs `run` (no two claims of one key) in one transaction,
-/// and those the transaction could not answer alone.
-async fn write_run<S: Sink>(
-    sink: &S,
-    jobs: &[Job],
-    run: &[usize],
-    answers: &mut [Option<Result<Written>>],
-) {
-    if let [i] = run {
-        answers[*i] = Some(sink.alone(&jobs[*i].write).await);
-        return;
-    }
-    let writes: Vec<&Write> = run.iter().map(|&i| &jobs[i].write).collect();
-    let results = sink.together(&writes).await;
-    let mut again = Vec::new();
-    let mut outage = false;
-    for (&i, result) in run.iter().zip(results) {
-        match result {
-            // No row for a claim without a limit: the record went away under
-            // it (pruned at that instant); alone, the claim tries again.
-            // Under a limit it is the answer: the limit held the claim back
-            // from a key with no record.
-            Ok(Written::Claim(None)) if matches!(&jobs[i].write, Write::Claim(req) if req.max_in_flight.is_none()) => {
-                again.push(i)
-            }
-            Ok(written) => answers[i] = Some(Ok(written)),
-            Err(e) => {
-                tracing::debug!(error = %e, "a batched write failed: writing it alone");
-                outage |= matches!(e, StoreError::Unavailable { .. });
-                again.push(i);
-            }
-        }
-    }
-    if outage {
-        // Each alone waits for the database as long as the batch did: side
-        // by side, so the wait is the batch's, not the sum. (SQLite answers
-        // a claim of a completed key from its readers all the same.)
-        let alone = futures::future::join_all(
-            again
-                .iter()
-                .map(|&i| async move { (i, written_alone(sink, &jobs[i].write).await) }),
-        )
-        .await;
-        for (i, answer) in alone {
-            answers[i] = Some(answer);
-        }
-    } else {
-        // One write the database refused: the others, in queue order.
-        for i in again {
-            answers[i] = Some(written_alone(sink, &jobs[i].write).await);
-        }
-    }
-}
-
-/// A write of a batch that failed, written alone. The batch's transaction
-/// may have committed after all (its answer lost with the connection): a
-/// claim that then finds the key held by its own reservation id holds it.
-async fn written_alone<S: Sink>(sink: &S, write: &Write) -> Result<Written> {
-    let written = sink.alone(write).await?;
-    Ok(match (write, written) {
-        (Write::Claim(req), Written::Claim(Some(mut claim)))
-            if !claim.claimed
-                && claim.record.reservation_id == req.reservation_id
-                && claim.record.state == KeyState::InFlight =>
-        {
-            claim.claimed = true;
-            Written::Claim(Some(claim))
-        }
-        (_, written) => written,
-    })
 }

@@ -47,7 +47,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use futures::FutureExt as _;
 use rusqlite::{Connection, OpenFlags};
 use tokio::sync::oneshot;
 
@@ -55,7 +54,7 @@ use super::errors::classify_rs;
 use super::lock::FileLock;
 use super::rows::now_ms;
 use super::tx::write_in;
-use crate::store::batch::{Counters, Job, MAX_BATCH, QUEUE_BOUND, Sink, flush};
+use crate::store::batch::{BlockingSink, Counters, Job, MAX_BATCH, QUEUE_BOUND, flush_blocking};
 use crate::store::{BatchStats, Result, StoreError, Write, Written};
 
 /// Statements kept prepared: every write statement of the store, with room.
@@ -418,15 +417,7 @@ impl Thread {
             return;
         }
         self.stats.count(jobs.len());
-        let sink = OnThread { thread: self, conn };
-        // Nothing in it waits: every write runs in place, to its end.
-        if flush(&sink, &mut jobs).now_or_never().is_none() {
-            for job in jobs {
-                let _ = job
-                    .answer
-                    .send(Err(StoreError::other("a grouped write did not finish")));
-            }
-        }
+        flush_blocking(&OnThread { thread: self, conn }, &mut jobs);
     }
 
     /// `work` in one transaction on the connection; a failure rolls it back
@@ -459,15 +450,15 @@ impl Thread {
     }
 }
 
-/// The thread's connection as the group commit's [`Sink`]: a run in one
+/// The thread's connection as the group commit's [`BlockingSink`]: a run in one
 /// transaction, one clock reading for all; a write alone in its own.
 struct OnThread<'a> {
     thread: &'a Thread,
     conn: &'a RefCell<Option<Connection>>,
 }
 
-impl Sink for OnThread<'_> {
-    async fn together(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+impl BlockingSink for OnThread<'_> {
+    fn together(&self, writes: &[&Write]) -> Vec<Result<Written>> {
         let written: Result<Vec<Written>> = self.thread.in_transaction(self.conn, |conn| {
             let now = now_ms();
             writes.iter().map(|w| write_in(conn, w, now)).collect()
@@ -478,7 +469,7 @@ impl Sink for OnThread<'_> {
         }
     }
 
-    async fn alone(&self, write: &Write) -> Result<Written> {
+    fn alone(&self, write: &Write) -> Result<Written> {
         self.thread
             .in_transaction(self.conn, |conn| write_in(conn, write, now_ms()))
     }
