@@ -92,7 +92,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         migrations = opened.migrations.to_string().as_str(),
         "idemgate serve is listening"
     );
-    log_tls(&args.run.tls);
+    tls::log_tls(&args.run.tls);
     serve::serve_tls(
         listener,
         router(state),
@@ -106,26 +106,4 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     tracing::info!("idemgate serve stopped");
     Ok(())
-}
-
-/// The start-up line of the listeners' TLS: which files, and whether
-/// clients must show a certificate.
-pub fn log_tls(tls: &crate::server::config::TlsArgs) {
-    let (Some(cert), Some(key)) = (&tls.tls_cert, &tls.tls_key) else {
-        return;
-    };
-    match &tls.tls_client_ca {
-        Some(ca) => tracing::info!(
-            cert = %cert.display(),
-            key = %key.display(),
-            client_ca = %ca.display(),
-            "https with client certificates (mutual TLS): HTTP/2 and HTTP/1.1; the certificate \
-             and key are read again when they change"
-        ),
-        None => tracing::info!(
-            cert = %cert.display(),
-            key = %key.display(),
-            "https: HTTP/2 and HTTP/1.1; the certificate and key are read again when they change"
-        ),
-    }
 }

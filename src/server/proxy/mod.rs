@@ -199,7 +199,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         migrations = opened.migrations.to_string().as_str(),
         "idemgate proxy is listening"
     );
-    crate::server::wiring::log_tls(&args.run.tls);
+    tls::log_tls(&args.run.tls);
     args.admin
         .access(args.admin_listen, &crate::server::auth::Tokens::default())
         .log("proxy");

@@ -293,6 +293,28 @@ fn load(cert: &Path, key: &Path, provider: &CryptoProvider) -> Result<CertifiedK
     }
 }
 
+/// The start-up line of the listeners' TLS: which files, and whether
+/// clients must show a certificate.
+pub fn log_tls(tls: &TlsArgs) {
+    let (Some(cert), Some(key)) = (&tls.tls_cert, &tls.tls_key) else {
+        return;
+    };
+    match &tls.tls_client_ca {
+        Some(ca) => tracing::info!(
+            cert = %cert.display(),
+            key = %key.display(),
+            client_ca = %ca.display(),
+            "https with client certificates (mutual TLS): HTTP/2 and HTTP/1.1; the certificate \
+             and key are read again when they change"
+        ),
+        None => tracing::info!(
+            cert = %cert.display(),
+            key = %key.display(),
+            "https: HTTP/2 and HTTP/1.1; the certificate and key are read again when they change"
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,7 +29,7 @@ use tower::Service;
 pub mod listen;
 pub mod tcp;
 
-pub use listen::Listener;
+pub use listen::{Listener, log_tls};
 
 use tcp::{TcpConnector, TcpIo};
 
