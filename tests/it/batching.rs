@@ -20,7 +20,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use common::backend::Backend;
 use idemgate::engine::{CommitOutcome, Engine, Limits, ReserveOutcome, ReserveRequest};
 use idemgate::store::{
-    Batched, ClaimRequest, KeyState, Store, StoreError, StoredResponse, Write, Written, write_one,
+    Batched, ClaimRequest, HotPath, KeyState, Store, StoreError, StoredResponse, Write, Written,
+    write_one,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};

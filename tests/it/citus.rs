@@ -20,7 +20,7 @@ use common::citus::{self, TempCitus};
 use common::pg::TestDb;
 use idemgate::prune;
 use idemgate::store::postgres::sql;
-use idemgate::store::{PgStore, Store, StoreError};
+use idemgate::store::{HotPath, Maintenance, PgStore, StoreError};
 use sqlx::{Connection as _, PgConnection};
 use tokio::sync::OnceCell;
 

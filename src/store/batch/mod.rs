@@ -3,7 +3,7 @@
 //! One by one, every new key costs two transactions (its claim, then its
 //! commit), each with its own round trip and its own flush to disk. [`Batched`]
 //! puts a queue in front of a store: a writer takes whatever queued while its
-//! previous batch was being written and hands it to [`Store::write_batch`] as
+//! previous batch was being written and hands it to [`HotPath::write_batch`](crate::store::HotPath::write_batch) as
 //! one transaction. The batches clock themselves, with no timer: a write that
 //! finds nothing being written goes at once, alone, in its own task (nothing
 //! waits for company), and under load each flush carries everything that
@@ -60,7 +60,7 @@ pub(crate) const MAX_BATCH: usize = 256;
 
 /// A [`Store`] whose claims, commits and releases are written in batches;
 /// every other operation goes straight to the store. A store that groups its
-/// writes itself ([`Store::own_batches`]: SQLite, on its writer thread) gets
+/// writes itself ([`HotPath::own_batches`](crate::store::HotPath::own_batches): SQLite, on its writer thread) gets
 /// them straight too: only the wait of a duplicate claim for its key's
 /// claim being written (`same_key.rs`) is done here.
 pub struct Batched {
@@ -69,7 +69,7 @@ pub struct Batched {
     grouped: bool,
     bound: usize,
     /// One permit per transaction of writes in the database at once
-    /// ([`Store::batch_writers`]); the queued writes gather behind them.
+    /// ([`HotPath::batch_writers`](crate::store::HotPath::batch_writers)); the queued writes gather behind them.
     writers: Arc<Semaphore>,
     /// The queue, with its writers started on first use (they need a
     /// runtime; the store may be built outside one).

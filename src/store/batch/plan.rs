@@ -12,7 +12,7 @@ use crate::store::{Claim, KeyState, Result, Store, StoreError, Write, Written, w
 /// alone in its own.
 pub(crate) trait Sink {
     /// `writes` in one transaction, in order, one answer each (see
-    /// [`Store::write_batch`]).
+    /// [`HotPath::write_batch`](crate::store::HotPath::write_batch)).
     async fn together(&self, writes: &[&Write]) -> Vec<Result<Written>>;
     /// `write` alone, in a transaction of its own.
     async fn alone(&self, write: &Write) -> Result<Written>;

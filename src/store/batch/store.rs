@@ -9,13 +9,13 @@ use uuid::Uuid;
 use super::Batched;
 use super::same_key::{Turn, answer_of_first};
 use crate::store::{
-    BatchStats, Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats,
-    PruneBatch, Record, Recovery, Resolve, Result, Store, StoreError, StoredResponse, StoredUsage,
-    Write, Written,
+    BatchStats, Claim, ClaimRequest, Found, HotPath, InFlightUsage, KeyPage, KeyQuery, Maintenance,
+    PoolStats, PruneBatch, Queries, Record, Recovery, Resolve, Result, StoreError, StoredResponse,
+    StoredUsage, Write, Written,
 };
 
 #[async_trait]
-impl Store for Batched {
+impl HotPath for Batched {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
         let first = match self.claims.turn(req) {
             Turn::First(first) => first,
@@ -114,6 +114,24 @@ impl Store for Batched {
         self.store.find_by_reservation(tenant, reservation_id).await
     }
 
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+        self.store.write_batch(writes).await
+    }
+
+    fn batch_writers(&self) -> usize {
+        self.store.batch_writers()
+    }
+
+    fn batch_stats(&self) -> Option<BatchStats> {
+        match self.store.own_batches() {
+            Some(own) => Some(own),
+            None => Some(self.stats.stats()),
+        }
+    }
+}
+
+#[async_trait]
+impl Queries for Batched {
     async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>> {
         self.store.find_key(tenant, key_hash).await
     }
@@ -142,16 +160,19 @@ impl Store for Batched {
         self.store.count_stuck().await
     }
 
-    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
-        self.store.prune_expired_batch(limit).await
-    }
-
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
         self.store.in_flight_usage(tenant, up_to).await
     }
 
     async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage> {
         self.store.stored_usage(tenant).await
+    }
+}
+
+#[async_trait]
+impl Maintenance for Batched {
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
+        self.store.prune_expired_batch(limit).await
     }
 
     async fn ping(&self) -> Result<()> {
@@ -164,21 +185,6 @@ impl Store for Batched {
 
     fn durability(&self) -> crate::store::Durability {
         self.store.durability()
-    }
-
-    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
-        self.store.write_batch(writes).await
-    }
-
-    fn batch_writers(&self) -> usize {
-        self.store.batch_writers()
-    }
-
-    fn batch_stats(&self) -> Option<BatchStats> {
-        match self.store.own_batches() {
-            Some(own) => Some(own),
-            None => Some(self.stats.stats()),
-        }
     }
 }
 
