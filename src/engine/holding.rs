@@ -50,7 +50,7 @@ impl Engine {
                 &sealed
             }
         };
-        if let Some(mut record) = self.store.complete(tenant, id, to_store).await? {
+        if let Some(mut record) = self.batcher.complete(tenant, id, to_store).await? {
             self.count_stored(tenant, to_store);
             if self.sealer.is_some() {
                 // What was just sealed: the replay cache holds the open form.
@@ -105,7 +105,7 @@ impl Engine {
         tenant: &str,
         id: Uuid,
     ) -> Result<Result<(), Refusal>, EngineError> {
-        if let Some(key_hash) = self.store.release(tenant, id).await? {
+        if let Some(key_hash) = self.batcher.release(tenant, id).await? {
             self.durations.forget(id);
             self.waiters.wake(tenant, &key_hash);
             return Ok(Ok(()));

@@ -96,7 +96,7 @@ impl Engine {
         let started = std::time::Instant::now();
         let reservation_id = Uuid::now_v7();
         let claim = self
-            .store
+            .batcher
             .reserve(&ClaimRequest {
                 tenant: req.tenant.clone(),
                 key_hash: req.key_hash,

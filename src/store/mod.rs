@@ -152,23 +152,27 @@ pub trait HotPath: Send + Sync + 'static {
         1
     }
 
-    /// How writes were batched, where they are (see [`Batched`]).
-    fn batch_stats(&self) -> Option<BatchStats> {
-        None
+    /// Whether the store groups its claims, commits and releases itself, on
+    /// a writer of its own that takes whatever queued while it wrote the
+    /// last group (SQLite, on its writer thread). [`Batched`] then hands
+    /// them to it one by one, straight, and only makes a duplicate claim
+    /// wait for its key's claim being written; otherwise it groups them
+    /// and hands each group to [`HotPath::write_batch`].
+    fn groups_own_writes(&self) -> bool {
+        false
     }
 
-    /// How a store that groups its claims, commits and releases itself (on
-    /// a writer of its own, which takes whatever queued while it wrote the
-    /// last group) has grouped them; `None` for a store whose writes
-    /// [`Batched`] groups.
+    /// How a store that groups its own writes
+    /// ([`HotPath::groups_own_writes`]) has grouped them; `None` for the
+    /// others, whose writes [`Batched`] groups and counts.
     fn own_batches(&self) -> Option<BatchStats> {
         None
     }
 
     /// Writes `writes` as one group, now, as the store's own grouping would
     /// had they queued together (see [`Batched::write_together`]); answers in
-    /// order. A store without [`HotPath::own_batches`] writes them as one
-    /// batch.
+    /// order. A store that does not group its own writes
+    /// ([`HotPath::groups_own_writes`]) writes them as one batch.
     async fn write_grouped(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
         let refs: Vec<&Write> = writes.iter().collect();
         self.write_batch(&refs).await

@@ -20,8 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use common::backend::Backend;
 use idemgate::engine::{CommitOutcome, Engine, Limits, ReserveOutcome, ReserveRequest};
 use idemgate::store::{
-    Batched, ClaimRequest, HotPath, KeyState, Store, StoreError, StoredResponse, Write, Written,
-    write_one,
+    Batched, ClaimRequest, KeyState, Store, StoreError, StoredResponse, Write, Written, write_one,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -409,7 +408,7 @@ async fn storm_through_batches(backend: Backend) {
             }
         }
     }
-    let stats: Vec<_> = engines.iter().map(|e| e.store().batch_stats()).collect();
+    let stats: Vec<_> = engines.iter().map(|e| e.batch_stats()).collect();
     eprintln!("executions per key {executions:?}; batches per engine {stats:?}");
 }
 
@@ -470,7 +469,7 @@ async fn a_full_queue_refuses_at_once_and_writes_what_it_held() {
         // Pacing only: each one reaches the queue before the next.
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    let refused_while_stopped = batched.batch_stats().expect("stats").refused;
+    let refused_while_stopped = batched.stats().refused;
     sqlx::query("ROLLBACK")
         .execute(&mut other)
         .await
@@ -642,7 +641,7 @@ async fn a_storm_of_duplicates_never_deadlocks(db: common::pg::TestDb) {
             Some(format!("key {key}").into_bytes())
         );
     }
-    let stats: Vec<_> = engines.iter().map(|e| e.store().batch_stats()).collect();
+    let stats: Vec<_> = engines.iter().map(|e| e.batch_stats()).collect();
     drop(engines);
     drop(stores);
     let after = deadlocks(&backend).await;

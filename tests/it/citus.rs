@@ -152,8 +152,8 @@ async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
         "every tenant tried on one node: {by_node:?}"
     );
     let tenants: Vec<String> = by_node.into_values().take(2).collect();
-    let store = PgStore::connect_lazy(&db.url, &Default::default()).unwrap();
-    let batched = Batched::new(Arc::new(store));
+    let store = Arc::new(PgStore::connect_lazy(&db.url, &Default::default()).unwrap());
+    let batched = Batched::new(store.clone());
     let claim = |tenant: &str, key: u8, fingerprint: &str| ClaimRequest {
         on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: tenant.to_owned(),
@@ -208,7 +208,7 @@ async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
         }
     }
     for i in [0, 1, 3] {
-        let found = batched
+        let found = store
             .find_by_reservation(&claims[i].record.tenant, claims[i].record.reservation_id)
             .await
             .unwrap()

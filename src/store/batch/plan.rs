@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::Job;
-use crate::store::{Claim, KeyState, Result, Store, StoreError, Write, Written, write_one};
+use crate::store::{Claim, HotPath, KeyState, Result, StoreError, Write, Written, write_one};
 
 /// Where a batch's writes go: a whole run in one transaction, or one write
 /// alone in its own.
@@ -18,8 +18,9 @@ pub(crate) trait Sink {
     async fn alone(&self, write: &Write) -> Result<Written>;
 }
 
-/// A [`Store`]'s own batch and one-by-one operations.
-pub(super) struct StoreSink<'a>(pub(super) &'a dyn Store);
+/// A store's own batch and one-by-one operations ([`HotPath::write_batch`],
+/// [`write_one`]).
+pub(super) struct StoreSink<'a>(pub(super) &'a dyn HotPath);
 
 impl Sink for StoreSink<'_> {
     async fn together(&self, writes: &[&Write]) -> Vec<Result<Written>> {

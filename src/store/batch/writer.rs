@@ -8,7 +8,7 @@ use tokio::sync::{Semaphore, mpsc};
 
 use super::plan::{StoreSink, flush};
 use super::{Counters, Job, MAX_BATCH};
-use crate::store::Store;
+use crate::store::HotPath;
 
 /// The writer: takes what queued while the transactions in the database
 /// were written, and as soon as one of them is done, writes it as the next
@@ -16,7 +16,7 @@ use crate::store::Store;
 /// batch of other requests' writes short). Ends when the [`Batched`](super::Batched) is
 /// dropped.
 pub(super) async fn write_loop(
-    store: Arc<dyn Store>,
+    store: Arc<dyn HotPath>,
     mut queue: mpsc::Receiver<Job>,
     writers: Arc<Semaphore>,
     stats: Arc<Counters>,

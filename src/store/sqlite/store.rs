@@ -150,6 +150,10 @@ impl HotPath for SqliteStore {
         }
     }
 
+    fn groups_own_writes(&self) -> bool {
+        true
+    }
+
     fn own_batches(&self) -> Option<crate::store::BatchStats> {
         Some(self.writer.stats())
     }
