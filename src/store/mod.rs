@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-pub use batch::Batched;
+pub use batch::Batcher;
 pub use error::{Cause, Result, StoreError, report_unavailable};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgSettings, PgStore};
@@ -79,7 +79,7 @@ impl<T: HotPath + Queries + Maintenance + ?Sized> Store for T {}
 /// What the engine writes and reads on a request's path: claims, commits,
 /// releases, lease extensions, checkpoints, unknown marks, and look-ups by
 /// reservation id; and the hooks that let claims, commits and releases share
-/// transactions ([`Batched`]). Writes addressed by reservation id apply only
+/// transactions ([`Batcher`]). Writes addressed by reservation id apply only
 /// while that id is the key's current holder and the record has not
 /// expired; they return `None` otherwise, and the engine asks
 /// [`HotPath::find_by_reservation`] why.
@@ -154,7 +154,7 @@ pub trait HotPath: Send + Sync + 'static {
 
     /// Whether the store groups its claims, commits and releases itself, on
     /// a writer of its own that takes whatever queued while it wrote the
-    /// last group (SQLite, on its writer thread). [`Batched`] then hands
+    /// last group (SQLite, on its writer thread). [`Batcher`] then hands
     /// them to it one by one, straight, and only makes a duplicate claim
     /// wait for its key's claim being written; otherwise it groups them
     /// and hands each group to [`HotPath::write_batch`].
@@ -164,13 +164,13 @@ pub trait HotPath: Send + Sync + 'static {
 
     /// How a store that groups its own writes
     /// ([`HotPath::groups_own_writes`]) has grouped them; `None` for the
-    /// others, whose writes [`Batched`] groups and counts.
+    /// others, whose writes [`Batcher`] groups and counts.
     fn own_batches(&self) -> Option<BatchStats> {
         None
     }
 
     /// Writes `writes` as one group, now, as the store's own grouping would
-    /// had they queued together (see [`Batched::write_together`]); answers in
+    /// had they queued together (see [`Batcher::write_together`]); answers in
     /// order. A store that does not group its own writes
     /// ([`HotPath::groups_own_writes`]) writes them as one batch.
     async fn write_grouped(&self, writes: Vec<Write>) -> Vec<Result<Written>> {

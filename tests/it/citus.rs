@@ -126,7 +126,7 @@ async fn the_migrations_distribute_both_tables_and_the_claim_by_tenant() {
 /// one by one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
-    use idemgate::store::{Batched, ClaimRequest, StoredResponse, Write, Written};
+    use idemgate::store::{Batcher, ClaimRequest, StoredResponse, Write, Written};
     if !citus::available("a_batch_spanning_tenants_on_two_workers_answers_each_write") {
         return;
     }
@@ -153,7 +153,7 @@ async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
     );
     let tenants: Vec<String> = by_node.into_values().take(2).collect();
     let store = Arc::new(PgStore::connect_lazy(&db.url, &Default::default()).unwrap());
-    let batched = Batched::new(store.clone());
+    let batched = Batcher::new(store.clone());
     let claim = |tenant: &str, key: u8, fingerprint: &str| ClaimRequest {
         on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: tenant.to_owned(),

@@ -2,7 +2,7 @@
 //!
 //! One by one, every new key costs two transactions (its claim, then its
 //! commit), each with its own round trip and its own flush to disk. The
-//! engine sends its claims, commits and releases through a [`Batched`],
+//! engine sends its claims, commits and releases through a [`Batcher`],
 //! which puts a queue in front of the store: a writer takes whatever queued while its
 //! previous batch was being written and hands it to [`HotPath::write_batch`](crate::store::HotPath::write_batch) as
 //! one transaction. The batches clock themselves, with no timer: a write that
@@ -41,8 +41,8 @@ use tokio::sync::{Semaphore, SemaphorePermit, mpsc, oneshot};
 
 mod plan;
 mod same_key;
-mod store;
 mod writer;
+mod writes;
 
 #[cfg(feature = "sqlite")]
 pub(crate) use plan::Sink;
@@ -66,7 +66,7 @@ pub(crate) const MAX_BATCH: usize = 256;
 /// SQLite, on its writer thread) gets them straight too: only the wait of a
 /// duplicate claim for its key's claim being written (`same_key.rs`) is
 /// done here.
-pub struct Batched {
+pub struct Batcher {
     store: Arc<dyn HotPath>,
     /// The store groups its writes itself.
     grouped: bool,
@@ -117,25 +117,25 @@ impl Counters {
     }
 }
 
-impl std::fmt::Debug for Batched {
+impl std::fmt::Debug for Batcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Batched").finish_non_exhaustive()
+        f.debug_struct("Batcher").finish_non_exhaustive()
     }
 }
 
-// === impl Batched ===
+// === impl Batcher ===
 
-impl Batched {
+impl Batcher {
     /// Batches the writes of `store`, with a queue of 4096 writes.
-    pub fn new(store: Arc<dyn HotPath>) -> Batched {
-        Batched::with_queue_bound(store, QUEUE_BOUND)
+    pub fn new(store: Arc<dyn HotPath>) -> Batcher {
+        Batcher::with_queue_bound(store, QUEUE_BOUND)
     }
 
     /// Batches the writes of `store`, refusing writes past `bound` waiting.
     /// A store that groups its writes itself keeps its own bound
     /// ([`SqliteStore::with_write_queue_bound`](crate::store::SqliteStore::with_write_queue_bound)).
-    pub fn with_queue_bound(store: Arc<dyn HotPath>, bound: usize) -> Batched {
-        Batched {
+    pub fn with_queue_bound(store: Arc<dyn HotPath>, bound: usize) -> Batcher {
+        Batcher {
             grouped: store.groups_own_writes(),
             bound: bound.max(1),
             writers: Arc::new(Semaphore::new(store.batch_writers().max(1))),

@@ -1,6 +1,6 @@
 //! What goes into each transaction of a batch, and how each write gets the
 //! answer one by one would have given it: the one algorithm behind every
-//! group commit, whoever drives it (the writer tasks of [`Batched`](super::Batched),
+//! group commit, whoever drives it (the writer tasks of [`Batcher`](super::Batcher),
 //! or a store's own writer thread).
 
 use std::collections::{HashMap, HashSet};

@@ -347,7 +347,7 @@ impl SqliteStore {
     }
 
     /// Refuses claims, commits and releases past `bound` waiting for the
-    /// writer thread, instead of [`QUEUE_BOUND`](crate::store::Batched).
+    /// writer thread, instead of [`QUEUE_BOUND`](crate::store::Batcher).
     pub fn with_write_queue_bound(self, bound: usize) -> SqliteStore {
         self.writer.bound_queue(bound);
         self

@@ -1,16 +1,16 @@
-//! The three writes [`Batched`] takes from the engine — claims, commits and
+//! The three writes [`Batcher`] takes from the engine — claims, commits and
 //! releases — each through the queue, or straight to the store when no
 //! writer is busy or the store groups its own writes.
 
 use uuid::Uuid;
 
-use super::Batched;
+use super::Batcher;
 use super::same_key::{Turn, answer_of_first};
 use crate::store::{
     Claim, ClaimRequest, Record, Result, StoreError, StoredResponse, Write, Written,
 };
 
-impl Batched {
+impl Batcher {
     /// Claims the key or returns its record as it stands, as
     /// [`HotPath::reserve`](crate::store::HotPath::reserve) does. A claim of
     /// a key whose claim this process is writing waits for that one's
