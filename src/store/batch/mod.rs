@@ -3,9 +3,10 @@
 //! One by one, every new key costs two transactions (its claim, then its
 //! commit), each with its own round trip and its own flush to disk. The
 //! engine sends its claims, commits and releases through a [`Batcher`],
-//! which puts a queue in front of the store: a writer takes whatever queued while its
-//! previous batch was being written and hands it to [`HotPath::write_batch`](crate::store::HotPath::write_batch) as
-//! one transaction. The batches clock themselves, with no timer: a write that
+//! which puts a queue in front of the store: a writer takes whatever queued
+//! while its previous batch was being written and hands it to
+//! [`HotPath::write_batch`](crate::store::HotPath::write_batch) as one
+//! transaction. The batches clock themselves, with no timer: a write that
 //! finds nothing being written goes at once, alone, in its own task (nothing
 //! waits for company), and under load each flush carries everything that
 //! arrived during the last one.
@@ -72,7 +73,8 @@ pub struct Batcher {
     grouped: bool,
     bound: usize,
     /// One permit per transaction of writes in the database at once
-    /// ([`HotPath::batch_writers`](crate::store::HotPath::batch_writers)); the queued writes gather behind them.
+    /// ([`HotPath::batch_writers`](crate::store::HotPath::batch_writers));
+    /// the queued writes gather behind them.
     writers: Arc<Semaphore>,
     /// The queue, with its writers started on first use (they need a
     /// runtime; the store may be built outside one).
