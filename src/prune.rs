@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::store::{Store, StoreError};
+use crate::store::{Maintenance, Store, StoreError};
 use crate::telemetry;
 
 /// Rows deleted per statement: small enough that a batch's locks are brief.
@@ -18,7 +18,7 @@ const MAX_PAUSE: Duration = Duration::from_millis(500);
 /// another one holds. When part of the database could not be reached (a
 /// Citus worker that is down), the rest is pruned all the same and the pass
 /// then fails, saying what it deleted and what it could not reach.
-pub async fn prune_once(store: &dyn Store) -> Result<u64, StoreError> {
+pub async fn prune_once(store: &dyn Maintenance) -> Result<u64, StoreError> {
     let mut total = 0;
     let mut unreachable = None;
     loop {

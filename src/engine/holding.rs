@@ -13,7 +13,7 @@ use crate::store::{KeyState, Record, Recovery, StoredResponse};
 
 impl Engine {
     /// Stores the response of reservation `id` and completes its key, in a
-    /// span of its own ([`spans::COMMIT`]).
+    /// span of its own ([`spans::COMMIT`]), which records the outcome.
     pub async fn commit(
         &self,
         tenant: &str,
@@ -21,10 +21,48 @@ impl Engine {
         response: &StoredResponse,
     ) -> Result<CommitOutcome, EngineError> {
         let span = spans::commit(response.status);
-        let outcome = self
-            .commit_unspanned(tenant, id, response)
-            .instrument(span.clone())
-            .await;
+        let outcome = async {
+            // Before the store calls: the database reads its clock after this.
+            let started = std::time::Instant::now();
+            let sealed;
+            let to_store = match &self.sealer {
+                None => response,
+                Some(sealer) => {
+                    sealed = sealer.seal(tenant, id, response);
+                    &sealed
+                }
+            };
+            if let Some(mut record) = self.batcher.complete(tenant, id, to_store).await? {
+                self.count_stored(tenant, to_store);
+                if self.sealer.is_some() {
+                    // What was just sealed: the replay cache holds the open form.
+                    record.response = Some(response.clone());
+                }
+                // `completed_at` is the database's clock at this commit.
+                if let Some(completed_at) = record.completed_at {
+                    self.remember(&record, started, completed_at);
+                }
+                self.waiters.wake(&record.tenant, &record.key_hash);
+                self.durations.finished(id);
+                return Ok(CommitOutcome::Committed(record));
+            }
+            let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
+                return Ok(CommitOutcome::Refused(Refusal::NotFound));
+            };
+            let mut record = found.record;
+            crate::seal::open_record(self.sealer.as_deref(), &mut record)?;
+            Ok::<_, EngineError>(match refusal_for(&record, id, found.now) {
+                Refusal::AlreadyCompleted if record.response.as_ref() == Some(response) => {
+                    // Its `completed_at` is an earlier commit's: the lookup's
+                    // clock is the one read after `started`.
+                    self.remember(&record, started, found.now);
+                    CommitOutcome::AlreadyCommitted(record)
+                }
+                refusal => CommitOutcome::Refused(refusal),
+            })
+        }
+        .instrument(span.clone())
+        .await;
         match &outcome {
             Ok(CommitOutcome::Committed(_)) => spans::committed(&span, "committed"),
             Ok(CommitOutcome::AlreadyCommitted(_)) => spans::committed(&span, "already_committed"),
@@ -34,83 +72,30 @@ impl Engine {
         outcome
     }
 
-    async fn commit_unspanned(
-        &self,
-        tenant: &str,
-        id: Uuid,
-        response: &StoredResponse,
-    ) -> Result<CommitOutcome, EngineError> {
-        // Before the store calls: the database reads its clock after this.
-        let started = std::time::Instant::now();
-        let sealed;
-        let to_store = match &self.sealer {
-            None => response,
-            Some(sealer) => {
-                sealed = sealer.seal(tenant, id, response);
-                &sealed
-            }
-        };
-        if let Some(mut record) = self.store.complete(tenant, id, to_store).await? {
-            self.count_stored(tenant, to_store);
-            if self.sealer.is_some() {
-                // What was just sealed: the replay cache holds the open form.
-                record.response = Some(response.clone());
-            }
-            // `completed_at` is the database's clock at this commit.
-            if let Some(completed_at) = record.completed_at {
-                self.remember(&record, started, completed_at);
-            }
-            self.waiters.wake(&record.tenant, &record.key_hash);
-            self.durations.finished(id);
-            return Ok(CommitOutcome::Committed(record));
-        }
-        let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
-            return Ok(CommitOutcome::Refused(Refusal::NotFound));
-        };
-        let mut record = found.record;
-        crate::seal::open_record(self.sealer.as_deref(), &mut record)?;
-        Ok(match refusal_for(&record, id, found.now) {
-            Refusal::AlreadyCompleted if record.response.as_ref() == Some(response) => {
-                // Its `completed_at` is an earlier commit's: the lookup's
-                // clock is the one read after `started`.
-                self.remember(&record, started, found.now);
-                CommitOutcome::AlreadyCommitted(record)
-            }
-            refusal => CommitOutcome::Refused(refusal),
-        })
-    }
-
     /// Forgets an in-flight key whose effect never started, in a span of its
-    /// own ([`spans::RELEASE`]).
+    /// own ([`spans::RELEASE`]), which records the outcome.
     pub async fn release(
         &self,
         tenant: &str,
         id: Uuid,
     ) -> Result<Result<(), Refusal>, EngineError> {
         let span = spans::release();
-        let outcome = self
-            .release_unspanned(tenant, id)
-            .instrument(span.clone())
-            .await;
+        let outcome = async {
+            if let Some(key_hash) = self.batcher.release(tenant, id).await? {
+                self.durations.forget(id);
+                self.waiters.wake(tenant, &key_hash);
+                return Ok(Ok(()));
+            }
+            self.refusal(tenant, id).await.map(Err)
+        }
+        .instrument(span.clone())
+        .await;
         match &outcome {
             Ok(Ok(())) => span.record("idemgate.outcome", "released"),
             Ok(Err(_)) => span.record("idemgate.outcome", "refused"),
             Err(_) => span.record("otel.status_code", "ERROR"),
         };
         outcome
-    }
-
-    async fn release_unspanned(
-        &self,
-        tenant: &str,
-        id: Uuid,
-    ) -> Result<Result<(), Refusal>, EngineError> {
-        if let Some(key_hash) = self.store.release(tenant, id).await? {
-            self.durations.forget(id);
-            self.waiters.wake(tenant, &key_hash);
-            return Ok(Ok(()));
-        }
-        self.refusal(tenant, id).await.map(Err)
     }
 
     /// Settles reservation `id`, whose request was never sent and whose

@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::store::{KeyState, LeaseExpiry, Store, StoreError};
+use crate::store::{HotPath, KeyState, LeaseExpiry, StoreError};
 
 /// The most ids remembered; past it the oldest are given up (logged).
 const MOST: usize = 10_000;
@@ -39,7 +39,9 @@ const EVERY: Duration = Duration::from_secs(1);
 
 /// The ids of claims whose answer was lost, and the task that releases them.
 pub(super) struct LostClaims {
-    store: Arc<dyn Store>,
+    /// The store itself, not the engine's batcher: the sweep writes one id
+    /// at a time, in the background.
+    store: Arc<dyn HotPath>,
     ids: Mutex<VecDeque<Lost>>,
     sweeper: OnceLock<()>,
 }
@@ -53,7 +55,7 @@ struct Lost {
 // === impl LostClaims ===
 
 impl LostClaims {
-    pub(super) fn new(store: Arc<dyn Store>) -> Arc<LostClaims> {
+    pub(super) fn new(store: Arc<dyn HotPath>) -> Arc<LostClaims> {
         Arc::new(LostClaims {
             store,
             ids: Mutex::new(VecDeque::new()),
@@ -159,7 +161,7 @@ enum LostClaimSettledAs {
 /// as a holder whose call never went out would (see the module's docs); the
 /// key's hash, and what was done.
 async fn settle(
-    store: &dyn Store,
+    store: &dyn HotPath,
     tenant: &str,
     id: Uuid,
 ) -> Result<Option<(Vec<u8>, LostClaimSettledAs)>, StoreError> {

@@ -25,7 +25,7 @@ use waiters::Waiters;
 use crate::durations::Durations;
 pub use crate::replay_cache::{DEFAULT_REPLAY_CACHE_BYTES, ReplayCache};
 use crate::seal::Sealer;
-use crate::store::{Batched, Store};
+use crate::store::{BatchStats, Batcher, Store};
 
 /// The idempotency engine: one per process, cheap to share behind an `Arc`.
 ///
@@ -37,6 +37,9 @@ use crate::store::{Batched, Store};
 /// bound or, with 0, turns the cache off.
 pub struct Engine {
     store: Arc<dyn Store>,
+    /// The store's claims, commits and releases, written in batches; every
+    /// other operation goes straight to `store`.
+    batcher: Batcher,
     limits: Limits,
     waiters: Waiters,
     replay_cache: Option<ReplayCache>,
@@ -58,11 +61,11 @@ pub struct Engine {
 impl Engine {
     /// An engine over `store`, with a replay cache of
     /// [`DEFAULT_REPLAY_CACHE_BYTES`]. Its claims, commits and releases are
-    /// written in batches ([`Batched`]).
+    /// written in batches ([`Batcher`]).
     pub fn new(store: Arc<dyn Store>, limits: Limits) -> Engine {
-        let store = Batched::wrap(store);
         Engine {
             lost: LostClaims::new(store.clone()),
+            batcher: Batcher::new(store.clone()),
             store,
             waiters: Waiters::default(),
             replay_cache: ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES),
@@ -136,5 +139,11 @@ impl Engine {
     /// The store underneath.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// How the store's claims, commits and releases were grouped into
+    /// transactions (the `idemgate_store_batch*` metrics).
+    pub fn batch_stats(&self) -> BatchStats {
+        self.batcher.stats()
     }
 }

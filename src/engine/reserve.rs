@@ -19,13 +19,28 @@ use crate::telemetry;
 impl Engine {
     /// Reserves a key; with `wait`, holds the caller while another holder's
     /// lease is alive, without holding a database connection in between.
-    /// In a span of its own ([`spans::CLAIM`]).
+    /// In a span of its own ([`spans::CLAIM`]), which records the decision.
     pub async fn reserve(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
-        let wait_ms = req.wait.map_or(0, |w| {
-            u64::try_from(w.min(self.limits.max_wait).as_millis()).unwrap_or(u64::MAX)
-        });
+        let wait = req
+            .wait
+            .map_or(Duration::ZERO, |w| w.min(self.limits.max_wait));
+        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
         let span = spans::claim(|| crate::key::hash_prefix(&req.key_hash), wait_ms);
-        let decision = self.reserve_unspanned(req).instrument(span.clone()).await;
+        // The store's part runs in the span; the replay cache answers at once.
+        let decision = match self.cached_outcome(req) {
+            Some(outcome) => Ok(outcome),
+            None if wait.is_zero() => self.claim(req).instrument(span.clone()).await,
+            None => {
+                let slot = (req.tenant.clone(), req.key_hash);
+                let notify = self.waiters.subscribe(&slot);
+                let outcome = self
+                    .claim_waiting(req, Instant::now() + wait, &notify)
+                    .instrument(span.clone())
+                    .await;
+                self.waiters.unsubscribe(&slot, notify);
+                outcome
+            }
+        };
         match &decision {
             Ok(outcome) => {
                 let attempt = match outcome {
@@ -37,25 +52,6 @@ impl Engine {
             Err(_) => spans::failed(&span),
         }
         decision
-    }
-
-    async fn reserve_unspanned(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
-        if let Some(outcome) = self.cached_outcome(req) {
-            return Ok(outcome);
-        }
-        let wait = req
-            .wait
-            .map_or(Duration::ZERO, |w| w.min(self.limits.max_wait));
-        if wait.is_zero() {
-            return self.claim(req).await;
-        }
-        let slot = (req.tenant.clone(), req.key_hash);
-        let notify = self.waiters.subscribe(&slot);
-        let outcome = self
-            .claim_waiting(req, Instant::now() + wait, &notify)
-            .await;
-        self.waiters.unsubscribe(&slot, notify);
-        outcome
     }
 
     /// The decision for a key whose completed record is in the replay cache.
@@ -96,7 +92,7 @@ impl Engine {
         let started = std::time::Instant::now();
         let reservation_id = Uuid::now_v7();
         let claim = self
-            .store
+            .batcher
             .reserve(&ClaimRequest {
                 tenant: req.tenant.clone(),
                 key_hash: req.key_hash,

@@ -39,7 +39,7 @@ pub enum Resolved {
 
 impl Engine {
     /// Up to `limit` key hashes of `tenant` from `low` to `high`, in order
-    /// ([`Store::key_hashes_between`](crate::store::Store::key_hashes_between)).
+    /// ([`Queries::key_hashes_between`](crate::store::Queries::key_hashes_between)).
     pub async fn key_hashes_between(
         &self,
         tenant: &str,
@@ -145,7 +145,7 @@ impl Engine {
 
 impl Engine {
     /// How many keys wait for a person: unknown, or in flight past their
-    /// lease ([`Store::count_stuck`](crate::store::Store::count_stuck)).
+    /// lease ([`Queries::count_stuck`](crate::store::Queries::count_stuck)).
     pub async fn count_stuck(&self) -> Result<u64, EngineError> {
         self.store.count_stuck().await
     }

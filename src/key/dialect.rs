@@ -99,7 +99,10 @@ pub fn read(
 ) -> Result<Keyed, KeyError> {
     let span = crate::spans::key();
     let _in_span = span.enter();
-    let keyed = read_unspanned(headers, name, policy, dialect);
+    let keyed = match dialect {
+        Dialect::IdempotencyKey => idempotency_key(headers, name, policy),
+        Dialect::Repeatability => repeatability(headers, name, policy),
+    };
     if !span.is_disabled() {
         match &keyed {
             Ok(keyed) => span.record("idemgate.key.hash", keyed.key.hash_prefix().as_str()),
@@ -110,64 +113,68 @@ pub fn read(
     keyed
 }
 
-fn read_unspanned(
+/// The key of the `Idempotency-Key` dialect, under `name`, with its
+/// `Idempotency-First-Sent` if sent.
+fn idempotency_key(
     headers: &HeaderMap,
     name: &HeaderName,
     policy: &KeyPolicy,
-    dialect: Dialect,
 ) -> Result<Keyed, KeyError> {
-    match dialect {
-        Dialect::IdempotencyKey => {
-            let key = super::from_headers(headers, name, policy)?;
-            let first_sent =
-                first_sent(headers, &IDEMPOTENCY_FIRST_SENT, "Idempotency-First-Sent")?;
-            Ok(Keyed {
-                key,
-                dialect,
-                first_sent,
-            })
-        }
-        Dialect::Repeatability => {
-            if headers.contains_key(name) {
-                return Err(invalid(format!(
-                    "send either {} or Repeatability-Request-ID, not both",
-                    super::display_name(name)
-                )));
-            }
-            let id = one(
-                headers,
-                &REPEATABILITY_REQUEST_ID,
-                "Repeatability-Request-ID",
-            )?
-            .ok_or(KeyError::Missing)?;
-            let id = token(id, "Repeatability-Request-ID", policy)?;
-            let client = one(headers, &REPEATABILITY_CLIENT_ID, "Repeatability-Client-ID")?
-                .map(|v| token(v, "Repeatability-Client-ID", &KeyPolicy::default()))
-                .transpose()?;
-            let first_sent = first_sent(
-                headers,
-                &REPEATABILITY_FIRST_SENT,
-                "Repeatability-First-Sent",
-            )?
-            .ok_or_else(|| {
-                invalid(
-                    "Repeatability-Request-ID needs Repeatability-First-Sent: the \
-                             HTTP-date (IMF-fixdate) at which the request was first sent",
-                )
-            })?;
-            // The request id is unique within its client: the client id, a
-            // line feed (which neither may hold), then the id.
-            let key = match client {
-                Some(client) => format!("{client}\n{id}"),
-                None => id,
-            };
-            Ok(Keyed {
-                key: IdempotencyKey::new(key),
-                dialect,
-                first_sent: Some(first_sent),
-            })
-        }
+    let key = super::from_headers(headers, name, policy)?;
+    let first_sent = first_sent(headers, &IDEMPOTENCY_FIRST_SENT, "Idempotency-First-Sent")?;
+    Ok(Keyed {
+        key,
+        dialect: Dialect::IdempotencyKey,
+        first_sent,
+    })
+}
+
+/// The key of the `Repeatability-*` dialect: the client id and the request
+/// id, with the required `Repeatability-First-Sent`; a key under `name` as
+/// well is refused.
+fn repeatability(
+    headers: &HeaderMap,
+    name: &HeaderName,
+    policy: &KeyPolicy,
+) -> Result<Keyed, KeyError> {
+    if headers.contains_key(name) {
+        return Err(invalid(format!(
+            "send either {} or Repeatability-Request-ID, not both",
+            super::display_name(name)
+        )));
     }
+    let id = one(
+        headers,
+        &REPEATABILITY_REQUEST_ID,
+        "Repeatability-Request-ID",
+    )?
+    .ok_or(KeyError::Missing)?;
+    let id = token(id, "Repeatability-Request-ID", policy)?;
+    let client = one(headers, &REPEATABILITY_CLIENT_ID, "Repeatability-Client-ID")?
+        .map(|v| token(v, "Repeatability-Client-ID", &KeyPolicy::default()))
+        .transpose()?;
+    let first_sent = first_sent(
+        headers,
+        &REPEATABILITY_FIRST_SENT,
+        "Repeatability-First-Sent",
+    )?
+    .ok_or_else(|| {
+        invalid(
+            "Repeatability-Request-ID needs Repeatability-First-Sent: the \
+                     HTTP-date (IMF-fixdate) at which the request was first sent",
+        )
+    })?;
+    // The request id is unique within its client: the client id, a
+    // line feed (which neither may hold), then the id.
+    let key = match client {
+        Some(client) => format!("{client}\n{id}"),
+        None => id,
+    };
+    Ok(Keyed {
+        key: IdempotencyKey::new(key),
+        dialect: Dialect::Repeatability,
+        first_sent: Some(first_sent),
+    })
 }
 
 /// The longest a first attempt may be in the past for a key remembered for

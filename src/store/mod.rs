@@ -1,5 +1,7 @@
-//! Where idempotency records live: the [`Store`] trait the engine drives, and its
-//! implementations. SQL lives only below this module.
+//! Where idempotency records live: the [`Store`] traits — [`HotPath`] for
+//! what a request's path writes and reads, [`Queries`] for what operators
+//! read and settle, [`Maintenance`] for what the maintenance tasks run — and
+//! their implementations. SQL lives only below this module.
 
 mod batch;
 mod error;
@@ -15,7 +17,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-pub use batch::Batched;
+pub use batch::Batcher;
 pub use error::{Cause, Result, StoreError, report_unavailable};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgSettings, PgStore};
@@ -62,12 +64,27 @@ macro_rules! key_columns {
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use key_columns;
 
-/// The operations the engine needs, each one atomic across every process that
-/// shares the database. Writes addressed by reservation id apply only while that
-/// id is the key's current holder and the record has not expired; they return
-/// `None` otherwise, and the engine asks [`Store::find_by_reservation`] why.
+/// What a store is: everything the engine, the operators' commands and the
+/// maintenance tasks ask of it, each operation atomic across every process
+/// that shares the database. It is the sum of three traits, one per job:
+/// [`HotPath`] (what a request's path through the engine writes and reads),
+/// [`Queries`] (what operators read and settle, and the usage figures tenant
+/// limits are checked against) and [`Maintenance`] (pruning, readiness, pool
+/// figures). Every type that implements the three is a `Store`; hold an
+/// `Arc<dyn Store>` where all of them are needed.
+pub trait Store: HotPath + Queries + Maintenance {}
+
+impl<T: HotPath + Queries + Maintenance + ?Sized> Store for T {}
+
+/// What the engine writes and reads on a request's path: claims, commits,
+/// releases, lease extensions, checkpoints, unknown marks, and look-ups by
+/// reservation id; and the hooks that let claims, commits and releases share
+/// transactions ([`Batcher`]). Writes addressed by reservation id apply only
+/// while that id is the key's current holder and the record has not
+/// expired; they return `None` otherwise, and the engine asks
+/// [`HotPath::find_by_reservation`] why.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait HotPath: Send + Sync + 'static {
     /// Claims the key or returns its record as it stands (see [`Claim`]).
     /// `None` only under [`ClaimRequest::max_in_flight`]: the limit kept the
     /// claim from applying and the key has no record.
@@ -112,6 +129,62 @@ pub trait Store: Send + Sync + 'static {
         tenant: &str,
         reservation_id: Uuid,
     ) -> Result<Option<Found>>;
+
+    /// Applies `writes` in the order given, as if one by one (each sees what
+    /// the ones before it did), in one transaction that has committed when
+    /// this returns: one durable write for all of them. One answer per write,
+    /// in order; an `Err` says that write's transaction failed and nothing is
+    /// known of it (the caller then writes it alone). A store without
+    /// transactions of its own keeps this default, which writes one by one.
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+        let mut answers = Vec::with_capacity(writes.len());
+        for write in writes {
+            answers.push(write_one(self, write).await);
+        }
+        answers
+    }
+
+    /// How many transactions of batched writes the store runs at once: one
+    /// where there is one writer anyway (SQLite); more where a transaction
+    /// that waits (on a row lock another process holds) must not hold up
+    /// every other write of the process (PostgreSQL).
+    fn batch_writers(&self) -> usize {
+        1
+    }
+
+    /// Whether the store groups its claims, commits and releases itself, on
+    /// a writer of its own that takes whatever queued while it wrote the
+    /// last group (SQLite, on its writer thread). [`Batcher`] then hands
+    /// them to it one by one, straight, and only makes a duplicate claim
+    /// wait for its key's claim being written; otherwise it groups them
+    /// and hands each group to [`HotPath::write_batch`].
+    fn groups_own_writes(&self) -> bool {
+        false
+    }
+
+    /// How a store that groups its own writes
+    /// ([`HotPath::groups_own_writes`]) has grouped them; `None` for the
+    /// others, whose writes [`Batcher`] groups and counts.
+    fn own_batches(&self) -> Option<BatchStats> {
+        None
+    }
+
+    /// Writes `writes` as one group, now, as the store's own grouping would
+    /// had they queued together (see [`Batcher::write_together`]); answers in
+    /// order. A store that does not group its own writes
+    /// ([`HotPath::groups_own_writes`]) writes them as one batch.
+    async fn write_grouped(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
+        let refs: Vec<&Write> = writes.iter().collect();
+        self.write_batch(&refs).await
+    }
+}
+
+/// What operators read and settle (a key's record, a page of keys, a stuck
+/// key resolved, the count of stuck keys) and the usage figures a tenant's
+/// limits are checked against: reads across a tenant's or every tenant's
+/// keys, off a new key's path.
+#[async_trait]
+pub trait Queries: Send + Sync + 'static {
     /// The record of a key, if it has one (alive or not).
     async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>>;
     /// A page of alive records, oldest first (see [`KeyQuery`]).
@@ -138,14 +211,21 @@ pub trait Store: Send + Sync + 'static {
     /// Alive keys that are unknown or in flight past their lease: those
     /// nobody will settle by themselves (the gauge `idemgate_keys_unknown`).
     async fn count_stuck(&self) -> Result<u64>;
-    /// Deletes up to about `limit` expired records without waiting on locked
-    /// rows; says how many it deleted and whether more may be left.
-    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch>;
     /// The tenant's live in-flight keys, counted up to `up_to`.
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage>;
     /// What the tenant's completed, unexpired records take; this reads every
     /// one of them, so callers keep the answer a while.
     async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage>;
+}
+
+/// What the maintenance tasks and the operations endpoints run: pruning of
+/// expired records, the readiness ping, pool figures, and what a write
+/// survives.
+#[async_trait]
+pub trait Maintenance: Send + Sync + 'static {
+    /// Deletes up to about `limit` expired records without waiting on locked
+    /// rows; says how many it deleted and whether more may be left.
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch>;
     /// Succeeds when the database answers and holds the tables that every
     /// request needs: what readiness means.
     async fn ping(&self) -> Result<()>;
@@ -158,55 +238,11 @@ pub trait Store: Send + Sync + 'static {
     fn durability(&self) -> Durability {
         Durability::Local
     }
-
-    /// Applies `writes` in the order given, as if one by one (each sees what
-    /// the ones before it did), in one transaction that has committed when
-    /// this returns: one durable write for all of them. One answer per write,
-    /// in order; an `Err` says that write's transaction failed and nothing is
-    /// known of it (the caller then writes it alone). A store without
-    /// transactions of its own keeps this default, which writes one by one.
-    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
-        let mut answers = Vec::with_capacity(writes.len());
-        for write in writes {
-            answers.push(write_one(self, write).await);
-        }
-        answers
-    }
-
-    /// How many transactions of batched writes the store runs at once: one
-    /// where there is one writer anyway (SQLite); more where a transaction
-    /// that waits (on a row lock another process holds) must not hold up
-    /// every other write of the process (PostgreSQL).
-    fn batch_writers(&self) -> usize {
-        1
-    }
-
-    /// How writes were batched, where they are (see [`Batched`]).
-    fn batch_stats(&self) -> Option<BatchStats> {
-        None
-    }
-
-    /// How a store that groups its claims, commits and releases itself (on
-    /// a writer of its own, which takes whatever queued while it wrote the
-    /// last group) has grouped them; `None` for a store whose writes
-    /// [`Batched`] groups.
-    fn own_batches(&self) -> Option<BatchStats> {
-        None
-    }
-
-    /// Writes `writes` as one group, now, as the store's own grouping would
-    /// had they queued together (see [`Batched::write_together`]); answers in
-    /// order. A store without [`Store::own_batches`] writes them as one
-    /// batch.
-    async fn write_grouped(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
-        let refs: Vec<&Write> = writes.iter().collect();
-        self.write_batch(&refs).await
-    }
 }
 
 /// `write` on its own, through the one-by-one operation of `store`
-/// ([`Store::reserve`], [`Store::complete`] or [`Store::release`]).
-pub async fn write_one<S: Store + ?Sized>(store: &S, write: &Write) -> Result<Written> {
+/// ([`HotPath::reserve`], [`HotPath::complete`] or [`HotPath::release`]).
+pub async fn write_one<S: HotPath + ?Sized>(store: &S, write: &Write) -> Result<Written> {
     Ok(match write {
         Write::Claim(req) => Written::Claim(store.reserve(req).await?),
         Write::Complete {

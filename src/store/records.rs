@@ -366,8 +366,8 @@ pub struct Record {
     /// Why and when its current holder marked it unknown, if it did. A
     /// record a claim hands back does not carry it (`None`): a claim that
     /// finds the key unknown answers so without needing why; a lookup
-    /// ([`Store::find_by_reservation`](super::Store::find_by_reservation),
-    /// [`Store::find_key`](super::Store::find_key), a listing) does.
+    /// ([`HotPath::find_by_reservation`](super::HotPath::find_by_reservation),
+    /// [`Queries::find_key`](super::Queries::find_key), a listing) does.
     pub marked_unknown: Option<MarkedUnknown>,
     /// What the key was for, where the door that claimed it knew (the proxy
     /// and the layer always; the reservation API when the reserve described
@@ -473,7 +473,7 @@ pub struct Found {
 }
 
 /// Which records an operator's listing asks for (see
-/// [`Store::list_keys`](super::Store::list_keys)): alive ones only, oldest
+/// [`Queries::list_keys`](super::Queries::list_keys)): alive ones only, oldest
 /// first, in pages.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KeyQuery {
@@ -483,7 +483,7 @@ pub struct KeyQuery {
     pub state: Option<KeyState>,
     /// Only records that wait for a person (with `state` `None`): unknown,
     /// or in flight past their lease under either choice — what
-    /// [`Store::count_stuck`](super::Store::count_stuck) counts.
+    /// [`Queries::count_stuck`](super::Queries::count_stuck) counts.
     pub stuck: bool,
     /// Only this tenant's.
     pub tenant: Option<String>,
@@ -626,12 +626,12 @@ pub struct BatchStats {
     pub refused: u64,
 }
 
-/// One write of a batch (see [`Store::write_batch`](super::Store::write_batch)).
+/// One write of a batch (see [`HotPath::write_batch`](super::HotPath::write_batch)).
 #[derive(Debug, Clone)]
 pub enum Write {
-    /// [`Store::reserve`](super::Store::reserve).
+    /// [`HotPath::reserve`](super::HotPath::reserve).
     Claim(ClaimRequest),
-    /// [`Store::complete`](super::Store::complete).
+    /// [`HotPath::complete`](super::HotPath::complete).
     Complete {
         /// The key's tenant.
         tenant: String,
@@ -640,7 +640,7 @@ pub enum Write {
         /// What to store.
         response: StoredResponse,
     },
-    /// [`Store::release`](super::Store::release).
+    /// [`HotPath::release`](super::HotPath::release).
     Release {
         /// The key's tenant.
         tenant: String,
@@ -662,10 +662,10 @@ impl Write {
 /// What one write of a batch did: what the one-by-one operation returns.
 #[derive(Debug, Clone)]
 pub enum Written {
-    /// As [`Store::reserve`](super::Store::reserve).
+    /// As [`HotPath::reserve`](super::HotPath::reserve).
     Claim(Option<Claim>),
-    /// As [`Store::complete`](super::Store::complete).
+    /// As [`HotPath::complete`](super::HotPath::complete).
     Complete(Option<Record>),
-    /// As [`Store::release`](super::Store::release).
+    /// As [`HotPath::release`](super::HotPath::release).
     Release(Option<Vec<u8>>),
 }

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use common::backend::Backend;
 use idemgate::engine::{CommitOutcome, Engine, Limits, ReserveOutcome, ReserveRequest};
 use idemgate::store::{
-    Batched, ClaimRequest, KeyState, Store, StoreError, StoredResponse, Write, Written, write_one,
+    Batcher, ClaimRequest, KeyState, Store, StoreError, StoredResponse, Write, Written, write_one,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -218,8 +218,8 @@ fn batches_answer_as_one_by_one(make: fn() -> std::pin::Pin<Box<dyn Future<Outpu
         .build()
         .expect("runtime");
     let (reference, batched) = rt.block_on(async { (make().await, make().await) });
-    let (alone, together): (Arc<dyn Store>, Batched) =
-        rt.block_on(async { (reference.open().await, Batched::new(batched.open().await)) });
+    let (alone, together): (Arc<dyn Store>, Batcher) =
+        rt.block_on(async { (reference.open().await, Batcher::new(batched.open().await)) });
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -408,7 +408,7 @@ async fn storm_through_batches(backend: Backend) {
             }
         }
     }
-    let stats: Vec<_> = engines.iter().map(|e| e.store().batch_stats()).collect();
+    let stats: Vec<_> = engines.iter().map(|e| e.batch_stats()).collect();
     eprintln!("executions per key {executions:?}; batches per engine {stats:?}");
 }
 
@@ -450,7 +450,7 @@ async fn a_full_queue_refuses_at_once_and_writes_what_it_held() {
     let url = Backend::sqlite_url(&dir);
     const BOUND: usize = 8;
     // SQLite groups its writes on its writer thread: the bound is its queue's.
-    let batched = Arc::new(Batched::new(Arc::new(store.with_write_queue_bound(BOUND))));
+    let batched = Arc::new(Batcher::new(Arc::new(store.with_write_queue_bound(BOUND))));
     let mut other = sqlx::SqliteConnection::connect(&url)
         .await
         .expect("connect");
@@ -469,7 +469,7 @@ async fn a_full_queue_refuses_at_once_and_writes_what_it_held() {
         // Pacing only: each one reaches the queue before the next.
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    let refused_while_stopped = batched.batch_stats().expect("stats").refused;
+    let refused_while_stopped = batched.stats().refused;
     sqlx::query("ROLLBACK")
         .execute(&mut other)
         .await
@@ -540,7 +540,7 @@ async fn a_storm_of_duplicates_never_deadlocks(db: common::pg::TestDb) {
     let before = deadlocks(&backend).await;
 
     // Opposite orders, side by side, through two queues.
-    let batched: Vec<Batched> = stores.iter().map(|s| Batched::new(s.clone())).collect();
+    let batched: Vec<Batcher> = stores.iter().map(|s| Batcher::new(s.clone())).collect();
     for round in 0..4 {
         let claims = |reversed: bool| {
             let mut keys: Vec<usize> = (0..32).collect();
@@ -641,7 +641,7 @@ async fn a_storm_of_duplicates_never_deadlocks(db: common::pg::TestDb) {
             Some(format!("key {key}").into_bytes())
         );
     }
-    let stats: Vec<_> = engines.iter().map(|e| e.store().batch_stats()).collect();
+    let stats: Vec<_> = engines.iter().map(|e| e.batch_stats()).collect();
     drop(engines);
     drop(stores);
     let after = deadlocks(&backend).await;

@@ -21,7 +21,7 @@ use common::citus::{self, TempCitus};
 use common::pg::TestDb;
 use idemgate::prune;
 use idemgate::store::postgres::sql;
-use idemgate::store::{PgStore, Store, StoreError};
+use idemgate::store::{HotPath, Maintenance, PgStore, StoreError};
 use sqlx::{Connection as _, PgConnection};
 use tokio::sync::OnceCell;
 
@@ -127,7 +127,7 @@ async fn the_migrations_distribute_both_tables_and_the_claim_by_tenant() {
 /// one by one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
-    use idemgate::store::{Batched, ClaimRequest, StoredResponse, Write, Written};
+    use idemgate::store::{Batcher, ClaimRequest, StoredResponse, Write, Written};
     if !citus::available("a_batch_spanning_tenants_on_two_workers_answers_each_write") {
         return;
     }
@@ -153,8 +153,8 @@ async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
         "every tenant tried on one node: {by_node:?}"
     );
     let tenants: Vec<String> = by_node.into_values().take(2).collect();
-    let store = PgStore::connect_lazy(&db.url, &Default::default()).unwrap();
-    let batched = Batched::new(Arc::new(store));
+    let store = Arc::new(PgStore::connect_lazy(&db.url, &Default::default()).unwrap());
+    let batched = Batcher::new(store.clone());
     let claim = |tenant: &str, key: u8, fingerprint: &str| ClaimRequest {
         on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: tenant.to_owned(),
@@ -209,7 +209,7 @@ async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
         }
     }
     for i in [0, 1, 3] {
-        let found = batched
+        let found = store
             .find_by_reservation(&claims[i].record.tenant, claims[i].record.reservation_id)
             .await
             .unwrap()

@@ -371,7 +371,7 @@ where
         );
         assert_eq!(replay.body["response"]["body"], format!("stored {key}"));
     }
-    let batches = app.state.engine.store().batch_stats().expect("batched");
+    let batches = app.state.engine.batch_stats();
     assert!(
         batches.largest >= 2,
         "sixteen clients and no batch of two writes: {batches:?}"

@@ -269,7 +269,7 @@ async fn a_store_error_keeps_the_databases_error_as_its_source() {
     let db = missing_database().await;
     let store =
         idemgate::store::PgStore::connect_lazy(&db.url, &Default::default()).expect("a lazy store");
-    let err = idemgate::store::Store::ping(&store)
+    let err = idemgate::store::Maintenance::ping(&store)
         .await
         .expect_err("the database does not exist");
     assert!(err.is_unavailable(), "{err}");

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::pg::TestDb;
 use idemgate::store::postgres::PgSettings;
-use idemgate::store::{ClaimRequest, PgStore, Store, StoreError, StoredResponse};
+use idemgate::store::{ClaimRequest, HotPath, Maintenance, PgStore, StoreError, StoredResponse};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 

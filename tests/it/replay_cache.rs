@@ -29,8 +29,8 @@ use idemgate::layer::LayerPolicy;
 use idemgate::server::cli::{Cli, Command};
 use idemgate::server::proxy::Proxy;
 use idemgate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, PoolStats, Record, Recovery, Store, StoreError,
-    StoredResponse, StoredUsage,
+    Claim, ClaimRequest, Found, HotPath, InFlightUsage, Maintenance, PoolStats, Queries, Record,
+    Recovery, Store, StoreError, StoredResponse, StoredUsage,
 };
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
@@ -371,7 +371,7 @@ fn skew(mut record: Record) -> Record {
 }
 
 #[async_trait]
-impl Store for AnHourAhead {
+impl HotPath for AnHourAhead {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
         Ok(self.0.reserve(req).await?.map(|claim| Claim {
             claimed: claim.claimed,
@@ -438,7 +438,10 @@ impl Store for AnHourAhead {
     ) -> Result<Option<Vec<u8>>, StoreError> {
         self.0.mark_unknown(tenant, id, reason).await
     }
+}
 
+#[async_trait]
+impl Queries for AnHourAhead {
     async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>, StoreError> {
         Ok(self.0.find_key(tenant, key_hash).await?.map(|found| Found {
             record: skew(found.record),
@@ -488,7 +491,10 @@ impl Store for AnHourAhead {
             ..usage
         })
     }
+}
 
+#[async_trait]
+impl Maintenance for AnHourAhead {
     async fn prune_expired_batch(
         &self,
         limit: i64,

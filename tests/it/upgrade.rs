@@ -82,7 +82,7 @@ async fn every_connection_names_its_release_to_the_database() {
     }
     let db = TestDb::new().await;
     let store = store(&db).await;
-    idemgate::store::Store::prune_expired_batch(&store, 10)
+    idemgate::store::Maintenance::prune_expired_batch(&store, 10)
         .await
         .expect("a statement of the store's own connections");
     let mut conn = PgConnection::connect(&db.url).await.expect("connect");
@@ -162,7 +162,7 @@ async fn migrate_status_lists_the_migrations_and_the_versions_connected_and_chan
     assert!(status(&db.url).contains("applied: 0\n"));
 
     let store = store(&db).await;
-    idemgate::store::Store::prune_expired_batch(&store, 10)
+    idemgate::store::Maintenance::prune_expired_batch(&store, 10)
         .await
         .expect("a statement");
     let (_old, pid) = older_process(&db.url).await;

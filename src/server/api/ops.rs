@@ -224,9 +224,7 @@ pub async fn get_metrics(State(state): State<AppState>) -> impl IntoResponse {
     if let Some(stats) = state.engine.store().pool_stats() {
         telemetry::record_pool(stats);
     }
-    if let Some(stats) = state.engine.store().batch_stats() {
-        telemetry::record_batches(stats);
-    }
+    telemetry::record_batches(state.engine.batch_stats());
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

@@ -1,10 +1,12 @@
 //! Group commit: claims, commits and releases share durable writes.
 //!
 //! One by one, every new key costs two transactions (its claim, then its
-//! commit), each with its own round trip and its own flush to disk. [`Batched`]
-//! puts a queue in front of a store: a writer takes whatever queued while its
-//! previous batch was being written and hands it to [`Store::write_batch`] as
-//! one transaction. The batches clock themselves, with no timer: a write that
+//! commit), each with its own round trip and its own flush to disk. The
+//! engine sends its claims, commits and releases through a [`Batcher`],
+//! which puts a queue in front of the store: a writer takes whatever queued
+//! while its previous batch was being written and hands it to
+//! [`HotPath::write_batch`](crate::store::HotPath::write_batch) as one
+//! transaction. The batches clock themselves, with no timer: a write that
 //! finds nothing being written goes at once, alone, in its own task (nothing
 //! waits for company), and under load each flush carries everything that
 //! arrived during the last one.
@@ -40,8 +42,8 @@ use tokio::sync::{Semaphore, SemaphorePermit, mpsc, oneshot};
 
 mod plan;
 mod same_key;
-mod store;
 mod writer;
+mod writes;
 
 use plan::StoreSink;
 pub(crate) use plan::flush;
@@ -49,7 +51,7 @@ pub(crate) use plan::flush;
 pub(crate) use plan::{BlockingSink, flush_blocking};
 use writer::write_loop;
 
-use super::{Result, Store, StoreError, Write, Written};
+use super::{BatchStats, HotPath, Result, StoreError, Write, Written};
 
 /// Most writes waiting for a writer; past it a write is refused.
 pub const QUEUE_BOUND: usize = 4096;
@@ -58,18 +60,21 @@ pub const QUEUE_BOUND: usize = 4096;
 /// connections, few enough that one transaction stays short.
 pub(crate) const MAX_BATCH: usize = 256;
 
-/// A [`Store`] whose claims, commits and releases are written in batches;
-/// every other operation goes straight to the store. A store that groups its
-/// writes itself ([`Store::own_batches`]: SQLite, on its writer thread) gets
-/// them straight too: only the wait of a duplicate claim for its key's
-/// claim being written (`same_key.rs`) is done here.
-pub struct Batched {
-    store: Arc<dyn Store>,
+/// The claims, commits and releases of a store, written in batches: the
+/// engine holds one next to its store, sends those three writes through it
+/// and everything else straight to the store. A store that groups its
+/// writes itself ([`HotPath::groups_own_writes`](crate::store::HotPath::groups_own_writes):
+/// SQLite, on its writer thread) gets them straight too: only the wait of a
+/// duplicate claim for its key's claim being written (`same_key.rs`) is
+/// done here.
+pub struct Batcher {
+    store: Arc<dyn HotPath>,
     /// The store groups its writes itself.
     grouped: bool,
     bound: usize,
     /// One permit per transaction of writes in the database at once
-    /// ([`Store::batch_writers`]); the queued writes gather behind them.
+    /// ([`HotPath::batch_writers`](crate::store::HotPath::batch_writers));
+    /// the queued writes gather behind them.
     writers: Arc<Semaphore>,
     /// The queue, with its writers started on first use (they need a
     /// runtime; the store may be built outside one).
@@ -114,26 +119,26 @@ impl Counters {
     }
 }
 
-impl std::fmt::Debug for Batched {
+impl std::fmt::Debug for Batcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Batched").finish_non_exhaustive()
+        f.debug_struct("Batcher").finish_non_exhaustive()
     }
 }
 
-// === impl Batched ===
+// === impl Batcher ===
 
-impl Batched {
+impl Batcher {
     /// Batches the writes of `store`, with a queue of 4096 writes.
-    pub fn new(store: Arc<dyn Store>) -> Batched {
-        Batched::with_queue_bound(store, QUEUE_BOUND)
+    pub fn new(store: Arc<dyn HotPath>) -> Batcher {
+        Batcher::with_queue_bound(store, QUEUE_BOUND)
     }
 
     /// Batches the writes of `store`, refusing writes past `bound` waiting.
     /// A store that groups its writes itself keeps its own bound
     /// ([`SqliteStore::with_write_queue_bound`](crate::store::SqliteStore::with_write_queue_bound)).
-    pub fn with_queue_bound(store: Arc<dyn Store>, bound: usize) -> Batched {
-        Batched {
-            grouped: store.own_batches().is_some(),
+    pub fn with_queue_bound(store: Arc<dyn HotPath>, bound: usize) -> Batcher {
+        Batcher {
+            grouped: store.groups_own_writes(),
             bound: bound.max(1),
             writers: Arc::new(Semaphore::new(store.batch_writers().max(1))),
             queue: OnceLock::new(),
@@ -143,12 +148,12 @@ impl Batched {
         }
     }
 
-    /// `store` batched, unless it is already.
-    pub fn wrap(store: Arc<dyn Store>) -> Arc<dyn Store> {
-        if store.batch_stats().is_some() {
-            store
-        } else {
-            Arc::new(Batched::new(store))
+    /// How the writes were grouped: by the store itself where it groups
+    /// its own, else here.
+    pub fn stats(&self) -> BatchStats {
+        match self.store.own_batches() {
+            Some(own) => own,
+            None => self.stats.stats(),
         }
     }
 

@@ -1,18 +1,18 @@
 //! What goes into each transaction of a batch, and how each write gets the
 //! answer one by one would have given it: the one algorithm behind every
-//! group commit, whoever drives it (the writer tasks of [`Batched`](super::Batched),
+//! group commit, whoever drives it (the writer tasks of [`Batcher`](super::Batcher),
 //! or a store's own writer thread).
 
 use std::collections::{HashMap, HashSet};
 
 use super::Job;
-use crate::store::{Claim, KeyState, Result, Store, StoreError, Write, Written, write_one};
+use crate::store::{Claim, HotPath, KeyState, Result, StoreError, Write, Written, write_one};
 
 /// Where a batch's writes go: a whole run in one transaction, or one write
 /// alone in its own.
 pub(crate) trait Sink {
     /// `writes` in one transaction, in order, one answer each (see
-    /// [`Store::write_batch`]).
+    /// [`HotPath::write_batch`](crate::store::HotPath::write_batch)).
     async fn together(&self, writes: &[&Write]) -> Vec<Result<Written>>;
     /// `write` alone, in a transaction of its own.
     async fn alone(&self, write: &Write) -> Result<Written>;
@@ -27,8 +27,9 @@ pub(crate) trait BlockingSink {
     fn alone(&self, write: &Write) -> Result<Written>;
 }
 
-/// A [`Store`]'s own batch and one-by-one operations.
-pub(super) struct StoreSink<'a>(pub(super) &'a dyn Store);
+/// A store's own batch and one-by-one operations ([`HotPath::write_batch`],
+/// [`write_one`]).
+pub(super) struct StoreSink<'a>(pub(super) &'a dyn HotPath);
 
 impl Sink for StoreSink<'_> {
     async fn together(&self, writes: &[&Write]) -> Vec<Result<Written>> {

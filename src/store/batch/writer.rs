@@ -1,4 +1,4 @@
-//! The writer tasks behind [`Batched`](super::Batched): each batch taken
+//! The writer tasks behind [`Batcher`](super::Batcher): each batch taken
 //! from the queue as soon as a transaction's place is free, and written
 //! (see [`plan`](super::plan)) in a task of its own.
 
@@ -8,15 +8,15 @@ use tokio::sync::{Semaphore, mpsc};
 
 use super::plan::{StoreSink, flush};
 use super::{Counters, Job, MAX_BATCH};
-use crate::store::Store;
+use crate::store::HotPath;
 
 /// The writer: takes what queued while the transactions in the database
 /// were written, and as soon as one of them is done, writes it as the next
 /// one, in a task of its own (so that a request that goes away never cuts a
-/// batch of other requests' writes short). Ends when the [`Batched`](super::Batched) is
+/// batch of other requests' writes short). Ends when the [`Batcher`](super::Batcher) is
 /// dropped.
 pub(super) async fn write_loop(
-    store: Arc<dyn Store>,
+    store: Arc<dyn HotPath>,
     mut queue: mpsc::Receiver<Job>,
     writers: Arc<Semaphore>,
     stats: Arc<Counters>,

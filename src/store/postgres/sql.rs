@@ -256,7 +256,7 @@ pub(super) const STORED_USAGE: &str = "SELECT coalesce(sum(coalesce(octet_length
            FROM idempotency_keys
           WHERE tenant = $1 AND state = 'completed' AND expires_at > now()";
 
-/// The statement behind [`Store::reserve`](crate::store::Store::reserve): one
+/// The statement behind [`HotPath::reserve`](crate::store::HotPath::reserve): one
 /// round trip that claims a key or reads it as it stands. Binds: tenant
 /// (text), key hash (bytea), fingerprint (text, null allowed), new
 /// reservation id (uuid), lease and TTL seconds (float8), the tenant's limit
@@ -266,7 +266,7 @@ pub fn reserve() -> &'static str {
     RESERVE
 }
 
-/// The statement behind [`Store::complete`](crate::store::Store::complete):
+/// The statement behind [`HotPath::complete`](crate::store::HotPath::complete):
 /// one round trip that stores the response and completes the key. Binds:
 /// tenant, reservation id, status (int4), headers (jsonb array of `[name,
 /// value]`), body (bytea).

@@ -14,13 +14,13 @@ use super::rows::{ClaimRow, FoundRow, KeyRow, headers_json};
 use super::sql::*;
 use super::write_batch::BATCH_WRITERS;
 use crate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeptRequest, KeyPage, KeyQuery, PoolStats,
-    PruneBatch, Record, Recovery, Resolve, ResolveAction, Result, Store, StoreError,
-    StoredResponse, StoredUsage, Write, Written,
+    Claim, ClaimRequest, Found, HotPath, InFlightUsage, KeptRequest, KeyPage, KeyQuery,
+    Maintenance, PoolStats, PruneBatch, Queries, Record, Recovery, Resolve, ResolveAction, Result,
+    StoreError, StoredResponse, StoredUsage, Write, Written,
 };
 
 #[async_trait]
-impl Store for PgStore {
+impl HotPath for PgStore {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
         // The function's read has a snapshot of its own, taken after the
         // claim, so it sees what a concurrent claim committed; a record gone
@@ -151,6 +151,46 @@ impl Store for PgStore {
         row.map(Found::try_from).transpose()
     }
 
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+        let layout = match self.layout().await {
+            Ok(layout) => layout,
+            Err(e) => return writes.iter().map(|_| Err(e.clone())).collect(),
+        };
+        match layout {
+            Layout::Single => self.write_batch_call(writes).await,
+            // The function runs on the node that holds its tenant's shard: a
+            // call per tenant, each its own transaction there.
+            Layout::Citus { .. } => {
+                let mut by_tenant: Vec<(&str, Vec<usize>)> = Vec::new();
+                for (i, write) in writes.iter().enumerate() {
+                    match by_tenant.iter_mut().find(|(t, _)| *t == write.tenant()) {
+                        Some((_, items)) => items.push(i),
+                        None => by_tenant.push((write.tenant(), vec![i])),
+                    }
+                }
+                let mut answers: Vec<Option<Result<Written>>> =
+                    (0..writes.len()).map(|_| None).collect();
+                for (_, items) in by_tenant {
+                    let group: Vec<&Write> = items.iter().map(|&i| writes[i]).collect();
+                    for (&i, answer) in items.iter().zip(self.write_batch_call(&group).await) {
+                        answers[i] = Some(answer);
+                    }
+                }
+                answers
+                    .into_iter()
+                    .map(|a| a.unwrap_or_else(|| Err(StoreError::other("no answer"))))
+                    .collect()
+            }
+        }
+    }
+
+    fn batch_writers(&self) -> usize {
+        BATCH_WRITERS
+    }
+}
+
+#[async_trait]
+impl Queries for PgStore {
     async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>> {
         let row: Option<FoundRow> = self
             .fetch_row(sqlx::query_as(FIND_KEY).bind(tenant).bind(key_hash))
@@ -246,34 +286,6 @@ impl Store for PgStore {
         Ok(n.and_then(|n| u64::try_from(n).ok()).unwrap_or(0))
     }
 
-    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
-        if limit <= 0 {
-            return Ok(PruneBatch::default());
-        }
-        // SKIP LOCKED: rows a reservation (or another pruner) holds are left
-        // for the next pass, so pruning never waits on live traffic and two
-        // pruners never delete the same row. On Citus, the same statement
-        // runs shard by shard.
-        match self.layout().await? {
-            Layout::Single => {
-                let deleted: Option<i64> = self
-                    .fetch_scalar(sqlx::query_scalar(PRUNE.as_str()).bind(limit))
-                    .await?;
-                let deleted = deleted.and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
-                Ok(PruneBatch::of(deleted, limit))
-            }
-            Layout::Citus { .. } => {
-                let per_shard = citus::per_shard(limit);
-                let sql = citus::prune_shards_sql(per_shard);
-                let row: Option<citus::ShardsPruned> = self
-                    .fetch_row(sqlx::query_as(sqlx::AssertSqlSafe(sql)))
-                    .await?;
-                let row = row.ok_or_else(|| StoreError::other("pruning returned no row"))?;
-                Ok(row.batch(per_shard))
-            }
-        }
-    }
-
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
         // The count stops at `up_to`.
         let row: Option<(i64, Option<DateTime<Utc>>, DateTime<Utc>)> = self
@@ -303,6 +315,37 @@ impl Store for PgStore {
             next_expiry,
             now,
         })
+    }
+}
+
+#[async_trait]
+impl Maintenance for PgStore {
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
+        if limit <= 0 {
+            return Ok(PruneBatch::default());
+        }
+        // SKIP LOCKED: rows a reservation (or another pruner) holds are left
+        // for the next pass, so pruning never waits on live traffic and two
+        // pruners never delete the same row. On Citus, the same statement
+        // runs shard by shard.
+        match self.layout().await? {
+            Layout::Single => {
+                let deleted: Option<i64> = self
+                    .fetch_scalar(sqlx::query_scalar(PRUNE.as_str()).bind(limit))
+                    .await?;
+                let deleted = deleted.and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
+                Ok(PruneBatch::of(deleted, limit))
+            }
+            Layout::Citus { .. } => {
+                let per_shard = citus::per_shard(limit);
+                let sql = citus::prune_shards_sql(per_shard);
+                let row: Option<citus::ShardsPruned> = self
+                    .fetch_row(sqlx::query_as(sqlx::AssertSqlSafe(sql)))
+                    .await?;
+                let row = row.ok_or_else(|| StoreError::other("pruning returned no row"))?;
+                Ok(row.batch(per_shard))
+            }
+        }
     }
 
     async fn ping(&self) -> Result<()> {
@@ -353,43 +396,6 @@ impl Store for PgStore {
             }
             None => Err(StoreError::other("the readiness query returned no row")),
         }
-    }
-
-    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
-        let layout = match self.layout().await {
-            Ok(layout) => layout,
-            Err(e) => return writes.iter().map(|_| Err(e.clone())).collect(),
-        };
-        match layout {
-            Layout::Single => self.write_batch_call(writes).await,
-            // The function runs on the node that holds its tenant's shard: a
-            // call per tenant, each its own transaction there.
-            Layout::Citus { .. } => {
-                let mut by_tenant: Vec<(&str, Vec<usize>)> = Vec::new();
-                for (i, write) in writes.iter().enumerate() {
-                    match by_tenant.iter_mut().find(|(t, _)| *t == write.tenant()) {
-                        Some((_, items)) => items.push(i),
-                        None => by_tenant.push((write.tenant(), vec![i])),
-                    }
-                }
-                let mut answers: Vec<Option<Result<Written>>> =
-                    (0..writes.len()).map(|_| None).collect();
-                for (_, items) in by_tenant {
-                    let group: Vec<&Write> = items.iter().map(|&i| writes[i]).collect();
-                    for (&i, answer) in items.iter().zip(self.write_batch_call(&group).await) {
-                        answers[i] = Some(answer);
-                    }
-                }
-                answers
-                    .into_iter()
-                    .map(|a| a.unwrap_or_else(|| Err(StoreError::other("no answer"))))
-                    .collect()
-            }
-        }
-    }
-
-    fn batch_writers(&self) -> usize {
-        BATCH_WRITERS
     }
 
     fn durability(&self) -> crate::store::Durability {

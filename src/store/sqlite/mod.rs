@@ -7,7 +7,7 @@
 //! * **Writes** run on one dedicated OS thread that owns the write
 //!   connection (a `rusqlite::Connection`), fed through a channel: each
 //!   operation, and each batch of the group commit
-//!   ([`Store::write_batch`](crate::store::Store::write_batch)), is one
+//!   ([`HotPath::write_batch`](crate::store::HotPath::write_batch)), is one
 //!   command, one whole transaction (`BEGIN IMMEDIATE` … `COMMIT`) with
 //!   prepared, cached statements, answered through a oneshot channel (see
 //!   [`writer`]). Not sqlx's pool of one connection: sqlx made every
@@ -326,7 +326,7 @@ impl SqliteStore {
         self.writer.close().await;
     }
 
-    /// The claim, under the write lock (see [`Store::reserve`]).
+    /// The claim, under the write lock (see [`HotPath::reserve`](crate::store::HotPath::reserve)).
     async fn claim(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
         match self.writer.submit(Write::Claim(req.clone())).await? {
             Written::Claim(claim) => Ok(claim),
@@ -347,7 +347,7 @@ impl SqliteStore {
     }
 
     /// Refuses claims, commits and releases past `bound` waiting for the
-    /// writer thread, instead of [`QUEUE_BOUND`](crate::store::Batched).
+    /// writer thread, instead of [`QUEUE_BOUND`](crate::store::Batcher).
     pub fn with_write_queue_bound(self, bound: usize) -> SqliteStore {
         self.writer.bound_queue(bound);
         self

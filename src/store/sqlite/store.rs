@@ -13,13 +13,13 @@ use super::tx::*;
 use rusqlite::params;
 
 use crate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats, PruneBatch, Record,
-    Recovery, Resolve, ResolveAction, Result, Store, StoreError, StoredResponse, StoredUsage,
-    Write, Written,
+    Claim, ClaimRequest, Found, HotPath, InFlightUsage, KeyPage, KeyQuery, Maintenance, PoolStats,
+    PruneBatch, Queries, Record, Recovery, Resolve, ResolveAction, Result, StoreError,
+    StoredResponse, StoredUsage, Write, Written,
 };
 
 #[async_trait]
-impl Store for SqliteStore {
+impl HotPath for SqliteStore {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>> {
         match self.claim(req).await {
             // The file cannot be written (read-only, full disk) or the writer
@@ -143,6 +143,28 @@ impl Store for SqliteStore {
         .transpose()
     }
 
+    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
+        match self.write_all(writes).await {
+            Ok(written) => written.into_iter().map(Ok).collect(),
+            Err(e) => writes.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    fn groups_own_writes(&self) -> bool {
+        true
+    }
+
+    fn own_batches(&self) -> Option<crate::store::BatchStats> {
+        Some(self.writer.stats())
+    }
+
+    async fn write_grouped(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
+        self.writer.submit_group(writes).await
+    }
+}
+
+#[async_trait]
+impl Queries for SqliteStore {
     async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>> {
         let now = now_ms();
         let row: Option<KeyRow> = sqlx::query_as(SELECT_KEY)
@@ -270,28 +292,6 @@ impl Store for SqliteStore {
         Ok(u64::try_from(n).unwrap_or(0))
     }
 
-    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
-        // SQLite reads a negative LIMIT as "no limit"; PostgreSQL refuses it.
-        if limit <= 0 {
-            return Ok(PruneBatch::default());
-        }
-        // Both deletes run under one write lock, so they see the same expired
-        // rows and no reservation can touch them in between; a second pruner
-        // (another process) waits for the lock and then finds them gone, so
-        // each row is deleted exactly once. Small batches keep the lock short.
-        let deleted = self
-            .writer
-            .write(move |conn| {
-                let now = now_ms();
-                let mut fences = conn.prepare_cached(PRUNE_FENCES).map_err(classify_rs)?;
-                fences.execute(params![now, limit]).map_err(classify_rs)?;
-                let mut keys = conn.prepare_cached(PRUNE_KEYS).map_err(classify_rs)?;
-                keys.execute(params![now, limit]).map_err(classify_rs)
-            })
-            .await?;
-        Ok(PruneBatch::of(deleted as u64, limit))
-    }
-
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
         let now = now_ms();
         let (keys, next): (i64, Option<i64>) = sqlx::query_as(
@@ -334,6 +334,31 @@ impl Store for SqliteStore {
             now: ts(now)?,
         })
     }
+}
+
+#[async_trait]
+impl Maintenance for SqliteStore {
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
+        // SQLite reads a negative LIMIT as "no limit"; PostgreSQL refuses it.
+        if limit <= 0 {
+            return Ok(PruneBatch::default());
+        }
+        // Both deletes run under one write lock, so they see the same expired
+        // rows and no reservation can touch them in between; a second pruner
+        // (another process) waits for the lock and then finds them gone, so
+        // each row is deleted exactly once. Small batches keep the lock short.
+        let deleted = self
+            .writer
+            .write(move |conn| {
+                let now = now_ms();
+                let mut fences = conn.prepare_cached(PRUNE_FENCES).map_err(classify_rs)?;
+                fences.execute(params![now, limit]).map_err(classify_rs)?;
+                let mut keys = conn.prepare_cached(PRUNE_KEYS).map_err(classify_rs)?;
+                keys.execute(params![now, limit]).map_err(classify_rs)
+            })
+            .await?;
+        Ok(PruneBatch::of(deleted as u64, limit))
+    }
 
     async fn ping(&self) -> Result<()> {
         // Reads the schema from the file, so a file that cannot be read fails
@@ -355,21 +380,6 @@ impl Store for SqliteStore {
             ))),
             None => Ok(()),
         }
-    }
-
-    async fn write_batch(&self, writes: &[&Write]) -> Vec<Result<Written>> {
-        match self.write_all(writes).await {
-            Ok(written) => written.into_iter().map(Ok).collect(),
-            Err(e) => writes.iter().map(|_| Err(e.clone())).collect(),
-        }
-    }
-
-    fn own_batches(&self) -> Option<crate::store::BatchStats> {
-        Some(self.writer.stats())
-    }
-
-    async fn write_grouped(&self, writes: Vec<Write>) -> Vec<Result<Written>> {
-        self.writer.submit_group(writes).await
     }
 
     /// The pools' connections: the readers and the direct-SQL connection

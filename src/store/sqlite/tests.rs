@@ -2,7 +2,7 @@
 
 use super::errors::{SQLITE_BUSY, SQLITE_FULL, SQLITE_READONLY};
 use super::*;
-use crate::store::Store as _;
+use crate::store::{HotPath as _, Maintenance as _};
 use sqlx::SqliteConnection;
 use uuid::Uuid;
 

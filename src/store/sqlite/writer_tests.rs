@@ -5,7 +5,7 @@ use futures::FutureExt as _;
 use rusqlite::params;
 
 use super::*;
-use crate::store::Store as _;
+use crate::store::HotPath as _;
 
 fn claim(key: u8) -> ClaimRequest {
     ClaimRequest {

@@ -11,8 +11,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idemgate::store::{
-    Claim, ClaimRequest, Found, InFlightUsage, KeyPage, KeyQuery, PoolStats, PruneBatch, Record,
-    Recovery, Resolve, Store, StoreError, StoredResponse, StoredUsage,
+    Claim, ClaimRequest, Found, HotPath, InFlightUsage, KeyPage, KeyQuery, Maintenance, PoolStats,
+    PruneBatch, Queries, Record, Recovery, Resolve, Store, StoreError, StoredResponse, StoredUsage,
 };
 use uuid::Uuid;
 
@@ -46,7 +46,7 @@ impl Faulty {
 }
 
 #[async_trait]
-impl Store for Faulty {
+impl HotPath for Faulty {
     async fn reserve(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
         tokio::time::sleep(self.claim_delay).await;
         if self.away.load(Ordering::SeqCst) {
@@ -126,7 +126,10 @@ impl Store for Faulty {
     ) -> Result<Option<Found>, StoreError> {
         self.inner.find_by_reservation(tenant, id).await
     }
+}
 
+#[async_trait]
+impl Queries for Faulty {
     async fn find_key(&self, tenant: &str, key_hash: &[u8]) -> Result<Option<Found>, StoreError> {
         self.inner.find_key(tenant, key_hash).await
     }
@@ -143,16 +146,19 @@ impl Store for Faulty {
         self.inner.count_stuck().await
     }
 
-    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch, StoreError> {
-        self.inner.prune_expired_batch(limit).await
-    }
-
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage, StoreError> {
         self.inner.in_flight_usage(tenant, up_to).await
     }
 
     async fn stored_usage(&self, tenant: &str) -> Result<StoredUsage, StoreError> {
         self.inner.stored_usage(tenant).await
+    }
+}
+
+#[async_trait]
+impl Maintenance for Faulty {
+    async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch, StoreError> {
+        self.inner.prune_expired_batch(limit).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
