@@ -1,7 +1,16 @@
 //! The engine's decisions: what a key's record means for a request — new,
 //! replay, in flight, unknown, mismatch, takeover, lease lost — and how an
-//! operator settles a stuck key, independent of HTTP and of SQL. Every door (reservation API, proxy, layer) goes through [`Engine`],
-//! and so through its [replay cache](ReplayCache) of completed records.
+//! operator settles a stuck key, independent of HTTP and of SQL. Every door
+//! (reservation API, proxy, layer) goes through [`Engine`], and so through
+//! its [replay cache](ReplayCache) of completed records.
+//!
+//! `decide.rs` is the decisions with no I/O; `reserve.rs` the replay cache,
+//! the claim and the wait; `holding.rs` what a holder does after (commit,
+//! release, extend, checkpoint, mark unknown, get) and why its write was
+//! refused; `stuck.rs` an operator's find, list and resolve; `lost.rs` claims
+//! whose answer the store lost; `quotas.rs` the tenant limits and
+//! `Retry-After`; `waiters.rs` the wake-ups of `Prefer: wait`; `types.rs`
+//! what goes in and out.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,5 +1,20 @@
 //! How long a caller is told to wait, and the tenant limits: the figures
 //! the engine keeps beside the store's.
+//!
+//! Per-tenant limits (`IDEMGATE_TENANT_MAX_IN_FLIGHT`,
+//! `IDEMGATE_TENANT_MAX_STORED_BYTES`, both off by default) keep one tenant
+//! from exhausting the store. A new key over a limit, or the takeover of a
+//! key whose lease ended (which would put it in flight again), is refused
+//! with `tenant-limit` and a `Retry-After` (the end of the tenant's earliest
+//! lease, or the expiry of its earliest stored record), and nothing is
+//! reserved; replays, 409s and 422s are answered as always. In-flight keys
+//! are counted by the claim itself through a partial index of in-flight
+//! rows: exactly on SQLite (under the write lock); on PostgreSQL against the
+//! claim's snapshot, so simultaneous claims of one tenant can pass the limit
+//! by at most one per database connection. Stored bytes are read at most
+//! every 2 s per tenant and process, with the process's own commits added in
+//! between; a key already in flight may always store its response — an
+//! effect that happened is never refused its record.
 
 use std::sync::Arc;
 use std::time::Duration;

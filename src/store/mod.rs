@@ -2,6 +2,34 @@
 //! what a request's path writes and reads, [`Queries`] for what operators
 //! read and settle, [`Maintenance`] for what the maintenance tasks run — and
 //! their implementations. SQL lives only below this module.
+//!
+//! A store states facts (this claim applied, this record is there) and
+//! decides nothing. The traits are here, its records in `records.rs`, how it
+//! fails in `error.rs` ([`StoreError`] keeps the sqlx, rusqlite or io error
+//! as its source). `batch/` is the group commit: [`Batcher`] (which the
+//! engine holds beside the store) queues claims, commits and releases, the
+//! writer tasks (`writer.rs`) write what queued as one transaction,
+//! `plan.rs` decides what goes into each, and `same_key.rs` lets a duplicate
+//! claim take the answer of its key's claim this process is writing.
+//! `sqlite/` and `postgres/` share one shape: `mod.rs` (open, migrate),
+//! `store.rs` (the traits' operations), `sql.rs` (every statement a
+//! `concat!` constant over the shared `key_columns!`), `rows.rs`, `errors.rs`
+//! (what a database failure means), and their own parts; `schema.rs` holds
+//! the upgrade rules both share.
+//!
+//! # One row per key
+//!
+//! A key is one row of `idempotency_keys` on both stores: a claim finds it by
+//! its primary key `(tenant, key_hash)`, and everything its holder does after
+//! (commit, release, extend, checkpoint, mark unknown, the look-up by id) by
+//! the unique index `(reservation_id, tenant)` — the id first, so that no
+//! plan takes it for a look-up by tenant and key. A new key writes that row
+//! and nothing else. `idempotency_reservations` holds only the ids a claim
+//! superseded (a takeover of a lapsed lease, or a claim of an expired or
+//! released key), written by that claim in its transaction, so that a dead
+//! id still finds its key and answers `409 lease-lost`, never
+//! `404 not-found`; a look-up by id tries the record's current id, then that
+//! table, and pruning deletes a key's superseded ids with it.
 
 mod batch;
 mod error;

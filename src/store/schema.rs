@@ -1,7 +1,8 @@
-//! What a rolling upgrade needs to know (SPEC §14): this release's name, the
-//! migrations that an older process cannot work with (contract steps), and
-//! the state of a database's schema beside the processes connected to it,
-//! for `idemgate migrate --status` and for `migrate`'s refusal.
+//! What a rolling upgrade needs to know (docs/operations.md, “Upgrading”):
+//! this release's name, the migrations that an older process cannot work
+//! with (contract steps), and the state of a database's schema beside the
+//! processes connected to it, for `idemgate migrate --status` and for
+//! `migrate`'s refusal.
 //!
 //! Migrations come in two kinds. An **expand** step adds what this release
 //! needs and keeps what the previous one uses, so processes of both serve

@@ -1,6 +1,42 @@
 //! The PostgreSQL store: every transition is one statement, made atomic across
 //! processes by the primary key's row lock, with the database's `now()` as the
 //! one clock all processes share.
+//!
+//! The reserve is one call of the plpgsql function `idemgate_reserve` (one
+//! round trip; on Citus one router call, run on the worker that holds the
+//! tenant's shard). It first reads the key's record without a lock and
+//! answers at once when the record refuses the claim (a replay, a 409, a
+//! 422), so a storm of retries takes no row lock, writes nothing and waits
+//! for no one's transaction; a new key is then one `INSERT … ON CONFLICT DO
+//! NOTHING`, and only a claim that applies to an existing record locks it
+//! (`SELECT … FOR UPDATE`, to learn the id it supersedes) and updates it.
+//! `idemgate_write_batch` takes an advisory lock for every key it will
+//! write, in one order, before writing in queue order, so two batches never
+//! wait on each other in a cycle. The store keeps its own stack of
+//! connections (`conns.rs`: each new connection checked for writability,
+//! tried across the hosts of a multi-host `DATABASE_URL` that `hosts.rs`
+//! cuts up) rather than sqlx's pool, whose unconditional ping on every
+//! release cost one more round trip per statement (a quarter of the CPU per
+//! reserve+commit, BENCHMARKS.md); a connection whose statement was
+//! cancelled or failed at the connection level is closed, not reused. Also
+//! here: `tls.rs` (libpq's `sslmode` and its files, and which TLS failures
+//! refuse the start), `write_batch.rs`, `citus.rs`, `upgrade.rs` (the
+//! schema's status, the processes connected, the compatibility write for
+//! releases before 0.2.0).
+//!
+//! # Why the commit is not a heap-only update
+//!
+//! It changes `state` and `lease_expires_at`, which the partial indexes
+//! `idempotency_keys_in_flight` and `idempotency_keys_unknown` read, so it
+//! writes a new entry in each of the table's other indexes. Without those
+//! two indexes (and with a fillfactor of 85) the commit was heap-only and a
+//! new key cost PostgreSQL 11–17 % less CPU and a third less WAL
+//! (BENCHMARKS.md, "Changes measured"). But those indexes find the keys
+//! nobody settles: the tenant limit counts through the first on every
+//! claim, and every pruning pass counts the stuck keys for
+//! `idemgate_keys_unknown` through both; without them that count reads the
+//! whole table on every pass, which at a day's TTL and a pass a minute costs
+//! more CPU per key than the heap-only commit saves.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -104,7 +140,7 @@ impl PgStore {
         let with_session = |options: PgConnectOptions| {
             let options = options
                 // Every connection names its release, for `idemgate migrate
-                // --status` and its refusals (SPEC §14).
+                // --status` and its refusals (docs/operations.md, “Upgrading”).
                 .application_name(crate::store::schema::APPLICATION_NAME)
                 .log_statements(tracing::log::LevelFilter::Trace);
             if settings.transaction_pooler {
@@ -278,7 +314,7 @@ impl PgStore {
     ///
     /// Refuses, naming it, a pending contract step that a connected process
     /// cannot work with, and a database on which a newer release applied a
-    /// contract step (SPEC §14).
+    /// contract step (docs/operations.md, “Upgrading”).
     pub async fn migrate(&self) -> Result<()> {
         self.migrate_with(&MIGRATOR).await
     }

@@ -1,5 +1,6 @@
 //! The schema's status on PostgreSQL and the processes connected to it
-//! (SPEC §14; the rules are in [`crate::store::schema`]).
+//! (docs/operations.md, “Upgrading”; the rules are in
+//! [`crate::store::schema`]).
 //!
 //! The processes are read from `pg_stat_activity` on the database server
 //! (on a Citus cluster, its coordinator, where idemgate connects): every

@@ -24,7 +24,16 @@
 //!   full disk or a file made read-only once the fault is gone. A request
 //!   that goes away only drops its answer. Dropping the last handle of the
 //!   store ends the thread, which closes the connection and then lets go of
-//!   the file lock.
+//!   the file lock. The thread takes every write that queued while it wrote
+//!   the last group and plans their transactions with the PostgreSQL
+//!   writer's algorithm (`batch/plan.rs`). A new key's claim is a plain
+//!   `INSERT … ON CONFLICT DO NOTHING` and a commit a plain `UPDATE` and a
+//!   read of the record without its response: SQLite runs a statement with
+//!   `RETURNING` into a temporary b-tree of its own, and an `IN` list of
+//!   three or more values too, which is why the table's CHECKs are
+//!   comparisons. No trigger runs for a new key; the one on a change of a
+//!   record's reservation id writes the id it supersedes. Its own parts:
+//!   `writer.rs` (the thread), `tx.rs`, `lock.rs`.
 //! * **Reads** (`find_by_reservation`, `ping`, and a reserve's look at the
 //!   key when the write lock cannot be had) use a separate sqlx pool: in WAL
 //!   mode readers never wait on the writer, so a file that cannot be written
@@ -236,7 +245,7 @@ impl SqliteStore {
     }
 
     /// Applies the pending migrations; refuses a file on which a newer
-    /// release applied a contract step (SPEC §14).
+    /// release applied a contract step (docs/operations.md, “Upgrading”).
     pub async fn migrate(&self) -> Result<()> {
         self.migrate_with(&MIGRATOR).await
     }
