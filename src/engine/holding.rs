@@ -7,7 +7,7 @@ use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::decide::refusal_for;
-use super::{CommitOutcome, Engine, EngineError, Lookup, Refusal};
+use super::{Committed, Engine, EngineError, Lookup, Refusal};
 use crate::spans;
 use crate::store::{KeyState, Record, Recovery, StoredResponse};
 
@@ -19,7 +19,7 @@ impl Engine {
         tenant: &str,
         id: Uuid,
         response: &StoredResponse,
-    ) -> Result<CommitOutcome, EngineError> {
+    ) -> Result<Result<Committed, Refusal>, EngineError> {
         let span = spans::commit(response.status);
         let outcome = async {
             // Before the store calls: the database reads its clock after this.
@@ -44,10 +44,10 @@ impl Engine {
                 }
                 self.waiters.wake(&record.tenant, &record.key_hash);
                 self.durations.finished(id);
-                return Ok(CommitOutcome::Committed(record));
+                return Ok(Ok(Committed::Now(record)));
             }
             let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
-                return Ok(CommitOutcome::Refused(Refusal::NotFound));
+                return Ok(Err(Refusal::NotFound));
             };
             let mut record = found.record;
             crate::seal::open_record(self.sealer.as_deref(), &mut record)?;
@@ -56,17 +56,17 @@ impl Engine {
                     // Its `completed_at` is an earlier commit's: the lookup's
                     // clock is the one read after `started`.
                     self.remember(&record, started, found.now);
-                    CommitOutcome::AlreadyCommitted(record)
+                    Ok(Committed::Earlier(record))
                 }
-                refusal => CommitOutcome::Refused(refusal),
+                refusal => Err(refusal),
             })
         }
         .instrument(span.clone())
         .await;
         match &outcome {
-            Ok(CommitOutcome::Committed(_)) => spans::committed(&span, "committed"),
-            Ok(CommitOutcome::AlreadyCommitted(_)) => spans::committed(&span, "already_committed"),
-            Ok(CommitOutcome::Refused(_)) => spans::committed(&span, "refused"),
+            Ok(Ok(Committed::Now(_))) => spans::committed(&span, "committed"),
+            Ok(Ok(Committed::Earlier(_))) => spans::committed(&span, "already_committed"),
+            Ok(Err(_)) => spans::committed(&span, "refused"),
             Err(_) => spans::failed(&span),
         }
         outcome

@@ -174,15 +174,15 @@ pub enum Lookup {
     Gone,
 }
 
-/// What a commit comes to.
+/// A commit that stored its response: like every write of a holder, a
+/// commit answers `Ok(Ok(_))`, `Ok(Err(Refusal))` (the id no longer holds
+/// the key), or `Err` (the store could not answer).
 #[derive(Debug, Clone)]
-pub enum CommitOutcome {
+pub enum Committed {
     /// Stored now.
-    Committed(Record),
-    /// The same response was stored before by this id.
-    AlreadyCommitted(Record),
-    /// Refused.
-    Refused(Refusal),
+    Now(Record),
+    /// The same response was stored earlier by this id: a commit sent again.
+    Earlier(Record),
 }
 
 /// An engine error: only the store can fail.

@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::engine::{CommitOutcome, Engine};
+use crate::engine::{Committed, Engine};
 use crate::store::{StoreError, StoredResponse};
 
 /// Longest pause between two background commit attempts.
@@ -87,11 +87,11 @@ pub(crate) async fn retry_commit(
         tokio::time::sleep(backoff.min(until - now)).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
         match engine.commit(&tenant, id, &stored).await {
-            Ok(CommitOutcome::Committed(_) | CommitOutcome::AlreadyCommitted(_)) => {
+            Ok(Ok(Committed::Now(_)) | Ok(Committed::Earlier(_))) => {
                 tracing::info!(key.hash = %key_hash, "the deferred commit landed");
                 return;
             }
-            Ok(CommitOutcome::Refused(refusal)) => {
+            Ok(Err(refusal)) => {
                 tracing::warn!(key.hash = %key_hash, reason = ?refusal, "the deferred commit was refused");
                 return;
             }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::backend::Backend;
-use idemgate::engine::{CommitOutcome, Engine, Limits, ReserveOutcome, ReserveRequest};
+use idemgate::engine::{Committed, Engine, Limits, ReserveOutcome, ReserveRequest};
 use idemgate::store::{
     Batcher, ClaimRequest, KeyState, Store, StoreError, StoredResponse, Write, Written, write_one,
 };
@@ -363,7 +363,7 @@ async fn storm_through_batches(backend: Backend) {
                                     body: format!("key {key} by {t} in round {round}").into_bytes(),
                                 };
                                 match engine.commit("storm", id, &response).await.expect("commit") {
-                                    CommitOutcome::Committed(_) => {
+                                    Ok(Committed::Now(_)) => {
                                         committed.lock().unwrap().insert(key, (payload, response));
                                         Some(key)
                                     }
@@ -609,7 +609,7 @@ async fn a_storm_of_duplicates_never_deadlocks(db: common::pg::TestDb) {
                                 .await
                                 .expect("commit");
                             assert!(
-                                matches!(committed, CommitOutcome::Committed(_)),
+                                matches!(committed, Ok(Committed::Now(_))),
                                 "the holder's commit: {committed:?}"
                             );
                         }

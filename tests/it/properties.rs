@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use common::backend::Backend;
 use idemgate::engine::{
-    CommitOutcome, Engine, Refusal, ReserveOutcome, ReserveRequest, Resolved, Settlement,
-    TenantLimit, TenantLimits,
+    Committed, Engine, Refusal, ReserveOutcome, ReserveRequest, Resolved, Settlement, TenantLimit,
+    TenantLimits,
 };
 use idemgate::fingerprint::{
     FingerprintPolicy, JsonPointer, canonical_json, fingerprint_json_request, fingerprint_request,
@@ -1110,9 +1110,9 @@ impl Subject {
             Op::Commit { id, tag } => {
                 let id = self.id(id);
                 match self.engine.commit(TENANT, id, &response(tag)).await {
-                    Ok(CommitOutcome::Committed(_)) => Expect::Committed,
-                    Ok(CommitOutcome::AlreadyCommitted(_)) => Expect::AlreadyCommitted,
-                    Ok(CommitOutcome::Refused(why)) => Expect::Refused(why),
+                    Ok(Ok(Committed::Now(_))) => Expect::Committed,
+                    Ok(Ok(Committed::Earlier(_))) => Expect::AlreadyCommitted,
+                    Ok(Err(why)) => Expect::Refused(why),
                     Err(e) => store_err(e),
                 }
             }

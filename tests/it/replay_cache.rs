@@ -22,7 +22,7 @@ use common::upstream::{self, Counts};
 use http::Request;
 use idemgate::IdempotencyLayer;
 use idemgate::engine::{
-    CommitOutcome, DEFAULT_REPLAY_CACHE_BYTES, Engine, Limits, Reservation, ReserveOutcome,
+    Committed, DEFAULT_REPLAY_CACHE_BYTES, Engine, Limits, Reservation, ReserveOutcome,
     ReserveRequest,
 };
 use idemgate::layer::LayerPolicy;
@@ -95,7 +95,7 @@ async fn reserve_and_commit(engine: &Engine, req: &ReserveRequest, res: &StoredR
         .await
         .expect("commit")
     {
-        CommitOutcome::Committed(record) => record,
+        Ok(Committed::Now(record)) => record,
         other => panic!("expected Committed, got {other:?}"),
     }
 }
@@ -209,7 +209,7 @@ async fn never_across_tenants(b: Backend) {
         .await
         .expect("commit")
     {
-        CommitOutcome::Committed(_) => {}
+        Ok(Committed::Now(_)) => {}
         other => panic!("tenant b's commit: {other:?}"),
     }
 
@@ -289,14 +289,15 @@ async fn an_identical_second_commit_is_cached(b: Backend) {
     writer
         .commit(TENANT, r.reservation_id, &res)
         .await
-        .expect("commit");
+        .expect("commit")
+        .expect("the first commit stores");
     match engine
         .commit(TENANT, r.reservation_id, &res)
         .await
         .expect("commit")
     {
-        CommitOutcome::AlreadyCommitted(_) => {}
-        other => panic!("expected AlreadyCommitted, got {other:?}"),
+        Ok(Committed::Earlier(_)) => {}
+        other => panic!("expected Committed::Earlier, got {other:?}"),
     }
     b.delete_all().await;
     assert_eq!(

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use common::backend::Backend;
 use idemgate::engine::{
-    CommitOutcome, Engine, Lookup, Refusal, Reservation, ReserveOutcome, ReserveRequest,
+    Committed, Engine, Lookup, Refusal, Reservation, ReserveOutcome, ReserveRequest,
 };
 use idemgate::prune;
 use idemgate::store::{KeyState, Record, Recovery, StoredResponse};
@@ -119,7 +119,7 @@ fn mismatch(outcome: ReserveOutcome) {
     }
 }
 
-async fn commit(engine: &Engine, id: Uuid, res: &StoredResponse) -> CommitOutcome {
+async fn commit(engine: &Engine, id: Uuid, res: &StoredResponse) -> Result<Committed, Refusal> {
     engine.commit(TENANT, id, res).await.expect("commit")
 }
 
@@ -134,7 +134,7 @@ async fn shown(engine: &Engine, id: Uuid) -> (Record, bool) {
 /// Asserts that every write by `id` is refused with `why`.
 async fn assert_dead(engine: &Engine, id: Uuid, why: Refusal) {
     match commit(engine, id, &response("zombie")).await {
-        CommitOutcome::Refused(r) => assert_eq!(r, why, "commit"),
+        Err(r) => assert_eq!(r, why, "commit"),
         other => panic!("commit by a dead id: {other:?}"),
     }
     assert_eq!(
@@ -189,7 +189,7 @@ async fn reserve_classifies_new_replay_in_flight_and_mismatch(backend: Backend) 
     let res = response("first");
     assert!(matches!(
         commit(&engine, first.reservation_id, &res).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
 
     let record = completed(reserve(&engine, &req).await);
@@ -216,19 +216,19 @@ async fn commit_is_idempotent_for_the_same_response_only(backend: Backend) {
     let r = reserved(reserve(&engine, &request(fresh_key(), Some("fp"))).await);
     let res = response("once");
     let stored = match commit(&engine, r.reservation_id, &res).await {
-        CommitOutcome::Committed(record) => record,
+        Ok(Committed::Now(record)) => record,
         other => panic!("first commit: {other:?}"),
     };
     assert_eq!(stored.response.as_ref(), Some(&res));
     match commit(&engine, r.reservation_id, &res).await {
-        CommitOutcome::AlreadyCommitted(record) => {
+        Ok(Committed::Earlier(record)) => {
             assert_eq!(record.response.as_ref(), Some(&res));
             assert_eq!(record.completed_at, stored.completed_at);
         }
         other => panic!("same response again: {other:?}"),
     }
     match commit(&engine, r.reservation_id, &response("twice")).await {
-        CommitOutcome::Refused(Refusal::AlreadyCompleted) => {}
+        Err(Refusal::AlreadyCompleted) => {}
         other => panic!("another response: {other:?}"),
     }
     // The holder's other writes are refused once it completed.
@@ -271,7 +271,7 @@ async fn release_makes_the_key_new_and_kills_the_id(backend: Backend) {
     assert_dead(&engine, old.reservation_id, Refusal::Expired).await;
     assert!(matches!(
         commit(&engine, new.reservation_id, &response("new")).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
 }
 
@@ -319,11 +319,11 @@ async fn takeover_after_the_lease_hands_on_recovery_and_fences_the_old_id(backen
     let res = response("winner");
     assert!(matches!(
         commit(&engine, new.reservation_id, &res).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
     // After completion, the old id is still taken over, not a replay.
     match commit(&engine, old.reservation_id, &res).await {
-        CommitOutcome::Refused(Refusal::TakenOver) => {}
+        Err(Refusal::TakenOver) => {}
         other => panic!("zombie commit after completion: {other:?}"),
     }
     let replay = completed(reserve(&engine, &req).await);
@@ -349,7 +349,7 @@ async fn extend_keeps_the_key_held_past_the_original_lease(backend: Backend) {
     assert!(retry >= 28, "retry after {retry}");
     assert!(matches!(
         commit(&engine, r.reservation_id, &response("slow")).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
 }
 
@@ -359,7 +359,7 @@ async fn expired_keys_are_new_again_and_pruning_deletes_them(backend: Backend) {
     let first = reserved(reserve(&engine, &with_ttl(request(renewed, Some("a")), 1)).await);
     assert!(matches!(
         commit(&engine, first.reservation_id, &response("short-lived")).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
     let gone = reserved(reserve(&engine, &with_ttl(request(abandoned, None), 1)).await);
     let live = reserved(reserve(&engine, &request(fresh_key(), None)).await);
@@ -416,7 +416,7 @@ async fn unknown_ids_are_not_found(backend: Backend) {
         .await
         .unwrap()
     {
-        CommitOutcome::Refused(Refusal::NotFound) => {}
+        Err(Refusal::NotFound) => {}
         other => panic!("commit by another tenant: {other:?}"),
     }
     assert!(
@@ -433,7 +433,7 @@ async fn unknown_ids_are_not_found(backend: Backend) {
     // ... and did not touch the record.
     assert!(matches!(
         commit(&engine, r.reservation_id, &response("mine")).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
 }
 
@@ -457,7 +457,7 @@ async fn a_waiting_reserve_gets_the_replay_when_the_holder_commits(backend: Back
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(matches!(
         commit(&holder, r.reservation_id, &res).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
     for waiter in waiters {
         let record = completed(waiter.await.unwrap().unwrap());
@@ -578,7 +578,7 @@ async fn completed_keys_survive_a_restart(backend: Backend) {
         let r = reserved(reserve(&engine, &request(done, Some("fp"))).await);
         assert!(matches!(
             commit(&engine, r.reservation_id, &res).await,
-            CommitOutcome::Committed(_)
+            Ok(Committed::Now(_))
         ));
         let held = reserved(reserve(&engine, &request(busy, None)).await);
         (r, held)
@@ -592,7 +592,7 @@ async fn completed_keys_survive_a_restart(backend: Backend) {
     // The holder's id still works through the reopened store.
     assert!(matches!(
         commit(&engine, held.reservation_id, &response("after restart")).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
 }
 
@@ -703,11 +703,11 @@ async fn ids_an_older_version_recorded_stay_valid(backend: Backend) {
     assert_dead(&engine, released_id, Refusal::Expired).await;
     assert!(matches!(
         commit(&engine, live_id, &response("upgraded")).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
     assert!(matches!(
         commit(&engine, taken.reservation_id, &response("taken")).await,
-        CommitOutcome::Committed(_)
+        Ok(Committed::Now(_))
     ));
     // Nothing new for the superseded ids: the older rows hold them.
     assert_eq!(backend.counts().await, (3, 3));

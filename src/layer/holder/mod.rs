@@ -20,7 +20,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::engine::CommitOutcome;
+use crate::engine::Committed;
 use crate::headers::IDEMPOTENCY_ATTEMPT;
 use crate::layer::deferred::retry_commit;
 use crate::layer::headers::storable;
@@ -394,11 +394,11 @@ impl Holder {
             .commit(&self.tenant, self.reservation_id, &stored)
             .await
         {
-            Ok(CommitOutcome::Committed(record) | CommitOutcome::AlreadyCommitted(record)) => {
+            Ok(Ok(Committed::Now(record)) | Ok(Committed::Earlier(record))) => {
                 crate::headers::set_expires(headers, record.expires_at);
                 SettledAs::Stored
             }
-            Ok(CommitOutcome::Refused(refusal)) => {
+            Ok(Err(refusal)) => {
                 tracing::warn!(
                     key.hash = %self.key_hash,
                     reason = ?refusal,

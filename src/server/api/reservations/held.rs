@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 
 use super::{MODE, bounded, reservation_id};
-use crate::engine::{CommitOutcome, Lookup, Refusal};
+use crate::engine::{Committed, Lookup, Refusal};
 use crate::problem::{ApiError, Problem, Result};
 use crate::server::api::AppState;
 use crate::server::api::extract::{ApiJson, Tenant};
@@ -51,11 +51,11 @@ pub async fn commit_reservation(
     let id = reservation_id(&id)?;
     let response = stored_response(body, state.max_body_bytes)?;
     match state.engine.commit(&tenant, id, &response).await? {
-        CommitOutcome::Committed(record) | CommitOutcome::AlreadyCommitted(record) => {
+        Ok(Committed::Now(record)) | Ok(Committed::Earlier(record)) => {
             tracing::info!(tenant.id = %tenant, reservation.id = %id, "commit");
             Ok(completed_response(&record))
         }
-        CommitOutcome::Refused(refusal) => Err(ApiError::from(refusal)),
+        Err(refusal) => Err(ApiError::from(refusal)),
     }
 }
 
