@@ -20,6 +20,7 @@ pub(crate) trait Sink {
 
 /// A [`Sink`] that writes in place, on the caller's thread: a store's own
 /// writer thread, which must never wait on a future.
+#[cfg(feature = "sqlite")]
 pub(crate) trait BlockingSink {
     /// As [`Sink::together`].
     fn together(&self, writes: &[&Write]) -> Vec<Result<Written>>;
@@ -88,6 +89,7 @@ pub(crate) async fn flush<S: Sink>(sink: &S, jobs: &mut Vec<Job>) {
 
 /// [`flush`] on the caller's thread, through a sink that writes in place:
 /// nothing here awaits, so a writer thread may run it without a runtime.
+#[cfg(feature = "sqlite")]
 pub(crate) fn flush_blocking<S: BlockingSink>(sink: &S, jobs: &mut Vec<Job>) {
     let all: &[Job] = jobs;
     let mut flush = Flush::new(all);
