@@ -1,11 +1,12 @@
 //! A/B: two idemgate binaries (before and after a change) serving side by
 //! side, loaded in turns, so that a change is measured under the same
-//! conditions as what it replaces. On PostgreSQL both serve one database; on
-//! SQLite each has a fresh file of its own in a temporary directory. Reports
-//! throughput and, per operation, what each turn cost: the CPU time and the
-//! context switches of the idemgate process, the CPU of the store (the
-//! database's processes on PostgreSQL, the store's writer thread on
-//! SQLite), and, where the binary was built with the `count-alloc` feature,
+//! conditions as what it replaces. On PostgreSQL both serve one database
+//! (or, for a change of the schema, each its own on one server:
+//! `--before-database-url`); on SQLite each has a fresh file of its own in a
+//! temporary directory. Reports throughput and, per operation, what each
+//! turn cost: the CPU time and the context switches of the idemgate process,
+//! the CPU of the store (the database's processes on PostgreSQL, the store's
+//! writer thread on SQLite), the server's WAL on PostgreSQL, and, where the binary was built with the `count-alloc` feature,
 //! its allocations. The machine's noise disturbs these far less than
 //! throughput.
 
@@ -55,6 +56,11 @@ pub struct AbArgs {
         hide_env_values = true
     )]
     pub database_url: String,
+    /// A database of its own for the older binary, on the same server,
+    /// which it migrates itself: for a change of the schema, where one
+    /// database would give both sides the newer schema.
+    #[arg(long)]
+    pub before_database_url: Option<String>,
 }
 
 /// The store both sides use.
@@ -75,6 +81,7 @@ struct Turn {
     store_cpu_us: f64,
     allocs: f64,
     alloc_bytes: f64,
+    wal_bytes: f64,
 }
 
 struct Side {
@@ -106,11 +113,15 @@ async fn start(
     };
     let (url, extra) = match store {
         // The schema is the newer binary's (see `run`); the older one serves
-        // it as it is, as in a rolling upgrade.
-        Store::Postgres(_) => (
-            args.database_url.clone(),
-            vec![("IDEMGATE_NO_MIGRATE", "true".to_owned())],
-        ),
+        // it as it is, as in a rolling upgrade, unless it has a database of
+        // its own.
+        Store::Postgres(_) => match (&args.before_database_url, name) {
+            (Some(url), "before") => (url.clone(), Vec::new()),
+            _ => (
+                args.database_url.clone(),
+                vec![("IDEMGATE_NO_MIGRATE", "true".to_owned())],
+            ),
+        },
         // Each binary creates and migrates its own file.
         Store::Sqlite(dir) => (
             format!("sqlite://{}", dir.join(format!("{name}.db")).display()),
@@ -133,11 +144,13 @@ struct Reading {
     proc: Option<Usage>,
     store: Option<usage::Processes>,
     allocs: Option<Allocations>,
+    /// The server's WAL position, in bytes.
+    wal: Option<f64>,
 }
 
-async fn read(side: &Side, store: &Store) -> Reading {
+async fn read(side: &Side, on: &Store) -> Reading {
     let pid = side.proc.pid();
-    let store = match store {
+    let store = match on {
         Store::Postgres(pool) => procs::db_processes(pool).await,
         Store::Sqlite(_) => pid
             .and_then(|pid| usage::of_threads(Some(pid), procs::SQLITE_WRITER_THREAD))
@@ -147,10 +160,20 @@ async fn read(side: &Side, store: &Store) -> Reading {
         Some(addr) => metrics::allocations(addr).await,
         None => None,
     };
+    let wal = match on {
+        Store::Postgres(pool) => sqlx::query_scalar::<_, f64>(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8",
+        )
+        .fetch_one(pool)
+        .await
+        .ok(),
+        Store::Sqlite(_) => None,
+    };
     Reading {
         proc: pid.and_then(usage::of_process),
         store,
         allocs,
+        wal,
     }
 }
 
@@ -192,6 +215,10 @@ async fn turn(side: &mut Side, args: &AbArgs, store: &Store, round: usize) -> an
             .unwrap_or(f64::NAN),
         allocs: allocs.map_or(f64::NAN, |a| per(a.calls)),
         alloc_bytes: allocs.map_or(f64::NAN, |a| per(a.bytes)),
+        wal_bytes: before
+            .wal
+            .zip(after.wal)
+            .map_or(f64::NAN, |(b, a)| per(a - b)),
     };
     println!(
         "  {:6} {:.0}/s  p50 {:.2} ms  {:.0} µs CPU/op  {:.1} switches/op  store {:.0} µs CPU/op{}  ({} errors)",
@@ -237,15 +264,17 @@ pub async fn run(args: AbArgs) -> anyhow::Result<()> {
         "postgres" => {
             // The newer binary's migrations, once: the older one would
             // refuse a database with a migration it does not know.
-            let migrated = std::process::Command::new(&args.after)
-                .arg("migrate")
-                .env("DATABASE_URL", &args.database_url)
-                .status()?;
-            anyhow::ensure!(
-                migrated.success(),
-                "`{} migrate` failed",
-                args.after.display()
-            );
+            let mut migrations = vec![(&args.after, &args.database_url)];
+            if let Some(url) = &args.before_database_url {
+                migrations.push((&args.before, url));
+            }
+            for (bin, url) in migrations {
+                let migrated = std::process::Command::new(bin)
+                    .arg("migrate")
+                    .env("DATABASE_URL", url)
+                    .status()?;
+                anyhow::ensure!(migrated.success(), "`{} migrate` failed", bin.display());
+            }
             let pool = PgPoolOptions::new()
                 .max_connections(1)
                 .connect(&args.database_url)
@@ -285,12 +314,13 @@ pub async fn run(args: AbArgs) -> anyhow::Result<()> {
         "{} on {store_name}, c={}, {} rounds (medians; per operation):",
         args.kind, args.concurrency, args.rounds
     );
-    let rows: [Row; 7] = [
+    let rows: [Row; 8] = [
         ("throughput, /s", |t| t.rate, 0),
         ("p50, ms", |t| t.p50_ms, 2),
         ("idemgate CPU, µs", |t| t.cpu_us, 0),
         ("idemgate context switches", |t| t.switches, 1),
         ("store CPU, µs", |t| t.store_cpu_us, 0),
+        ("WAL, bytes", |t| t.wal_bytes, 0),
         ("allocations", |t| t.allocs, 0),
         ("bytes allocated", |t| t.alloc_bytes, 0),
     ];

@@ -1125,7 +1125,7 @@ async fn storms(env: &Env, res: &mut Results) -> anyhow::Result<()> {
             let pg_log_from = pg_log.map(|(path, _)| storm::log_len(path));
             // The batch writer says at debug level why a batch failed (and
             // was written again one write at a time): a deadlock among them.
-            let logging = [("RUST_LOG", "warn,idemgate::store=debug".to_owned())];
+            let logging = [("RUST_LOG", "info,idemgate::store=debug".to_owned())];
             let (proc, addr) = procs::idemgate(
                 "idemgate serve",
                 &env.idemgate,

@@ -87,54 +87,55 @@ fn row(w: &mut String, goal: &str, r: Option<f64>, ok: impl Fn(f64) -> bool) {
     let _ = writeln!(w, "| {goal} | {} | {} |", times(r), verdict(r, ok));
 }
 
+/// One reservation-pairs row beside pgbench's two statements: the ratio,
+/// and the database's CPU and WAL per key beside the floor's.
+fn pg_pairs_row(w: &mut String, v: &View, res: &Results, c: u32, goal: f64) {
+    let (label, floor) = (format!("api-pair c={c}"), format!("pg-floor-api c={c}"));
+    let r = v.ratio(&label, &floor, Metric::Rate);
+    let fig = |l: &str, f: fn(&crate::costs::PerKey) -> Option<f64>, unit: &str| {
+        field(res, l, f).map_or("—".into(), |x| format!("{x:.0} {unit}"))
+    };
+    let _ = writeln!(
+        w,
+        "| reservation pairs on PostgreSQL ÷ pgbench's two statements, c = {c}, ≥ {goal} × | {} (database per key: {} CPU, {} WAL, {} records; the floor's: {}, {}, {}) | {} |",
+        times(r),
+        fig(&label, |k| k.db_cpu_us, "µs"),
+        fig(&label, |k| k.wal_bytes, "B"),
+        fig(&label, |k| k.wal_records, ""),
+        fig(&floor, |k| k.db_cpu_us, "µs"),
+        fig(&floor, |k| k.wal_bytes, "B"),
+        fig(&floor, |k| k.wal_records, ""),
+        verdict(r, |r| r >= goal)
+    );
+}
+
 /// The goals table.
 pub(super) fn goals(w: &mut String, v: &View, res: &Results, prune_rows: u64) {
     let _ = writeln!(w, "### Goals\n");
     let _ = writeln!(w, "| goal | measured | |\n|---|---|---|");
-    for c in [8, 32] {
+    for (c, goal) in [(32, 0.9), (8, 0.8)] {
+        pg_pairs_row(w, v, res, c, goal);
+    }
+    row(
+        w,
+        "proxy new keys on PostgreSQL ÷ idempotent-proxy, c = 32, ≥ 0.7 ×",
+        v.ratio("idemgate-new c=32", "ipx-new c=32", Metric::Rate),
+        |r| r >= 0.7,
+    );
+    for (c, goal) in [(32, 1.0), (8, 0.8)] {
         row(
             w,
-            &format!("proxy new keys on SQLite ÷ idempotent-proxy on Redis, c = {c}, ≥ 1.0 ×"),
+            &format!(
+                "proxy new keys on SQLite ÷ idempotent-proxy on Redis, c = {c}, ≥ {goal:.1} ×"
+            ),
             v.ratio(
                 &format!("idemgate-sqlite-new c={c}"),
                 &format!("ipx-new c={c}"),
                 Metric::Rate,
             ),
-            |r| r >= 1.0,
+            |r| r >= goal,
         );
     }
-    row(
-        w,
-        "proxy new keys on PostgreSQL ÷ idempotent-proxy, c = 32, ≥ 0.8 ×",
-        v.ratio("idemgate-new c=32", "ipx-new c=32", Metric::Rate),
-        |r| r >= 0.8,
-    );
-    for (store, door, floor) in FLOORED_PROXY {
-        row(
-            w,
-            &format!("proxy new keys ÷ its store's measured floor, c = 8, {store}, ≥ 0.8 ×"),
-            v.ratio(door, floor, Metric::Rate),
-            |r| r >= 0.8,
-        );
-    }
-    for c in [8, 32] {
-        row(
-            w,
-            &format!("SQLite reservation pairs ÷ SQLite's floor, c = {c}, ≥ 0.7 ×"),
-            v.ratio(
-                &format!("sqlite-pair c={c}"),
-                &format!("sqlite-floor-sqlite c={c}"),
-                Metric::Rate,
-            ),
-            |r| r >= 0.7,
-        );
-    }
-    row(
-        w,
-        "reservation pairs ÷ the one-statement floor (pgbench: one autocommitted statement per write), PostgreSQL, c = 32, ≥ 1.2 ×",
-        v.ratio("api-pair c=32", "pg-floor-api c=32", Metric::Rate),
-        |r| r >= 1.2,
-    );
     for (store, door) in [
         ("PostgreSQL", "idemgate-new c=8"),
         ("SQLite", "idemgate-sqlite-new c=8"),
@@ -149,13 +150,35 @@ pub(super) fn goals(w: &mut String, v: &View, res: &Results, prune_rows: u64) {
             verdict(r, |r| r <= 1.0)
         );
     }
+    for (store, door, floor) in FLOORED_PROXY {
+        row(
+            w,
+            &format!(
+                "earlier: proxy new keys ÷ its store's measured floor, c = 8, {store}, ≥ 0.8 ×"
+            ),
+            v.ratio(door, floor, Metric::Rate),
+            |r| r >= 0.8,
+        );
+    }
+    for c in [8, 32] {
+        row(
+            w,
+            &format!("earlier: SQLite reservation pairs ÷ SQLite's floor, c = {c}, ≥ 0.7 ×"),
+            v.ratio(
+                &format!("sqlite-pair c={c}"),
+                &format!("sqlite-floor-sqlite c={c}"),
+                Metric::Rate,
+            ),
+            |r| r >= 0.7,
+        );
+    }
     for (what, label, floor) in PG_BESIDE_FLOOR {
         let r = per_key_ratio(res, label, floor, |k| k.db_cpu_us);
         let us =
             |l: &str| field(res, l, |k| k.db_cpu_us).map_or("—".into(), |u| format!("{u:.0}"));
         let _ = writeln!(
             w,
-            "| PostgreSQL's CPU per new key ≤ 1.5 × the floor's, {what} | {} µs against {} µs ({}) | {} |",
+            "| earlier: PostgreSQL's CPU per new key ≤ 1.5 × the floor's, {what} | {} µs against {} µs ({}) | {} |",
             us(label),
             us(floor),
             times(r),
@@ -168,7 +191,7 @@ pub(super) fn goals(w: &mut String, v: &View, res: &Results, prune_rows: u64) {
     ] {
         let _ = writeln!(
             w,
-            "| added p50 at c = 1 beyond the origin and the store's two writes ≤ 0.15 ms, {store} | {} | {} |",
+            "| earlier: added p50 at c = 1 beyond the origin and the store's two writes ≤ 0.15 ms, {store} | {} | {} |",
             added.map_or("—".into(), |ms| format!("{ms:.2} ms")),
             verdict(added, |ms| ms <= 0.15)
         );
