@@ -331,6 +331,89 @@ async fn takeover_after_the_lease_hands_on_recovery_and_fences_the_old_id(backen
     assert_eq!(replay.attempt, 2);
 }
 
+/// The count behind the `idemgate_keys_unknown` gauge, asked again and
+/// again as keys become stuck (a lease that ends, a holder's mark) and are
+/// settled (a late commit, a lease extended, a takeover): right each time,
+/// and what a second process's first count says too.
+async fn the_stuck_count_follows_keys_as_they_stick_and_settle(backend: Backend) {
+    async fn count(engine: &Engine) -> u64 {
+        engine.count_stuck().await.expect("count")
+    }
+    let engine = backend.engine().await;
+    assert_eq!(count(&engine).await, 0);
+
+    let hold = |req: ReserveRequest| ReserveRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Hold,
+        ..req
+    };
+    let lapsing = reserved(reserve(&engine, &with_lease(request(fresh_key(), None), 1)).await);
+    let held = reserved(reserve(&engine, &hold(with_lease(request(fresh_key(), None), 1))).await);
+    let taken_key = fresh_key();
+    let taken = reserved(reserve(&engine, &with_lease(request(taken_key, None), 1)).await);
+    let marked = reserved(reserve(&engine, &request(fresh_key(), None)).await);
+    let live = reserved(reserve(&engine, &request(fresh_key(), None)).await);
+    let done = reserved(reserve(&engine, &with_lease(request(fresh_key(), None), 1)).await);
+    assert!(matches!(
+        commit(&engine, done.reservation_id, &response("done")).await,
+        Ok(Committed::Now(_))
+    ));
+    engine
+        .mark_unknown(TENANT, marked.reservation_id, "the upstream hung up")
+        .await
+        .expect("mark")
+        .expect("marked");
+    assert_eq!(
+        count(&engine).await,
+        1,
+        "the marked key, before any lease ends"
+    );
+
+    tokio::time::sleep(PAST_ONE_SECOND).await;
+    assert_eq!(
+        count(&engine).await,
+        4,
+        "three leases ended (under takeover and hold) and the marked key"
+    );
+    assert_eq!(count(&backend.engine().await).await, 4, "a second process");
+
+    assert!(matches!(
+        commit(&engine, lapsing.reservation_id, &response("late")).await,
+        Ok(Committed::Now(_))
+    ));
+    engine
+        .extend(TENANT, held.reservation_id, 30)
+        .await
+        .expect("extend")
+        .expect("extended");
+    let again = reserved(reserve(&engine, &request(taken_key, None)).await);
+    assert_eq!(again.attempt, 2, "taken over");
+    assert_eq!(
+        count(&engine).await,
+        1,
+        "a late commit, an extension, a takeover"
+    );
+
+    assert!(matches!(
+        commit(&engine, marked.reservation_id, &response("settled")).await,
+        Ok(Committed::Now(_))
+    ));
+    assert_eq!(count(&engine).await, 0);
+    let _ = (taken, live);
+
+    // A lease that ends after many counts is found by the next one.
+    let later = reserved(reserve(&engine, &with_lease(request(fresh_key(), None), 1)).await);
+    assert_eq!(count(&engine).await, 0);
+    tokio::time::sleep(PAST_ONE_SECOND).await;
+    assert_eq!(count(&engine).await, 1);
+    engine
+        .release(TENANT, later.reservation_id)
+        .await
+        .expect("release")
+        .expect("released");
+    assert_eq!(count(&engine).await, 0);
+    assert_eq!(count(&backend.engine().await).await, 0, "a second process");
+}
+
 async fn extend_keeps_the_key_held_past_the_original_lease(backend: Backend) {
     let engine = backend.engine().await;
     let req = request(fresh_key(), None);
@@ -724,6 +807,7 @@ both_stores! {
         release_makes_the_key_new_and_kills_the_id,
         takeover_after_the_lease_hands_on_recovery_and_fences_the_old_id,
         extend_keeps_the_key_held_past_the_original_lease,
+        the_stuck_count_follows_keys_as_they_stick_and_settle,
         expired_keys_are_new_again_and_pruning_deletes_them,
         unknown_ids_are_not_found,
         completed_keys_survive_a_restart,

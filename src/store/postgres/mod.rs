@@ -24,19 +24,17 @@
 //! schema's status, the processes connected, the compatibility write for
 //! releases before 0.2.0).
 //!
-//! # Why the commit is not a heap-only update
+//! # The commit is a heap-only update
 //!
-//! It changes `state` and `lease_expires_at`, which the partial indexes
-//! `idempotency_keys_in_flight` and `idempotency_keys_unknown` read, so it
-//! writes a new entry in each of the table's other indexes. Without those
-//! two indexes (and with a fillfactor of 85) the commit was heap-only and a
-//! new key cost PostgreSQL 11–17 % less CPU and a third less WAL
-//! (BENCHMARKS.md, "Changes measured"). But those indexes find the keys
-//! nobody settles: the tenant limit counts through the first on every
-//! claim, and every pruning pass counts the stuck keys for
-//! `idemgate_keys_unknown` through both; without them that count reads the
-//! whole table on every pass, which at a day's TTL and a pass a minute costs
-//! more CPU per key than the heap-only commit saves.
+//! No index reads a column the commit changes (migration
+//! `20261210000001_heap_only_commit.sql`), and the table leaves room on each
+//! page (fillfactor 85), so PostgreSQL writes the completed row beside the
+//! in-flight one with no new index entry. That rules out an index on
+//! `state`: the keys nobody settles are found instead through what the
+//! commit leaves alone, the lease's end and the unknown mark (`stuck.rs`,
+//! which keeps the gauge's count), and the tenant limit counts through
+//! `idempotency_keys_limited`, which holds only keys claimed under a limit
+//! (their commit is the one that is not heap-only).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -53,6 +51,7 @@ mod hosts;
 mod rows;
 pub mod sql;
 mod store;
+mod stuck;
 mod tls;
 mod upgrade;
 mod write_batch;
@@ -110,6 +109,8 @@ pub struct PgStore {
     /// One PostgreSQL or a Citus cluster: read once, by the migrations or by
     /// the first pruning batch.
     layout: Arc<tokio::sync::OnceCell<Layout>>,
+    /// The stuck keys the last count found (`stuck.rs`).
+    stuck: Arc<tokio::sync::Mutex<stuck::Tally>>,
 }
 
 // === impl PgStore ===
@@ -191,6 +192,7 @@ impl PgStore {
             settings: settings.clone(),
             conns,
             layout: Arc::default(),
+            stuck: Arc::default(),
         })
     }
 

@@ -99,7 +99,9 @@ impl TryFrom<KeyRow> for Record {
             fingerprint: r.fingerprint,
             state,
             reservation_id: r.reservation_id,
-            lease_expires_at: r.lease_expires_at,
+            // A commit keeps the lease's end, so that it stays heap-only
+            // (sql.rs, COMPLETE); a completed record has no lease.
+            lease_expires_at: r.lease_expires_at.filter(|_| state != KeyState::Completed),
             attempt: r.attempt,
             recovery: r.recovery_point.map(|recovery_point| Recovery {
                 recovery_point,

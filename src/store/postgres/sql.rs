@@ -95,10 +95,13 @@ macro_rules! current_holder {
 // reservation id is still the current one.
 // Not returning the response it has just been sent (the caller has it): the
 // store puts it back into the record.
+// The lease's end stays, and `limited` is false over false unless a tenant
+// limit applied: no column an index reads changes, so the update is
+// heap-only (migration 20261210000001_heap_only_commit.sql).
 pub(super) const COMPLETE: &str = concat!(
     "UPDATE idempotency_keys k SET state = 'completed', response_status = $3,
             response_headers = $4, response_body = $5, completed_at = now(),
-            lease_expires_at = NULL
+            limited = false
       WHERE ",
     current_holder!("'in_flight', 'unknown'"),
     " RETURNING ",
@@ -106,7 +109,8 @@ pub(super) const COMPLETE: &str = concat!(
 );
 
 pub(super) const RELEASE: &str = concat!(
-    "UPDATE idempotency_keys k SET expires_at = now(), lease_expires_at = now() WHERE ",
+    "UPDATE idempotency_keys k SET expires_at = now(), lease_expires_at = now(), limited = false
+      WHERE ",
     current_holder!("'in_flight', 'unknown'"),
     " RETURNING k.key_hash"
 );
@@ -197,11 +201,39 @@ pub(super) const LIST_KEYS: &str = concat!(
       LIMIT $4"
 );
 
-/// The keys nobody will settle by themselves: alive, and unknown or in
-/// flight past their lease (under either choice).
-pub(super) const COUNT_STUCK: &str = "SELECT count(*) FROM idempotency_keys k
-      WHERE k.expires_at > now()
-        AND (k.state = 'unknown' OR (k.state = 'in_flight' AND k.lease_expires_at <= now()))";
+/// A record nobody will settle by itself: alive, and unknown or in flight
+/// past its lease (under either choice).
+macro_rules! stuck_now {
+    () => {
+        "k.expires_at > now()
+         AND (k.state = 'unknown' OR (k.state = 'in_flight' AND k.lease_expires_at <= now()))"
+    };
+}
+
+/// Every stuck key, by reading every alive one: a process's first count
+/// (`stuck.rs`).
+pub(super) const STUCK_ALL: &str = concat!(
+    "SELECT k.tenant, k.key_hash FROM idempotency_keys k WHERE ",
+    stuck_now!()
+);
+
+/// The stuck keys among those whose lease ended in `($1, $2]` (through
+/// `idempotency_keys_lease_end`) or that a holder marked unknown (through
+/// `idempotency_keys_marked_unknown`).
+pub(super) const STUCK_SINCE: &str = concat!(
+    "SELECT k.tenant, k.key_hash FROM idempotency_keys k
+      WHERE ((k.lease_expires_at > $1 AND k.lease_expires_at <= $2)
+             OR k.unknown_at IS NOT NULL)
+        AND ",
+    stuck_now!()
+);
+
+/// Which of tenant `$1`'s keys `$2` (key hashes) are still stuck.
+pub(super) const STUCK_STILL: &str = concat!(
+    "SELECT k.key_hash FROM idempotency_keys k
+      WHERE k.tenant = $1 AND k.key_hash = ANY($2) AND ",
+    stuck_now!()
+);
 
 /// The settlement applies to the record of `($1, $2)` while it still has
 /// reservation id `$3` and is stuck: alive, and unknown or in flight past
@@ -219,7 +251,7 @@ macro_rules! stuck {
 // update (Citus refuses `now()` in a RETURNING list).
 pub(super) const RESOLVE_RELEASE: &str = concat!(
     "UPDATE idempotency_keys k SET expires_at = now(), lease_expires_at = now(),
-            resolved_action = 'release', resolved_reason = $4, resolved_by = $5,
+            limited = false, resolved_action = 'release', resolved_reason = $4, resolved_by = $5,
             resolved_at = now()
       WHERE ",
     stuck!(),
@@ -231,7 +263,8 @@ pub(super) const RESOLVE_RELEASE: &str = concat!(
 pub(super) const RESOLVE_COMPLETE: &str = concat!(
     "UPDATE idempotency_keys k SET state = 'completed', response_status = $6,
             response_headers = $7, response_body = $8, completed_at = now(),
-            lease_expires_at = NULL, resolved_action = 'complete', resolved_reason = $4,
+            lease_expires_at = NULL, limited = false, resolved_action = 'complete',
+            resolved_reason = $4,
             resolved_by = $5, resolved_at = now()
       WHERE ",
     stuck!(),
@@ -240,10 +273,11 @@ pub(super) const RESOLVE_COMPLETE: &str = concat!(
 );
 
 /// A tenant's live in-flight keys, up to `$2`; the partial index
-/// `idempotency_keys_in_flight` holds exactly these rows.
+/// `idempotency_keys_limited` holds the rows claimed under a limit, which
+/// these are whenever the limit is set.
 pub(super) const IN_FLIGHT_USAGE: &str = "SELECT count(*), min(lease_expires_at), now() FROM (
         SELECT lease_expires_at FROM idempotency_keys
-         WHERE tenant = $1 AND state = 'in_flight' AND lease_expires_at > now()
+         WHERE tenant = $1 AND limited AND state = 'in_flight' AND lease_expires_at > now()
            AND expires_at > now()
          ORDER BY lease_expires_at
          LIMIT $2) live";

@@ -282,8 +282,7 @@ impl Queries for PgStore {
     }
 
     async fn count_stuck(&self) -> Result<u64> {
-        let n: Option<i64> = self.fetch_scalar(sqlx::query_scalar(COUNT_STUCK)).await?;
-        Ok(n.and_then(|n| u64::try_from(n).ok()).unwrap_or(0))
+        self.count_stuck_kept().await
     }
 
     async fn in_flight_usage(&self, tenant: &str, up_to: u32) -> Result<InFlightUsage> {
