@@ -65,8 +65,9 @@ pub struct AbArgs {
 
 /// The store both sides use.
 enum Store {
-    /// One database for both; a pool to find its server processes.
-    Postgres(PgPool),
+    /// One database for both, or one each: pools to find their server
+    /// processes (the older binary's second when it has its own).
+    Postgres(PgPool, Option<PgPool>),
     /// A file each, in this directory.
     Sqlite(PathBuf),
 }
@@ -115,7 +116,7 @@ async fn start(
         // The schema is the newer binary's (see `run`); the older one serves
         // it as it is, as in a rolling upgrade, unless it has a database of
         // its own.
-        Store::Postgres(_) => match (&args.before_database_url, name) {
+        Store::Postgres(..) => match (&args.before_database_url, name) {
             (Some(url), "before") => (url.clone(), Vec::new()),
             _ => (
                 args.database_url.clone(),
@@ -150,9 +151,14 @@ struct Reading {
 
 async fn read(side: &Side, on: &Store) -> Reading {
     let pid = side.proc.pid();
-    let store = match on {
-        Store::Postgres(pool) => procs::db_processes(pool).await,
-        Store::Sqlite(_) => pid
+    let pool = match on {
+        Store::Postgres(_, Some(before)) if side.name == "before" => Some(before),
+        Store::Postgres(pool, _) => Some(pool),
+        Store::Sqlite(_) => None,
+    };
+    let store = match (on, pool) {
+        (_, Some(pool)) => procs::db_processes(pool).await,
+        _ => pid
             .and_then(|pid| usage::of_threads(Some(pid), procs::SQLITE_WRITER_THREAD))
             .map(|u| [(0, u)].into()),
     };
@@ -160,14 +166,14 @@ async fn read(side: &Side, on: &Store) -> Reading {
         Some(addr) => metrics::allocations(addr).await,
         None => None,
     };
-    let wal = match on {
-        Store::Postgres(pool) => sqlx::query_scalar::<_, f64>(
+    let wal = match pool {
+        Some(pool) => sqlx::query_scalar::<_, f64>(
             "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8",
         )
         .fetch_one(pool)
         .await
         .ok(),
-        Store::Sqlite(_) => None,
+        None => None,
     };
     Reading {
         proc: pid.and_then(usage::of_process),
@@ -279,7 +285,11 @@ pub async fn run(args: AbArgs) -> anyhow::Result<()> {
                 .max_connections(1)
                 .connect(&args.database_url)
                 .await?;
-            Store::Postgres(pool)
+            let before = match &args.before_database_url {
+                Some(url) => Some(PgPoolOptions::new().max_connections(1).connect(url).await?),
+                None => None,
+            };
+            Store::Postgres(pool, before)
         }
         "sqlite" => Store::Sqlite(work.clone()),
         other => anyhow::bail!("--store: expected postgres or sqlite, got {other:?}"),
@@ -307,7 +317,7 @@ pub async fn run(args: AbArgs) -> anyhow::Result<()> {
         }
     }
     let store_name = match store {
-        Store::Postgres(_) => "PostgreSQL",
+        Store::Postgres(..) => "PostgreSQL",
         Store::Sqlite(_) => "SQLite",
     };
     println!(
