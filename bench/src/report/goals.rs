@@ -92,19 +92,19 @@ fn row(w: &mut String, goal: &str, r: Option<f64>, ok: impl Fn(f64) -> bool) {
 fn pg_pairs_row(w: &mut String, v: &View, res: &Results, c: u32, goal: f64) {
     let (label, floor) = (format!("api-pair c={c}"), format!("pg-floor-api c={c}"));
     let r = v.ratio(&label, &floor, Metric::Rate);
-    let fig = |l: &str, f: fn(&crate::costs::PerKey) -> Option<f64>, unit: &str| {
-        field(res, l, f).map_or("—".into(), |x| format!("{x:.0} {unit}"))
+    let fig = |l: &str, f: fn(&crate::costs::PerKey) -> Option<f64>, digits: usize| {
+        field(res, l, f).map_or("—".into(), |x| format!("{x:.digits$}"))
     };
     let _ = writeln!(
         w,
-        "| reservation pairs on PostgreSQL ÷ pgbench's two statements, c = {c}, ≥ {goal} × | {} (database per key: {} CPU, {} WAL, {} records; the floor's: {}, {}, {}) | {} |",
+        "| reservation pairs on PostgreSQL ÷ pgbench's two statements, c = {c}, ≥ {goal} × | {} (database per key: {} µs CPU, {} B of WAL in {} records; the floor's: {} µs, {} B, {}) | {} |",
         times(r),
-        fig(&label, |k| k.db_cpu_us, "µs"),
-        fig(&label, |k| k.wal_bytes, "B"),
-        fig(&label, |k| k.wal_records, ""),
-        fig(&floor, |k| k.db_cpu_us, "µs"),
-        fig(&floor, |k| k.wal_bytes, "B"),
-        fig(&floor, |k| k.wal_records, ""),
+        fig(&label, |k| k.db_cpu_us, 0),
+        fig(&label, |k| k.wal_bytes, 0),
+        fig(&label, |k| k.wal_records, 1),
+        fig(&floor, |k| k.db_cpu_us, 0),
+        fig(&floor, |k| k.wal_bytes, 0),
+        fig(&floor, |k| k.wal_records, 1),
         verdict(r, |r| r >= goal)
     );
 }
