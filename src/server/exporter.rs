@@ -53,11 +53,16 @@ pub fn init_tracing(json: bool, otlp: Option<&str>) -> Option<super::otel::Expor
         }
         None => (None, None),
     };
-    // A second init (tests, embedding) keeps the first subscriber.
-    let _ = tracing_subscriber::registry()
-        .with(fmt.with_filter(filter))
-        .with(otel)
-        .try_init();
+    // A second init (tests, embedding) keeps the first subscriber. No
+    // `Option` of a layer when there is no exporter: a `None` layer takes an
+    // interest in every callsite, so the registry would make every span of
+    // `crate::spans` at `info` that no layer reads (BENCHMARKS.md, "Changes
+    // measured").
+    let logs = tracing_subscriber::registry().with(fmt.with_filter(filter));
+    let _ = match otel {
+        Some(otel) => logs.with(otel).try_init(),
+        None => logs.try_init(),
+    };
     if let Some(e) = failed {
         tracing::warn!(error = %e, "traces are not exported");
     }
