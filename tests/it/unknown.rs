@@ -177,8 +177,15 @@ async fn operators_list_show_and_resolve_stuck_keys(b: Backend) {
     );
     let held_body = reserve_body(json!({"lease_seconds": 1, "on_lease_expiry": "hold"}));
     let lapsed_body = reserve_body(json!({"lease_seconds": 1}));
+    // The listing is oldest first, and SQLite keeps a key's creation to the
+    // millisecond: two keys made within one would be ordered by their
+    // hashes, so each is made in a millisecond of its own.
+    let next_millisecond = || tokio::time::sleep(Duration::from_millis(3));
+    next_millisecond().await;
     assert_eq!(app.reserve(&held, &held_body).await.status, 201);
+    next_millisecond().await;
     assert_eq!(app.reserve(&lapsed, &lapsed_body).await.status, 201);
+    next_millisecond().await;
     assert_eq!(
         app.reserve(&live, &reserve_body(json!({}))).await.status,
         201
