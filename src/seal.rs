@@ -22,7 +22,13 @@
 //!
 //! To rotate, the new key becomes `IDEMGATE_SEAL_KEY` and the old one moves to
 //! `IDEMGATE_SEAL_KEY_PREVIOUS`: records are sealed under the current key and
-//! opened under any; records stored before any key was set stay readable.
+//! opened under any. A record found in the clear while sealing is on (stored
+//! before sealing was turned on, or written into the database by hand) is
+//! refused like one that cannot be opened — never replayed, never run again
+//! — unless [`Sealer::accepting_plaintext`] (`IDEMGATE_SEAL_ACCEPT_PLAINTEXT`,
+//! the key window after sealing is turned on) says to accept it: without
+//! that, anyone who can write to the table could downgrade a sealed record
+//! and have a caller replayed a cookie or a page of theirs.
 //! Checkpoint recovery data is sealed the same way, as an object of exactly
 //! two members, `{"@idemgate-sealed": "v1 key=…", "sealed": "<base64>"}`,
 //! bound to the tenant, the key and the recovery point (whose name stays in
@@ -92,6 +98,16 @@ pub enum OpenError {
     /// The blob is malformed, tampered with, or moved from another record.
     #[error("the sealed response failed authentication (tampered with, truncated or moved)")]
     Corrupt,
+    /// Sealing is on and the record holds a response or recovery data in
+    /// the clear: written before sealing was turned on, or planted by
+    /// whoever can write to the database. Nobody without the seal key can
+    /// make a sealed record, so an unsealed one is not trusted.
+    #[error(
+        "the stored record is not sealed although IDEMGATE_SEAL_KEY is set (stored before sealing \
+         was turned on, or written into the database by hand); set \
+         IDEMGATE_SEAL_ACCEPT_PLAINTEXT=true for the key window after turning sealing on"
+    )]
+    Unsealed,
 }
 
 struct SealKey {
@@ -116,6 +132,10 @@ impl SealKey {
 pub struct Sealer {
     current: SealKey,
     previous: Vec<SealKey>,
+    /// Whether records in the clear are still opened
+    /// (`IDEMGATE_SEAL_ACCEPT_PLAINTEXT`): the window after sealing is turned
+    /// on. Otherwise an unsealed record is refused, never replayed.
+    accept_plaintext: bool,
 }
 
 impl std::fmt::Debug for Sealer {
@@ -123,6 +143,7 @@ impl std::fmt::Debug for Sealer {
         f.debug_struct("Sealer")
             .field("key_id", &self.key_id())
             .field("previous", &self.previous.len())
+            .field("accept_plaintext", &self.accept_plaintext)
             .finish()
     }
 }
@@ -163,6 +184,33 @@ impl Sealer {
         Sealer {
             current: SealKey::new(current),
             previous: previous.iter().map(SealKey::new).collect(),
+            accept_plaintext: false,
+        }
+    }
+
+    /// The same sealer, opening records stored in the clear too when
+    /// `accept` is true (`IDEMGATE_SEAL_ACCEPT_PLAINTEXT`: the key window
+    /// after sealing is turned on, when records from before it are still
+    /// alive). By default a record in the clear is refused: a row written
+    /// into the database by hand must not be replayed to a caller.
+    #[must_use]
+    pub fn accepting_plaintext(mut self, accept: bool) -> Sealer {
+        self.accept_plaintext = accept;
+        self
+    }
+
+    /// Whether records stored in the clear are opened
+    /// ([`accepting_plaintext`](Self::accepting_plaintext)).
+    pub fn accepts_plaintext(&self) -> bool {
+        self.accept_plaintext
+    }
+
+    /// `Ok` if a record part found in the clear may be used.
+    fn plaintext_allowed(&self) -> Result<(), OpenError> {
+        if self.accept_plaintext {
+            Ok(())
+        } else {
+            Err(OpenError::Unsealed)
         }
     }
 
@@ -411,7 +459,9 @@ fn open_response(sealer: Option<&Sealer>, record: &mut Record) -> Result<(), Ope
         return Ok(());
     };
     if !is_sealed(response) {
-        return Ok(());
+        // In the clear: fine without sealing; under sealing, only in the
+        // window that accepts records from before it.
+        return sealer.map_or(Ok(()), Sealer::plaintext_allowed);
     }
     let sealer = sealer.ok_or(OpenError::NoKey)?;
     *response = sealer.open(&record.tenant, record.reservation_id, response)?;
@@ -426,7 +476,7 @@ fn open_recovery(sealer: Option<&Sealer>, record: &mut Record) -> Result<(), Ope
         return Ok(());
     };
     if !is_sealed_recovery(data) {
-        return Ok(());
+        return sealer.map_or(Ok(()), Sealer::plaintext_allowed);
     }
     let sealer = sealer.ok_or(OpenError::NoKey)?;
     *data = sealer.open_recovery(

@@ -464,6 +464,13 @@ pub fn engine_sealed(
     store: Arc<dyn Store>,
     limits: Limits,
 ) -> Engine {
+    if sealer.as_ref().is_some_and(Sealer::accepts_plaintext) {
+        tracing::warn!(
+            "IDEMGATE_SEAL_ACCEPT_PLAINTEXT is set: records stored in the clear (from before \
+             sealing was turned on, or written into the database by hand) are still replayed; \
+             remove it once the key window since sealing was turned on has passed"
+        );
+    }
     Engine::new(store, limits)
         .with_replay_cache(run.replay_cache_bytes)
         .with_sealer(sealer)

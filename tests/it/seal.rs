@@ -122,6 +122,42 @@ async fn tamper_bodies(b: &Backend) {
     }
 }
 
+/// The downgrade as an attacker with write access to the database makes it:
+/// every stored response replaced by one in the clear, with a cookie and a
+/// page of the attacker's.
+async fn plant_plaintext(b: &Backend) {
+    const HEADERS: &str = r#"[["set-cookie","planted=1"],["content-type","text/html"]]"#;
+    const BODY: &[u8] = b"<script>planted()</script>";
+    match b {
+        Backend::Postgres(db) => {
+            let store = Backend::open_pg(db).await;
+            sqlx::query(
+                "UPDATE idempotency_keys SET response_headers = $1::jsonb, response_body = $2
+                  WHERE response_body IS NOT NULL",
+            )
+            .bind(HEADERS)
+            .bind(BODY)
+            .execute(store.pool())
+            .await
+            .expect("plant");
+            store.pool().close().await;
+        }
+        Backend::Sqlite(dir) => {
+            let store = Backend::open_sqlite(dir).await;
+            sqlx::query(
+                "UPDATE idempotency_keys SET response_headers = ?1, response_body = ?2
+                  WHERE response_body IS NOT NULL",
+            )
+            .bind(HEADERS)
+            .bind(BODY)
+            .execute(store.pool())
+            .await
+            .expect("plant");
+            store.close().await;
+        }
+    }
+}
+
 async fn commit(app: &TestApp, key: &str) -> String {
     let id = app.reserve(key, "").await.reservation_id();
     let res = app.act(&id, "commit", &commit_body()).await;
@@ -150,8 +186,10 @@ fn assert_unopenable(res: &common::app::TestResponse) {
     }
 }
 
-/// The reservation API with a key: nothing readable at rest, replay correct,
-/// and an unsealed record from before the key was set still replays.
+/// The reservation API with a key: nothing readable at rest, replay correct;
+/// an unsealed record from before the key was set replays only while
+/// `--seal-accept-plaintext` is set, and is refused (never run again)
+/// without it.
 async fn api_responses_are_sealed_at_rest(b: Backend) {
     let url = b.url();
     let plain = TestApp::new(&url, &[]).await;
@@ -183,10 +221,54 @@ async fn api_responses_are_sealed_at_rest(b: Backend) {
     );
     assert_eq!(rows_holding(&rows, &format!("v1 key={}", key_id(KEY_A))), 1);
 
-    // A fresh process (no replay cache) opens both: the table is mixed.
-    let fresh = TestApp::new(&url, &["--seal-key", KEY_A]).await;
-    assert_replay(&fresh.reserve(&key, "").await);
-    assert_replay(&fresh.reserve(&old_key, "").await);
+    // A fresh process (no replay cache) in the window after sealing was
+    // turned on opens both: the table is mixed.
+    let window = TestApp::new(&url, &["--seal-key", KEY_A, "--seal-accept-plaintext"]).await;
+    assert_replay(&window.reserve(&key, "").await);
+    assert_replay(&window.reserve(&old_key, "").await);
+
+    // After the window: the record in the clear is refused, twice (never
+    // reserved again), and the sealed one still replays.
+    let after = TestApp::new(&url, &["--seal-key", KEY_A]).await;
+    assert_replay(&after.reserve(&key, "").await);
+    assert_unopenable(&after.reserve(&old_key, "").await);
+    assert_unopenable(&after.reserve(&old_key, "").await);
+}
+
+/// Sealing cannot be downgraded (finding 5 of the adversarial review): a
+/// response replaced in the database by one in the clear — a cookie and a
+/// script of the attacker's — is never replayed by a sealed deployment,
+/// through the API or the proxy, and the request is not run again either.
+async fn planted_plaintext_is_never_replayed(b: Backend) {
+    let url = b.url();
+    let api = TestApp::new(&url, &["--seal-key", KEY_A]).await;
+    let api_key = fresh_key();
+    commit(&api, &api_key).await;
+
+    let upstream = Upstream::start().await;
+    let body = r#"{"amount":500}"#;
+    let proxy = TestProxy::start(&url, &upstream.url(), &["--seal-key", KEY_A], Vec::new()).await;
+    let proxy_key = fresh_key();
+    assert_eq!(proxy.post("/ok", &proxy_key, body).await.status, 201);
+    assert_eq!(upstream.started(&proxy_key), 1);
+
+    plant_plaintext(&b).await;
+
+    // The restart: nothing cached.
+    let api = TestApp::new(&url, &["--seal-key", KEY_A]).await;
+    for _ in 0..2 {
+        let res = api.reserve(&api_key, "").await;
+        assert_unopenable(&res);
+        assert!(!res.text.contains("planted"), "{}", res.text);
+    }
+    let proxy = TestProxy::start(&url, &upstream.url(), &["--seal-key", KEY_A], Vec::new()).await;
+    for _ in 0..2 {
+        let res = proxy.post("/ok", &proxy_key, body).await;
+        assert_eq!(res.status, 500, "{res:#?}");
+        assert!(!res.text.contains("planted"), "{}", res.text);
+        assert!(res.headers.get("set-cookie").is_none(), "{res:#?}");
+    }
+    assert_eq!(upstream.started(&proxy_key), 1, "run again");
 }
 
 /// Key A, then B with A as previous, then B alone.
@@ -332,12 +414,24 @@ async fn proxy_responses_are_sealed_at_rest(b: Backend) {
         "only the unsealed record"
     );
 
-    // A fresh proxy with the key replays both from the store.
-    let fresh = TestProxy::start(&url, &upstream.url(), &["--seal-key", KEY_A], Vec::new()).await;
+    // A fresh proxy with the key, in the window after sealing was turned
+    // on, replays both from the store; after it, the one in the clear is
+    // refused and not forwarded again.
+    let fresh = TestProxy::start(
+        &url,
+        &upstream.url(),
+        &["--seal-key", KEY_A, "--seal-accept-plaintext"],
+        Vec::new(),
+    )
+    .await;
     let again = fresh.post("/ok", &key, &body).await;
     assert!(replayed(&again), "{again:#?}");
     assert_eq!(again.text, first.text);
     assert!(replayed(&fresh.post("/ok", &old_key, &body).await));
+    let after = TestProxy::start(&url, &upstream.url(), &["--seal-key", KEY_A], Vec::new()).await;
+    assert!(replayed(&after.post("/ok", &key, &body).await));
+    assert_eq!(after.post("/ok", &old_key, &body).await.status, 500);
+    assert_eq!(upstream.started(&old_key), 1);
 
     // Tampered: a 500 problem, and the request is not forwarded again.
     tamper_bodies(&b).await;
@@ -355,6 +449,7 @@ both_stores!(
         tampering_is_detected,
         proxy_responses_are_sealed_at_rest,
         recovery_data_is_sealed_at_rest,
+        planted_plaintext_is_never_replayed,
     ],
     concurrent: [],
 );

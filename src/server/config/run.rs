@@ -126,6 +126,7 @@ pub struct TlsArgs {
 /// The seal keys of stored responses: what `serve` and `proxy` seal with,
 /// and what `keys` opens records with.
 #[derive(Debug, Clone, Args)]
+#[command(mut_args = boolean_style)]
 pub struct SealArgs {
     /// Seals stored responses at rest (AES-256-GCM): 32 random bytes,
     /// base64 (`openssl rand -base64 32`). New responses are sealed under it.
@@ -136,6 +137,14 @@ pub struct SealArgs {
     /// still open, none is sealed under them any more.
     #[arg(help_heading = heading::SEALING, long, env = "IDEMGATE_SEAL_KEY_PREVIOUS", hide_env_values = true)]
     pub seal_key_previous: Option<SecretString>,
+
+    /// With a seal key: still replay records stored in the clear, from
+    /// before sealing was turned on. Without it such a record is refused
+    /// (never replayed, never run again), so that a row written into the
+    /// database by hand cannot reach a caller. Set it for one key window
+    /// (the longest TTL) after turning sealing on, then remove it.
+    #[arg(help_heading = heading::SEALING, long, env = "IDEMGATE_SEAL_ACCEPT_PLAINTEXT")]
+    pub seal_accept_plaintext: bool,
 }
 
 // === impl RunArgs ===
@@ -248,10 +257,18 @@ impl SealArgs {
                     problem: "holds retired keys but no current one: set {seal_key} too".into(),
                 });
             }
+            if self.seal_accept_plaintext {
+                return Err(ConfigError {
+                    setting: "seal_accept_plaintext",
+                    problem: "only means something while sealing is on: set {seal_key} too, \
+                              or remove it"
+                        .into(),
+                });
+            }
             return Ok(None);
         };
         Sealer::from_settings(current, previous)
-            .map(Some)
+            .map(|sealer| Some(sealer.accepting_plaintext(self.seal_accept_plaintext)))
             .map_err(|e| ConfigError {
                 setting: e.setting,
                 problem: e.problem,
