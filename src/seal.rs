@@ -53,6 +53,10 @@ const PREFIX_LEN: usize = 1 + KEY_ID_LEN + NONCE_LEN;
 /// The member of sealed recovery data that holds the base64 blob.
 const SEALED_DATA: &str = "sealed";
 
+/// The recovery point's name stored for a checkpoint sealed whole (its real
+/// name is sealed with its data: [`Sealer::seal_checkpoint`]).
+pub const SEALED_POINT: &str = "@idemgate-sealed";
+
 /// Whether checkpoint recovery data is in sealed form: an object of exactly
 /// the marker and the blob. (Unlike a header name, any JSON object could be a
 /// caller's own data; one of this exact shape is read as sealed, and a
@@ -63,7 +67,7 @@ pub fn is_sealed_recovery(data: &serde_json::Value) -> bool {
         o.len() == 2
             && o.get(SEALED_HEADER)
                 .and_then(serde_json::Value::as_str)
-                .is_some_and(|m| m.starts_with("v1 key="))
+                .is_some_and(|m| m.starts_with("v1 key=") || m.starts_with("v2 key="))
             && o.get(SEALED_DATA).is_some_and(serde_json::Value::is_string)
     })
 }
@@ -113,6 +117,38 @@ pub enum OpenError {
 struct SealKey {
     id: [u8; KEY_ID_LEN],
     cipher: Aes256Gcm,
+    /// The keys of the keyed hashes, one per label.
+    names: NameKeys,
+}
+
+/// The HMAC-SHA-256 keys a seal key names records with, each derived from it
+/// under a label of its own ([`Sealer::key_hash`] and its siblings).
+struct NameKeys {
+    key_hash: [u8; 32],
+    tenant: [u8; 32],
+    fingerprint: [u8; 32],
+}
+
+impl NameKeys {
+    fn new(key: &[u8; 32]) -> NameKeys {
+        let derive = |label: &[u8]| -> [u8; 32] { hmac_sha256(key, &[label]) };
+        NameKeys {
+            key_hash: derive(b"idemgate v1 key hash"),
+            tenant: derive(b"idemgate v1 tenant"),
+            fingerprint: derive(b"idemgate v1 fingerprint"),
+        }
+    }
+}
+
+/// HMAC-SHA-256 of the concatenation of `parts` under `key`.
+fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    use hmac::Mac;
+    let mut mac =
+        <hmac::Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes a key of any length");
+    for part in parts {
+        mac.update(part);
+    }
+    mac.finalize().into_bytes().into()
 }
 
 impl SealKey {
@@ -123,8 +159,26 @@ impl SealKey {
         SealKey {
             id,
             cipher: Aes256Gcm::new(key.into()),
+            names: NameKeys::new(key),
         }
     }
+}
+
+/// How a key's record is named in the database: its key hash, its tenant
+/// when that is derived from a credential, and its fingerprint.
+///
+/// Without sealing, and in the window after sealing is turned on, names are
+/// [`Naming::Plain`]: SHA-256 of the key, of the credential, of the request.
+/// Under sealing they are [`Naming::Keyed`]: HMAC-SHA-256 of those plain
+/// names under keys derived from a seal key (0: `IDEMGATE_SEAL_KEY`, 1…: the
+/// previous keys in order), so that a dump and a dictionary of likely keys,
+/// passwords and bodies reveal none of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Naming {
+    /// SHA-256 names, as stored without sealing.
+    Plain,
+    /// HMAC-SHA-256 names under the seal key at this index (0: current).
+    Keyed(usize),
 }
 
 /// Seals responses under the current key and opens them under it or a
@@ -225,6 +279,71 @@ impl Sealer {
             .map(|k| decode_key("IDEMGATE_SEAL_KEY_PREVIOUS", k))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Sealer::new(&current, &previous))
+    }
+
+    /// The namings a record of this sealer may be kept under, the one new
+    /// records are written under first.
+    ///
+    /// New records are named under the current key, and one named under a
+    /// previous key (during a rotation) is found too. With
+    /// [`accepting_plaintext`](Self::accepting_plaintext), the window after
+    /// sealing was turned on, new records keep their plain names instead, so
+    /// that processes that do not key names yet (one without the seal key,
+    /// or of a release before keyed names) find them, and keyed ones are
+    /// found too. `plain_window` adds the plain names after those: records a
+    /// process in that window wrote are still alive.
+    pub fn namings(&self, plain_window: bool) -> Vec<Naming> {
+        let keyed = (0..=self.previous.len()).map(Naming::Keyed);
+        if self.accept_plaintext {
+            std::iter::once(Naming::Plain).chain(keyed).collect()
+        } else {
+            keyed.chain(plain_window.then_some(Naming::Plain)).collect()
+        }
+    }
+
+    fn names(&self, index: usize) -> &NameKeys {
+        match index {
+            0 => &self.current.names,
+            i => &self.previous[i - 1].names,
+        }
+    }
+
+    /// The key hash of a key whose SHA-256 is `plain`, under `naming`.
+    pub fn key_hash(&self, naming: Naming, plain: &[u8; 32]) -> [u8; 32] {
+        match naming {
+            Naming::Plain => *plain,
+            Naming::Keyed(i) => hmac_sha256(&self.names(i).key_hash, &[plain]),
+        }
+    }
+
+    /// The tenant derived from a credential whose plain tenant (the hex
+    /// SHA-256 of the credential) is `plain`, under `naming`: lowercase hex.
+    pub fn tenant(&self, naming: Naming, plain: &str) -> String {
+        match naming {
+            Naming::Plain => plain.to_owned(),
+            Naming::Keyed(i) => {
+                hex::encode(hmac_sha256(&self.names(i).tenant, &[plain.as_bytes()]))
+            }
+        }
+    }
+
+    /// A fingerprint (computed, or a caller's own) under `naming`: as it is,
+    /// or the lowercase hex HMAC of it.
+    pub fn fingerprint(&self, naming: Naming, plain: &str) -> String {
+        match naming {
+            Naming::Plain => plain.to_owned(),
+            Naming::Keyed(i) => {
+                hex::encode(hmac_sha256(&self.names(i).fingerprint, &[plain.as_bytes()]))
+            }
+        }
+    }
+
+    /// The ids of every configured key, current first, in hex.
+    pub fn key_ids(&self) -> Vec<String> {
+        std::iter::once(&self.current)
+            .chain(&self.previous)
+            .map(|k| hex::encode(k.id))
+            .collect()
     }
 
     /// The current key's id, in hex.
@@ -363,6 +482,36 @@ impl Sealer {
         })
     }
 
+    /// A checkpoint sealed whole: the recovery point's name as
+    /// [`SEALED_POINT`], and as data the point's real name and its data,
+    /// sealed together (marker `v2`) for the key `key_hash` of `tenant`, so
+    /// that a dump holds neither. (Version 1 left the name in the clear; it
+    /// is what a process writes in the window after sealing is turned on,
+    /// which processes of a release that reads only version 1 may share.)
+    pub fn seal_checkpoint(
+        &self,
+        tenant: &str,
+        key_hash: &[u8],
+        recovery_point: &str,
+        data: Option<&serde_json::Value>,
+    ) -> (String, serde_json::Value) {
+        let plain = serde_json::to_vec(&serde_json::json!({
+            "point": recovery_point,
+            "data": data,
+        }))
+        .expect("a JSON value serializes");
+        let aad = Self::recovery_aad(tenant, key_hash, SEALED_POINT);
+        let blob = self.seal_blob(&plain, &aad);
+        let marker = format!("v2 key={}", self.key_id());
+        (
+            SEALED_POINT.to_owned(),
+            serde_json::json!({
+                SEALED_HEADER: marker,
+                SEALED_DATA: base64::engine::general_purpose::STANDARD.encode(blob),
+            }),
+        )
+    }
+
     /// The recovery data that `sealed` (in the form [`Sealer::seal_recovery`]
     /// gives) holds.
     pub fn open_recovery(
@@ -410,6 +559,35 @@ impl Sealer {
         let plain = self.open_blob(sealed, &Self::request_aad(tenant, key_hash))?;
         serde_json::from_slice(&plain).map_err(|_| OpenError::Corrupt)
     }
+}
+
+/// Every name a key's record may be kept under, the one new records get
+/// first: the tenant (keyed too when `tenant_from_credential`, the proxy's
+/// tenant made of a credential, given here in its plain form) and the key
+/// hash, for a key whose SHA-256 is `plain`. What an operator who names a
+/// key by its raw form looks for. Without sealing, the plain names alone.
+pub fn names_of(
+    sealer: Option<&Sealer>,
+    tenant: &str,
+    tenant_from_credential: bool,
+    plain: &[u8; 32],
+) -> Vec<(String, [u8; 32])> {
+    let Some(sealer) = sealer else {
+        return vec![(tenant.to_owned(), *plain)];
+    };
+    let mut names: Vec<(String, [u8; 32])> = Vec::new();
+    for naming in sealer.namings(true) {
+        let tenant = if tenant_from_credential {
+            sealer.tenant(naming, tenant)
+        } else {
+            tenant.to_owned()
+        };
+        let name = (tenant, sealer.key_hash(naming, plain));
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names
 }
 
 /// Replaces a sealed response and sealed recovery data in `record` by
@@ -479,12 +657,32 @@ fn open_recovery(sealer: Option<&Sealer>, record: &mut Record) -> Result<(), Ope
         return sealer.map_or(Ok(()), Sealer::plaintext_allowed);
     }
     let sealer = sealer.ok_or(OpenError::NoKey)?;
-    *data = sealer.open_recovery(
+    let whole = data
+        .get(SEALED_HEADER)
+        .and_then(serde_json::Value::as_str)
+        .is_some_and(|m| m.starts_with("v2 key="));
+    let opened = sealer.open_recovery(
         &record.tenant,
         &record.key_hash,
         &recovery.recovery_point,
         data,
     )?;
+    if !whole {
+        *data = opened;
+        return Ok(());
+    }
+    // Sealed whole: the point's name and its data.
+    let serde_json::Value::Object(mut both) = opened else {
+        return Err(OpenError::Corrupt);
+    };
+    let Some(serde_json::Value::String(point)) = both.remove("point") else {
+        return Err(OpenError::Corrupt);
+    };
+    recovery.recovery_point = point;
+    recovery.data = match both.remove("data") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(data) => Some(data),
+    };
     Ok(())
 }
 

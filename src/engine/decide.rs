@@ -36,6 +36,7 @@ pub(super) fn decide(claim: Claim, fingerprint: Option<&str>) -> ReserveOutcome 
             lease_expires_at: record.lease_expires_at.unwrap_or(claim.now),
             expires_at: record.expires_at,
             recovery: record.recovery,
+            tenant: None,
         });
     }
     if reused(&record, fingerprint) {

@@ -152,6 +152,24 @@ impl Engine {
     ) -> Result<Result<Record, Refusal>, EngineError> {
         let sealed;
         let to_store = match (&self.sealer, &recovery.data) {
+            (Some(sealer), data) if !sealer.accepts_plaintext() => {
+                // Sealed whole, the point's name with its data; bound to
+                // the key's record, as below.
+                let Some(found) = self.store.find_by_reservation(tenant, id).await? else {
+                    return Ok(Err(Refusal::NotFound));
+                };
+                let (recovery_point, data) = sealer.seal_checkpoint(
+                    tenant,
+                    &found.record.key_hash,
+                    &recovery.recovery_point,
+                    data.as_ref(),
+                );
+                sealed = Recovery {
+                    recovery_point,
+                    data: Some(data),
+                };
+                &sealed
+            }
             (Some(sealer), Some(data)) => {
                 // The blob is bound to the key's record: its hash is fixed
                 // for the life of the reservation id.

@@ -18,12 +18,14 @@ use std::time::Duration;
 mod decide;
 mod holding;
 mod lost;
+mod names;
 mod quotas;
 mod reserve;
 mod stuck;
 mod types;
 mod waiters;
 
+pub use names::MissingSealKey;
 pub use stuck::{Resolved, Settlement, shown_state};
 pub use types::*;
 
@@ -54,6 +56,9 @@ pub struct Engine {
     replay_cache: Option<ReplayCache>,
     /// Seals responses before they reach the store (`IDEMGATE_SEAL_KEY`).
     sealer: Option<Arc<Sealer>>,
+    /// How records are named in the store, as far as this process knows
+    /// ([`Engine::keep_naming_windows`]).
+    windows: Arc<names::Windows>,
     tenant_limits: TenantLimits,
     /// Each tenant's last stored-bytes figure, behind a lock that lets one
     /// caller at a time read it again.
@@ -79,6 +84,7 @@ impl Engine {
             waiters: Waiters::default(),
             replay_cache: ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES),
             sealer: None,
+            windows: Arc::new(names::Windows::assume(false)),
             tenant_limits: TenantLimits::default(),
             // Bounded: the proxy's tenants are whatever credentials arrive.
             stored_usage: moka::sync::Cache::builder()
@@ -102,10 +108,16 @@ impl Engine {
     }
 
     /// The same engine sealing stored responses with `sealer` (see
-    /// [`crate::seal`]); `None` stores them as they are. Records already
-    /// stored in the other form stay readable: unsealed ones always, sealed
-    /// ones under any of the sealer's keys.
+    /// [`crate::seal`]), and naming records by keyed hashes; `None` stores
+    /// them as they are. Sealed records open under any of the sealer's keys;
+    /// records in the clear only while the sealer accepts them
+    /// ([`Sealer::accepting_plaintext`]).
     pub fn with_sealer(mut self, sealer: Option<Sealer>) -> Engine {
+        // Until the store has said which namings are in use
+        // (`keep_naming_windows`), a process that keys names assumes plain
+        // names are too: a new key then costs a look more, never a second run.
+        let keys_names = sealer.as_ref().is_some_and(|s| !s.accepts_plaintext());
+        self.windows = Arc::new(names::Windows::assume(keys_names));
         self.sealer = sealer.map(Arc::new);
         self
     }
@@ -113,6 +125,23 @@ impl Engine {
     /// Whether responses are sealed at rest.
     pub fn seals(&self) -> bool {
         self.sealer.is_some()
+    }
+
+    /// Every name `tenant`'s key whose SHA-256 is `plain` may be kept under,
+    /// the one new records get first ([`crate::seal::names_of`]): what an
+    /// operator's look-up by raw key tries in turn.
+    pub fn names_of(
+        &self,
+        tenant: &str,
+        tenant_from_credential: bool,
+        plain: &[u8; 32],
+    ) -> Vec<(String, [u8; 32])> {
+        crate::seal::names_of(
+            self.sealer.as_deref(),
+            tenant,
+            tenant_from_credential,
+            plain,
+        )
     }
 
     /// The same engine with a replay cache of at most `max_bytes` (0: no

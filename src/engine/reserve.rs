@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use super::decide::{claimable, decide, decide_completed};
 use super::{Engine, EngineError, ReserveOutcome, ReserveRequest};
+use crate::seal::{Naming, Sealer};
 use crate::spans;
 use crate::store::{ClaimRequest, KeptRequest, Record};
 use crate::telemetry;
@@ -21,6 +22,31 @@ impl Engine {
     /// lease is alive, without holding a database connection in between.
     /// In a span of its own ([`spans::CLAIM`]), which records the decision.
     pub async fn reserve(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        let Some(sealer) = &self.sealer else {
+            return self.reserve_named(req, &[]).await;
+        };
+        // Under sealing the record's names are keyed; during a window (a
+        // rotation, the time after sealing was turned on) a key may be kept
+        // under another naming, which a new claim looks for.
+        let mut named = sealer
+            .namings(self.plain_window())
+            .into_iter()
+            .map(|naming| named(sealer, req, naming));
+        let primary = named
+            .next()
+            .expect("a sealer names records one way at least");
+        let others: Vec<ReserveRequest> = named.collect();
+        self.reserve_named(&primary, &others).await
+    }
+
+    /// [`Engine::reserve`] with the request's names as the store keeps them;
+    /// `others` are the same request under the other namings a record of
+    /// its key may be kept under.
+    async fn reserve_named(
+        &self,
+        req: &ReserveRequest,
+        others: &[ReserveRequest],
+    ) -> Result<ReserveOutcome, EngineError> {
         let wait = req
             .wait
             .map_or(Duration::ZERO, |w| w.min(self.limits.max_wait));
@@ -29,12 +55,12 @@ impl Engine {
         // The store's part runs in the span; the replay cache answers at once.
         let decision = match self.cached_outcome(req) {
             Some(outcome) => Ok(outcome),
-            None if wait.is_zero() => self.claim(req).instrument(span.clone()).await,
+            None if wait.is_zero() => self.claim(req, others).instrument(span.clone()).await,
             None => {
                 let slot = (req.tenant.clone(), req.key_hash);
                 let notify = self.waiters.subscribe(&slot);
                 let outcome = self
-                    .claim_waiting(req, Instant::now() + wait, &notify)
+                    .claim_waiting(req, others, Instant::now() + wait, &notify)
                     .instrument(span.clone())
                     .await;
                 self.waiters.unsubscribe(&slot, notify);
@@ -77,7 +103,22 @@ impl Engine {
         }
     }
 
-    pub(super) async fn claim(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+    pub(super) async fn claim(
+        &self,
+        req: &ReserveRequest,
+        others: &[ReserveRequest],
+    ) -> Result<ReserveOutcome, EngineError> {
+        self.claim_at(req, others, 0).await
+    }
+
+    /// [`Engine::claim`], `depth` times given way to a record of the key
+    /// under another name.
+    async fn claim_at(
+        &self,
+        req: &ReserveRequest,
+        others: &[ReserveRequest],
+        depth: u8,
+    ) -> Result<ReserveOutcome, EngineError> {
         // Over its stored bytes, a tenant may still read what it has: the
         // claim only reads (a limit of 0 keys in flight).
         let stored_full = match self.tenant_limits.max_stored_bytes {
@@ -124,6 +165,41 @@ impl Engine {
         let Some(mut claim) = claim else {
             return self.over_limit(&req.tenant, stored_full).await;
         };
+        if claim.claimed && claim.record.attempt == 1 {
+            // New under this naming; but if records may be named in a way
+            // this process cannot look under, it may not be new at all.
+            if let Err(e) = self.check_not_blind() {
+                self.batcher.release(&req.tenant, reservation_id).await?;
+                return Err(e);
+            }
+        }
+        if claim.claimed && claim.record.attempt == 1 && !others.is_empty() {
+            // New under this naming: it may be kept under another. Looked
+            // for after the claim, which is committed, so that of two
+            // processes naming one key two ways at once, at least the
+            // second sees the first's record and gives way: never both run.
+            if let Some(other) = self.kept_otherwise(others).await? {
+                self.batcher.release(&req.tenant, reservation_id).await?;
+                // Asked again under the name it is kept by; if it has gone
+                // meanwhile (its holder gave way to this one), that claim is
+                // new and looks again, here included. Giving way is always
+                // safe; a few rounds of it are a 409 for the caller, which
+                // waits or retries, never a second run.
+                if depth >= MAX_GIVE_WAY {
+                    return Ok(ReserveOutcome::InFlight {
+                        retry_after: 1,
+                        lease_expires_at: claim.now,
+                    });
+                }
+                let rest: Vec<ReserveRequest> = others
+                    .iter()
+                    .filter(|o| !std::ptr::eq(*o, other))
+                    .cloned()
+                    .chain(std::iter::once(req.clone()))
+                    .collect();
+                return Box::pin(self.claim_at(other, &rest, depth + 1)).await;
+            }
+        }
         crate::seal::open_record(self.sealer.as_deref(), &mut claim.record)?;
         if !claim.claimed {
             self.remember(&claim.record, started, claim.now);
@@ -135,8 +211,11 @@ impl Engine {
         }
         let holder_ran = self.holder_ran(&claim);
         Ok(match decide(claim, req.fingerprint.as_deref()) {
-            ReserveOutcome::Reserved(r) => {
+            ReserveOutcome::Reserved(mut r) => {
                 self.durations.started(&req.tenant, r.reservation_id);
+                if req.tenant_from_credential && self.sealer.is_some() {
+                    r.tenant = Some(req.tenant.clone());
+                }
                 ReserveOutcome::Reserved(r)
             }
             ReserveOutcome::InFlight {
@@ -150,9 +229,25 @@ impl Engine {
         })
     }
 
+    /// The first of `others` whose record is alive in the store.
+    async fn kept_otherwise<'a>(
+        &self,
+        others: &'a [ReserveRequest],
+    ) -> Result<Option<&'a ReserveRequest>, EngineError> {
+        for other in others {
+            if let Some(found) = self.store.find_key(&other.tenant, &other.key_hash).await?
+                && found.now < found.record.expires_at
+            {
+                return Ok(Some(other));
+            }
+        }
+        Ok(None)
+    }
+
     pub(super) async fn claim_waiting(
         &self,
         req: &ReserveRequest,
+        others: &[ReserveRequest],
         deadline: Instant,
         notify: &Notify,
     ) -> Result<ReserveOutcome, EngineError> {
@@ -172,7 +267,7 @@ impl Engine {
             first = false;
             let outcome = match cached {
                 Some(outcome) => outcome,
-                None => self.claim(req).await?,
+                None => self.claim(req, others).await?,
             };
             let now = Instant::now();
             let ReserveOutcome::InFlight { retry_after, .. } = outcome else {
@@ -195,5 +290,28 @@ impl Engine {
             }
             poll = (poll * 2).min(Duration::from_millis(500));
         }
+    }
+}
+
+/// How many times a new claim gives way to a record of its key under another
+/// name before it answers "in flight" (both processes' claims can see each
+/// other at once, and both give way).
+const MAX_GIVE_WAY: u8 = 3;
+
+/// `req` with its names as `sealer` gives them under `naming`: the key hash,
+/// the fingerprint and, if derived from a credential, the tenant.
+fn named(sealer: &Sealer, req: &ReserveRequest, naming: Naming) -> ReserveRequest {
+    ReserveRequest {
+        tenant: if req.tenant_from_credential {
+            sealer.tenant(naming, &req.tenant)
+        } else {
+            req.tenant.clone()
+        },
+        key_hash: sealer.key_hash(naming, &req.key_hash),
+        fingerprint: req
+            .fingerprint
+            .as_deref()
+            .map(|f| sealer.fingerprint(naming, f)),
+        ..req.clone()
     }
 }

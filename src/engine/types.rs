@@ -39,6 +39,12 @@ impl Default for Limits {
 pub struct ReserveRequest {
     /// Scope of the key.
     pub tenant: String,
+    /// Whether `tenant` is derived from a credential (the hex SHA-256 the
+    /// proxy and the layer make of it) rather than a name an operator gave
+    /// (the reservation API's tokens): under sealing the engine keys such a
+    /// tenant as it keys the key hash, so that a dump and a dictionary
+    /// reveal no credential.
+    pub tenant_from_credential: bool,
     /// SHA-256 of the raw key.
     pub key_hash: [u8; 32],
     /// The request's fingerprint, if known.
@@ -72,6 +78,11 @@ pub struct Reservation {
     pub expires_at: DateTime<Utc>,
     /// The previous holder's last recovery point, on a takeover.
     pub recovery: Option<Recovery>,
+    /// The tenant the key's record is kept under, where that is not the
+    /// request's own: a tenant derived from a credential is keyed under
+    /// sealing ([`ReserveRequest::tenant_from_credential`]). The holder's
+    /// commit, extend, release and checkpoint name this one.
+    pub tenant: Option<String>,
 }
 
 /// What a reserve comes to.

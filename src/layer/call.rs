@@ -87,7 +87,8 @@ impl Call {
         let policy = &self.shared.policy;
         let holder = Holder {
             shared: self.shared.clone(),
-            tenant: self.tenant,
+            // Keyed under sealing when derived from a credential.
+            tenant: reservation.tenant.unwrap_or(self.tenant),
             key_hash: self.key_hash,
             reservation_id: reservation.reservation_id,
             attempt: reservation.attempt,

@@ -110,6 +110,7 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     // that never ran.
     let key_hash = key.hash_prefix();
     let request = ReserveRequest {
+        tenant_from_credential: tenant != ANONYMOUS,
         tenant: tenant.clone(),
         key_hash: key.hash(),
         fingerprint: Some(fingerprint),

@@ -477,6 +477,50 @@ pub fn engine_sealed(
         .with_tenant_limits(run.tenant_limits())
 }
 
+/// Keeps the store's windows of namings ([`Engine::keep_naming_windows`])
+/// now and then every minute. A start refuses when records are named under
+/// a seal key this process lacks (it would not find them, and would run
+/// their requests again); later, such a naming turns new keys away with
+/// `503` until it ends. A store that does not answer leaves the engine as
+/// careful as it starts.
+pub async fn watch_naming(engine: &Arc<Engine>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    match engine.keep_naming_windows().await {
+        Ok(Ok(())) => {}
+        Ok(Err(missing)) => {
+            return Err(ConfigError {
+                setting: if engine.seals() {
+                    "seal_key_previous"
+                } else {
+                    "seal_key"
+                },
+                problem: format!(
+                    "records in this database are named under seal key id {} (another process \
+                     seals with it, or did within the key window): without that key this \
+                     process would not find them and would run their requests again; give it \
+                     that key, as {{seal_key}} or in {{seal_key_previous}}",
+                    missing.key_id
+                ),
+            }
+            .into());
+        }
+        Err(e) => tracing::warn!(
+            error = %e,
+            "cannot read the store's naming windows yet; trying again in a minute"
+        ),
+    }
+    let engine = engine.clone();
+    Ok(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if let Err(e) = engine.keep_naming_windows().await {
+                tracing::warn!(error = %e, "cannot read or keep the store's naming windows; trying again in a minute");
+            }
+        }
+    }))
+}
+
 /// Starts the pruning job over `store`, unless `run` turns it off.
 pub fn spawn_pruner(run: &RunArgs, store: Arc<dyn Store>) -> Option<tokio::task::JoinHandle<()>> {
     (!run.prune_interval.is_zero())

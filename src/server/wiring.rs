@@ -80,6 +80,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &format!("{}://{}", args.run.tls.scheme(), listener.local_addr()?),
     );
     let pruner = open::spawn_pruner(&args.run, store);
+    let naming = open::watch_naming(&state.engine).await?;
     // Make the metric visible before the first pass.
     crate::telemetry::record_pruned(0);
     let scheme = args.run.tls.scheme();
@@ -101,6 +102,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         serve::shutdown_signal(),
     )
     .await?;
+    naming.abort();
     if let Some(p) = pruner {
         p.abort();
     }

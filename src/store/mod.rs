@@ -260,6 +260,14 @@ pub trait Maintenance: Send + Sync + 'static {
     /// Pool figures, where the store has a pool.
     fn pool_stats(&self) -> Option<PoolStats>;
 
+    /// Keeps the window `name` open for at least `seconds` more, by the
+    /// database's clock (a later end already set stays).
+    async fn open_window(&self, name: &str, seconds: u64) -> Result<()>;
+
+    /// The windows open now: those some process said would be open until a
+    /// time that has not come yet.
+    async fn open_windows(&self) -> Result<Vec<String>>;
+
     /// What an acknowledged write survives (`GET /v1/policy`'s
     /// `durability`): the loss of this server's disk only (`Local`), or the
     /// loss of the primary, a synchronous standby having had it.

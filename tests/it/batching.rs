@@ -416,6 +416,7 @@ fn storm_request(key: usize, payload: &str) -> ReserveRequest {
     ReserveRequest {
         on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: "storm".into(),
+        tenant_from_credential: false,
         key_hash: Sha256::digest(format!("storm-key-{key}")).into(),
         fingerprint: Some(payload.into()),
         lease_seconds: 30,

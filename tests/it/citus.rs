@@ -625,6 +625,7 @@ async fn operators_list_and_resolve_unknown_keys_across_shards() {
     let engine = backend.engine().await;
     let request = |tenant: usize| ReserveRequest {
         tenant: format!("tenant-{tenant}"),
+        tenant_from_credential: false,
         key_hash: [u8::try_from(tenant).unwrap(); 32],
         fingerprint: None,
         lease_seconds: 1,
@@ -776,6 +777,7 @@ async fn an_upgrade_of_a_distributed_database_keeps_its_records() {
         let got = engine
             .reserve(&ReserveRequest {
                 tenant: format!("old-{i}"),
+                tenant_from_credential: false,
                 key_hash: hash,
                 fingerprint: None,
                 lease_seconds: 30,

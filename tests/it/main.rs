@@ -46,6 +46,7 @@ mod repeatability;
 mod replay_cache;
 mod retry_after;
 mod seal;
+mod seal_names;
 mod security;
 mod server;
 mod shutdown;

@@ -1056,6 +1056,7 @@ impl Subject {
                         LeaseExpiry::Takeover
                     },
                     tenant: TENANT.into(),
+                    tenant_from_credential: false,
                     key_hash: key_hash(key),
                     fingerprint: (fp > 0).then(|| format!("fp-{fp}")),
                     lease_seconds: lease,

@@ -47,6 +47,7 @@ fn request(tenant: &str, key: [u8; 32], fingerprint: Option<&str>) -> ReserveReq
     ReserveRequest {
         on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: tenant.into(),
+        tenant_from_credential: false,
         key_hash: key,
         fingerprint: fingerprint.map(str::to_owned),
         lease_seconds: 30,
@@ -509,6 +510,14 @@ impl Maintenance for AnHourAhead {
 
     fn pool_stats(&self) -> Option<PoolStats> {
         self.0.pool_stats()
+    }
+
+    async fn open_window(&self, name: &str, seconds: u64) -> Result<(), StoreError> {
+        self.0.open_window(name, seconds).await
+    }
+
+    async fn open_windows(&self) -> Result<Vec<String>, StoreError> {
+        self.0.open_windows().await
     }
 }
 

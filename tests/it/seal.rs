@@ -287,15 +287,33 @@ async fn keys_rotate(b: Backend) {
     assert_eq!(rows_holding(&rows, &format!("v1 key={}", key_id(KEY_B))), 1);
     assert_eq!(rows_holding(&rows, BODY_NEEDLE), 0);
 
+    // Key A dropped too early: records named under it are alive, and this
+    // process cannot name them. What it can find replays; a key it cannot
+    // find is refused (503), never reserved again — twice.
     let b_only = TestApp::new(&url, &["--seal-key", KEY_B]).await;
     assert_replay(&b_only.reserve(&new, "").await);
-    assert_unopenable(&b_only.reserve(&old, "").await);
-    // Still refused on a second try, and never re-executed: no reservation.
-    assert_unopenable(&b_only.reserve(&old, "").await);
+    b_only
+        .reserve(&old, "")
+        .await
+        .assert_problem(503, "store-unavailable");
+    b_only
+        .reserve(&old, "")
+        .await
+        .assert_problem(503, "store-unavailable");
 
-    // Without any key, a sealed record is refused too, not replayed as bytes.
+    // Without any key, no key is found by its keyed name: none is taken.
     let none = TestApp::new(&url, &[]).await;
-    assert_unopenable(&none.reserve(&new, "").await);
+    none.reserve(&new, "")
+        .await
+        .assert_problem(503, "store-unavailable");
+    none.reserve(&fresh_key(), "")
+        .await
+        .assert_problem(503, "store-unavailable");
+
+    // With both keys back, both replay: nothing was run again.
+    let both = TestApp::new(&url, &["--seal-key", KEY_B, "--seal-key-previous", KEY_A]).await;
+    assert_replay(&both.reserve(&old, "").await);
+    assert_replay(&both.reserve(&new, "").await);
 }
 
 /// One flipped bit in a sealed body: a 500, never garbage.
@@ -316,9 +334,10 @@ async fn tampering_is_detected(b: Backend) {
 
 const RECOVERY_NEEDLE: &str = "plaintext-recovery-needle-5b2e";
 
-/// Checkpoint recovery data is sealed too: nothing of it at rest; the holder
-/// that takes over after a crash gets it back, under a rotated key as well;
-/// without the key the takeover is refused (500), never handed bytes.
+/// Checkpoint recovery data is sealed too, with its recovery point's name:
+/// nothing of either at rest; the holder that takes over after a crash gets
+/// both back, under a rotated key as well; a process without the key takes
+/// no key at all (503), never hands bytes on.
 async fn recovery_data_is_sealed_at_rest(b: Backend) {
     let url = b.url();
     let a = TestApp::new(&url, &["--seal-key", KEY_A]).await;
@@ -349,26 +368,27 @@ async fn recovery_data_is_sealed_at_rest(b: Backend) {
     );
     assert_eq!(
         rows_holding(&rows, "charged"),
-        1,
-        "the point's name stays readable"
+        0,
+        "the point's name in the clear"
     );
-    assert_eq!(rows_holding(&rows, &format!("v1 key={}", key_id(KEY_A))), 1);
+    assert_eq!(rows_holding(&rows, &format!("v2 key={}", key_id(KEY_A))), 1);
     let policy = a.send("GET", "/v1/policy", &[], None).await.body;
     assert_eq!(policy["stored_response"]["sealed_at_rest"], true);
 
-    // The crash: the lease ends; a process without the key cannot hand the
-    // data on, and does not take the key over either.
+    // The crash: the lease ends; a process without the key cannot name the
+    // key's record, so it takes no key at all (it would take this one as
+    // new, and run it again).
     TestApp::outlive(1).await;
     let none = TestApp::new(&url, &[]).await;
-    assert_unopenable(&none.reserve(&key, r#"{"lease_seconds": 1}"#).await);
-    // That refused claim still took the lease (attempt 2) before the data
-    // failed to open: the key waits for that lease to end, as after any crash.
-    TestApp::outlive(1).await;
-    // After a rotation, the new holder gets the data back.
+    none.reserve(&key, r#"{"lease_seconds": 1}"#)
+        .await
+        .assert_problem(503, "store-unavailable");
+    // After a rotation, the new holder takes the key over and gets the data
+    // back.
     let rotated = TestApp::new(&url, &["--seal-key", KEY_B, "--seal-key-previous", KEY_A]).await;
     let takeover = rotated.reserve(&key, "").await;
     assert_eq!(takeover.status, 201, "{takeover:#?}");
-    assert_eq!(takeover.body["attempt"], 3);
+    assert_eq!(takeover.body["attempt"], 2);
     assert_eq!(takeover.body["recovery"]["recovery_point"], "charged");
     assert_eq!(takeover.body["recovery"]["data"]["charge"], RECOVERY_NEEDLE);
     assert_eq!(takeover.body["recovery"]["data"]["n"], 3);

@@ -36,6 +36,7 @@ fn request(key: [u8; 32], fingerprint: Option<&str>) -> ReserveRequest {
     ReserveRequest {
         on_lease_expiry: idemgate::store::LeaseExpiry::Takeover,
         tenant: TENANT.into(),
+        tenant_from_credential: false,
         key_hash: key,
         fingerprint: fingerprint.map(str::to_owned),
         lease_seconds: 30,

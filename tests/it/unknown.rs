@@ -434,6 +434,7 @@ async fn a_dead_holder(b: &Backend, key: &str, choice: LeaseExpiry) {
     let reserved = engine
         .reserve(&ReserveRequest {
             tenant: "anonymous".into(),
+            tenant_from_credential: false,
             key_hash: Sha256::digest(key.as_bytes()).into(),
             fingerprint: None,
             lease_seconds: 1,
@@ -852,6 +853,7 @@ async fn an_upgrade_keeps_what_existing_records_meant(b: Backend) {
     let engine = b.engine().await;
     let request = |key_hash: &[u8]| ReserveRequest {
         tenant: "t".into(),
+        tenant_from_credential: false,
         key_hash: key_hash.try_into().unwrap(),
         fingerprint: None,
         lease_seconds: 30,
@@ -918,6 +920,7 @@ async fn a_claim_whose_answer_was_lost_is_released(b: Backend) {
     let engine = Engine::new(Arc::new(faulty), Limits::default()).with_replay_cache(0);
     let request = ReserveRequest {
         tenant: "t".into(),
+        tenant_from_credential: false,
         key_hash: Sha256::digest(fresh_key().as_bytes()).into(),
         fingerprint: None,
         lease_seconds: 30,
@@ -965,6 +968,7 @@ async fn a_lost_takeover_is_not_released(b: Backend) {
         let key = fresh_key();
         let request = |lease_seconds, on_lease_expiry| ReserveRequest {
             tenant: "t".into(),
+            tenant_from_credential: false,
             key_hash: Sha256::digest(key.as_bytes()).into(),
             fingerprint: None,
             lease_seconds,

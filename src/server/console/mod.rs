@@ -349,7 +349,21 @@ async fn lookup(
                     &crate::key::KeyPolicy::default(),
                 )
                 .map_err(ApiError::from)?;
-                hex::encode(key.hash())
+                // Under sealing the stored hash is keyed, and during a
+                // window it may be the plain one: the first that is there.
+                let mut found = None;
+                for (_, hash) in console.0.engine.names_of(&tenant, false, &key.hash()) {
+                    let hash = hex::encode(hash);
+                    if operations::show(&console.0.engine, &tenant, &hash)
+                        .await
+                        .is_ok()
+                    {
+                        found = Some(hash);
+                        break;
+                    }
+                    found.get_or_insert(hash);
+                }
+                found.expect("a key has one name at least")
             }
             Some(other) => {
                 return Err(ApiError::InvalidRequest(format!(

@@ -89,6 +89,19 @@ impl Keys {
         }
     }
 
+    /// Of `names` (one key's possible names, the likeliest first), the
+    /// first under which a record is found, else the first.
+    async fn first_found(&self, mut names: Vec<(String, String)>) -> (String, String) {
+        if names.len() > 1 {
+            for (i, (tenant, hash)) in names.iter().enumerate() {
+                if self.show(tenant, hash).await.is_ok() {
+                    return names.swap_remove(i);
+                }
+            }
+        }
+        names.swap_remove(0)
+    }
+
     /// Settles `(tenant, hash)`; `by` is recorded where the database is
     /// asked (a server records its token's name).
     async fn resolve(
@@ -248,9 +261,13 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
 }
 
 async fn show(args: ShowArgs) -> anyhow::Result<()> {
-    let (tenant, hash) = key_of(&args.key)?;
+    let names = names_of(&args.key, args.db.seal.sealer()?.as_ref())?;
     let keys = Keys::of(&args.db).await?;
-    let view = keys.show(&tenant, &hash).await?;
+    let (tenant, hash) = keys.first_found(names).await;
+    let view = keys
+        .show(&tenant, &hash)
+        .await
+        .map_err(|e| hint_seal(e, &args.db))?;
     if args.db.json {
         return print_json(&view);
     }
@@ -258,7 +275,7 @@ async fn show(args: ShowArgs) -> anyhow::Result<()> {
 }
 
 async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
-    let (tenant, hash) = key_of(&args.key)?;
+    let names = names_of(&args.key, args.db.seal.sealer()?.as_ref())?;
     let response = if args.complete {
         let Some(status) = args.status else {
             bail!("--complete needs --status: the status of the response that really happened");
@@ -306,6 +323,7 @@ async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
         .or_else(|| std::env::var("USER").ok())
         .unwrap_or_else(|| "idemgate keys".to_owned());
     let keys = Keys::of(&args.db).await?;
+    let (tenant, hash) = keys.first_found(names).await;
     let body = ResolveBody {
         action: if args.complete {
             Action::Complete
@@ -315,7 +333,10 @@ async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
         reason: args.reason.clone(),
         response,
     };
-    let view = keys.resolve(&tenant, &hash, body, &by).await?;
+    let view = keys
+        .resolve(&tenant, &hash, body, &by)
+        .await
+        .map_err(|e| hint_seal(e, &args.db))?;
     let by = match &keys {
         Keys::Database(_) => by,
         Keys::Server(_) => view.resolution.as_ref().map_or(by, |r| r.by.clone()),
@@ -339,31 +360,67 @@ async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
     print_view(&view)
 }
 
-/// The tenant and key hash `key` names.
-fn key_of(key: &KeyRef) -> anyhow::Result<(String, String)> {
-    let tenant = match (&key.tenant, &key.tenant_of) {
-        (Some(tenant), _) => tenant.clone(),
+/// Every tenant and key hash `key` may name, the likeliest first: one, but
+/// for a raw key (or a `--tenant-of` value) under sealing, whose stored
+/// names are keyed under the seal key (`sealer`, as `serve` or `proxy` has
+/// it) — and, during a window, may be the plain ones.
+fn names_of(
+    key: &KeyRef,
+    sealer: Option<&crate::seal::Sealer>,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let (tenant, tenant_from_credential) = match (&key.tenant, &key.tenant_of) {
+        (Some(tenant), _) => (tenant.clone(), false),
         (None, Some(value)) => {
             use sha2::{Digest, Sha256};
-            hex::encode(Sha256::digest(value.as_bytes()))
+            (hex::encode(Sha256::digest(value.as_bytes())), true)
         }
         (None, None) => bail!(
             "name the key's tenant: TENANT (as `keys list` shows it), or --tenant-of VALUE for \
              the proxy (the tenant header's value)"
         ),
     };
-    let hash = match (&key.key_hash, &key.key) {
-        (Some(hash), _) => hash.clone(),
+    let plain = match (&key.key_hash, &key.key) {
+        (Some(hash), _) if !tenant_from_credential => return Ok(vec![(tenant, hash.clone())]),
+        (Some(hash), _) => {
+            // The hash as `keys list` shows it: stored already; only the
+            // tenant is to be named.
+            let plain = [0; 32];
+            return Ok(crate::seal::names_of(sealer, &tenant, true, &plain)
+                .into_iter()
+                .map(|(tenant, _)| (tenant, hash.clone()))
+                .collect());
+        }
         (None, Some(raw)) => {
-            let parsed = crate::key::parse_value(raw.as_bytes(), &crate::key::KeyPolicy::default())
-                .map_err(|e| anyhow::anyhow!("--key: {}", ApiError::from(e)))?;
-            hex::encode(parsed.hash())
+            crate::key::parse_value(raw.as_bytes(), &crate::key::KeyPolicy::default())
+                .map_err(|e| anyhow::anyhow!("--key: {}", ApiError::from(e)))?
+                .hash()
         }
         (None, None) => {
             bail!("name the key: KEY_HASH (as `keys list` shows it), or --key KEY to hash it here")
         }
     };
-    Ok((tenant, hash))
+    Ok(
+        crate::seal::names_of(sealer, &tenant, tenant_from_credential, &plain)
+            .into_iter()
+            .map(|(tenant, hash)| (tenant, hex::encode(hash)))
+            .collect(),
+    )
+}
+
+/// `e`, with a word on sealing where a key named by its raw form was not
+/// found and this command has no seal key: under sealing the stored names
+/// are keyed, and only the seal key names them.
+fn hint_seal(e: anyhow::Error, db: &Database) -> anyhow::Error {
+    let unsealed = db.seal.seal_key.is_none();
+    if unsealed && e.to_string().contains("not-found") {
+        e.context(
+            "if the server seals its records (IDEMGATE_SEAL_KEY), its key hashes and tenants \
+             are keyed: give this command the same --seal-key to name a key by --key or \
+             --tenant-of, or name it by the hash `keys list` shows",
+        )
+    } else {
+        e
+    }
 }
 
 /// An operation's refusal, in its problem's words.

@@ -187,6 +187,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         &format!("{}://{}", args.run.tls.scheme(), admin.local_addr()?),
     );
     let pruner = open::spawn_pruner(&args.run, store);
+    let naming = open::watch_naming(&proxy.engine).await?;
     telemetry::record_pruned(0);
     let scheme = args.run.tls.scheme();
     tracing::info!(
@@ -227,6 +228,7 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         ),
         serve::serve_tls(admin, proxy.admin, serving, tls, until_stopped(stopped)),
     );
+    naming.abort();
     if let Some(p) = pruner {
         p.abort();
     }

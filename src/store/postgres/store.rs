@@ -319,6 +319,32 @@ impl Queries for PgStore {
 
 #[async_trait]
 impl Maintenance for PgStore {
+    async fn open_window(&self, name: &str, seconds: u64) -> Result<()> {
+        self.fetch_scalar::<bool>(
+            sqlx::query_scalar(
+                "INSERT INTO idemgate_windows (name, until)
+                 VALUES ($1, now() + make_interval(secs => $2))
+                 ON CONFLICT (name) DO UPDATE
+                    SET until = greatest(idemgate_windows.until, EXCLUDED.until)
+                 RETURNING true",
+            )
+            .bind(name)
+            .bind(seconds as f64),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn open_windows(&self) -> Result<Vec<String>> {
+        let open: Option<Vec<String>> = self
+            .fetch_scalar(sqlx::query_scalar(
+                "SELECT coalesce(array_agg(name ORDER BY name), '{}') FROM idemgate_windows
+                  WHERE until > now()",
+            ))
+            .await?;
+        Ok(open.unwrap_or_default())
+    }
+
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
         if limit <= 0 {
             return Ok(PruneBatch::default());

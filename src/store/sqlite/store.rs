@@ -338,6 +338,32 @@ impl Queries for SqliteStore {
 
 #[async_trait]
 impl Maintenance for SqliteStore {
+    async fn open_window(&self, name: &str, seconds: u64) -> Result<()> {
+        let name = name.to_owned();
+        let ms = i64::try_from(seconds.saturating_mul(1000)).unwrap_or(i64::MAX);
+        self.writer
+            .write(move |conn| {
+                let until = now_ms().saturating_add(ms);
+                conn.prepare_cached(
+                    "INSERT INTO idemgate_windows (name, until) VALUES (?1, ?2)
+                     ON CONFLICT (name) DO UPDATE SET until = max(until, excluded.until)",
+                )
+                .map_err(classify_rs)?
+                .execute(params![name, until])
+                .map_err(classify_rs)
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn open_windows(&self) -> Result<Vec<String>> {
+        sqlx::query_scalar("SELECT name FROM idemgate_windows WHERE until > ?1 ORDER BY name")
+            .bind(now_ms())
+            .fetch_all(&self.reader)
+            .await
+            .map_err(classify)
+    }
+
     async fn prune_expired_batch(&self, limit: i64) -> Result<PruneBatch> {
         // SQLite reads a negative LIMIT as "no limit"; PostgreSQL refuses it.
         if limit <= 0 {

@@ -111,6 +111,9 @@ impl TestApp {
         let args = serve_args(flags);
         let checked = args.validate().expect("valid settings");
         let state = wiring::app_state(&args, checked, store.clone());
+        // As `serve` does at start (a seal key missing makes the binary
+        // refuse to start; here the engine then turns new keys away).
+        let _ = state.engine.keep_naming_windows().await;
         let mut secrets = Vec::new();
         if let Some(pos) = flags.iter().position(|f| *f == "--tokens") {
             for pair in flags[pos + 1].split(',') {

@@ -168,4 +168,12 @@ impl Maintenance for Faulty {
     fn pool_stats(&self) -> Option<PoolStats> {
         self.inner.pool_stats()
     }
+
+    async fn open_window(&self, name: &str, seconds: u64) -> Result<(), StoreError> {
+        self.inner.open_window(name, seconds).await
+    }
+
+    async fn open_windows(&self) -> Result<Vec<String>, StoreError> {
+        self.inner.open_windows().await
+    }
 }

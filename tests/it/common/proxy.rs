@@ -49,6 +49,9 @@ impl TestProxy {
         args.validate().expect("valid settings");
         let store = open_store(&args.store, true).await.expect("store");
         let proxy = Proxy::build(&args, routes, store).expect("proxy");
+        // As `proxy` does at start (a seal key missing makes the binary
+        // refuse to start; here the engine then turns new keys away).
+        let _ = proxy.engine.keep_naming_windows().await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

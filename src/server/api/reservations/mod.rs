@@ -219,6 +219,8 @@ async fn reserve(
         .engine
         .reserve(&ReserveRequest {
             tenant: tenant.clone(),
+            // A name from the token settings, not a credential.
+            tenant_from_credential: false,
             key_hash: key.hash(),
             fingerprint,
             lease_seconds,
