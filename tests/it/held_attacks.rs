@@ -257,16 +257,23 @@ async fn every_route_of_the_document_keeps_tenants_apart(b: Backend) {
 
 // === token comparison ===
 
-/// The least time of `runs` calls of `f`.
-fn least_time(runs: usize, mut f: impl FnMut()) -> Duration {
-    (0..runs)
-        .map(|_| {
+/// The least time each of `guesses` took of `rounds` calls of `check`, the
+/// guesses taken in turn in each round, so that a moment of load on the
+/// machine falls on all of them alike.
+fn least_times<'a>(
+    rounds: usize,
+    guesses: &[(&'a str, &str)],
+    check: impl Fn(&str),
+) -> Vec<(&'a str, Duration)> {
+    let mut least = vec![Duration::MAX; guesses.len()];
+    for _ in 0..rounds {
+        for (i, (_, guess)) in guesses.iter().enumerate() {
             let began = Instant::now();
-            f();
-            began.elapsed()
-        })
-        .min()
-        .unwrap()
+            check(std::hint::black_box(guess));
+            least[i] = least[i].min(began.elapsed());
+        }
+    }
+    guesses.iter().map(|g| g.0).zip(least).collect()
 }
 
 /// Guesses of a long token that go wrong at its first byte, at its last, or
@@ -306,19 +313,18 @@ fn token_checks_take_the_same_time_wherever_a_guess_goes_wrong() {
     assert_eq!(tokens.tenant_for(&first_wrong), None);
     assert_eq!(tokens.tenant_for(&last_wrong), None);
 
-    let runs = 15;
-    let mut times = Vec::new();
-    for (what, guess) in [
-        ("wrong at its first byte", &first_wrong),
-        ("wrong at its last byte", &last_wrong),
-        ("the first tenant's", &secret),
-        ("the last tenant's", &last_tenant),
-    ] {
-        let took = least_time(runs, || {
-            std::hint::black_box(tokens.tenant_for(std::hint::black_box(guess)));
-        });
-        times.push((what, took));
-    }
+    let times = least_times(
+        20,
+        &[
+            ("wrong at its first byte", &first_wrong),
+            ("wrong at its last byte", &last_wrong),
+            ("the first tenant's", &secret),
+            ("the last tenant's", &last_tenant),
+        ],
+        |guess| {
+            std::hint::black_box(tokens.tenant_for(guess));
+        },
+    );
     let ratio = |times: &[(&str, Duration)]| {
         let fastest = times.iter().map(|t| t.1).min().unwrap();
         let slowest = times.iter().map(|t| t.1).max().unwrap();
@@ -338,16 +344,16 @@ fn token_checks_take_the_same_time_wherever_a_guess_goes_wrong() {
             .find(|(_, t)| t == guess)
             .map(|(n, _)| n.clone())
     };
-    let mut naive_times = Vec::new();
-    for (what, guess) in [
-        ("wrong at its first byte", &first_wrong),
-        ("wrong at its last byte", &last_wrong),
-    ] {
-        let took = least_time(runs * 20, || {
-            std::hint::black_box(naive(std::hint::black_box(guess)));
-        });
-        naive_times.push((what, took));
-    }
+    let naive_times = least_times(
+        400,
+        &[
+            ("wrong at its first byte", &first_wrong),
+            ("wrong at its last byte", &last_wrong),
+        ],
+        |guess| {
+            std::hint::black_box(naive(guess));
+        },
+    );
     assert!(
         ratio(&naive_times) > 1.6,
         "the measure cannot tell `==` apart here: {naive_times:?}"
