@@ -48,6 +48,10 @@ const SOURCES: &[Source] = &[
         markdown: include_str!("../../../docs/operations.md"),
     },
     Source {
+        slug: "security",
+        markdown: include_str!("../../../docs/security.md"),
+    },
+    Source {
         slug: "development",
         markdown: include_str!("../../../docs/development.md"),
     },
