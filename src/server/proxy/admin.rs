@@ -16,8 +16,9 @@ use crate::engine::Engine;
 use crate::layer::{LayerPolicy, TenantSource};
 use crate::server::api::{self, AppState};
 use crate::server::auth::Tokens;
-use crate::server::config::ProxyArgs;
+use crate::server::config::{AdminMode, ProxyArgs};
 use crate::server::console;
+use crate::server::serve::hosts::HostRule;
 
 /// The admin router over the proxy's `engine`, whose operators' endpoints
 /// settle keys in the proxy's own replay cache and wake its waiters.
@@ -39,9 +40,17 @@ pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Ro
         state.max_body_bytes,
         false,
     ));
-    api::admin_router(state)
-        .merge(console)
-        .layer(axum::middleware::from_fn_with_state(patch, publish))
+    // Open without admin tokens (a loopback listener): it answers only
+    // requests for its own address or a name of IDEMGATE_ALLOWED_HOSTS.
+    let hosts = HostRule::new(
+        state.admin.mode() == AdminMode::Open,
+        state.admin.allowed_hosts(),
+    );
+    hosts.guard(
+        api::admin_router(state)
+            .merge(console)
+            .layer(axum::middleware::from_fn_with_state(patch, publish)),
+    )
 }
 
 /// What the proxy publishes over the reservation API's policy.

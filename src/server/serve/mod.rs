@@ -6,6 +6,7 @@
 
 mod conn;
 mod drain;
+pub mod hosts;
 
 use std::future::Future;
 use std::time::Duration;
@@ -164,6 +165,9 @@ pub async fn serve_tls(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
+        // The address the client connected to: what the listener's own
+        // name is, for a `Host` check (`hosts`).
+        let local = stream.local_addr().ok().map(hosts::LocalAddr);
         // The peer address goes into every request (ConnectInfo): the proxy
         // forwards it as X-Forwarded-For. Whoever reads a body whole reads it
         // under the idle timeout (`BodyIdleTimeout`). The connection is busy
@@ -180,6 +184,9 @@ pub async fn serve_tls(
             req.extensions_mut()
                 .insert(axum::extract::ConnectInfo(peer));
             req.extensions_mut().insert(idle);
+            if let Some(local) = local {
+                req.extensions_mut().insert(local);
+            }
             if over_tls {
                 req.extensions_mut().insert(OverTls);
             }
