@@ -61,11 +61,27 @@ fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
             "keys are scoped by tenant: (SHA-256 of the {h} header, SHA-256(key)); requests \
              without it share one anonymous tenant"
         ),
+        TenantSource::Parts(parts) => format!(
+            "keys are scoped by tenant: (SHA-256 of the request's {} together, SHA-256(key)); \
+             requests with none of them share one anonymous tenant",
+            parts
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
         TenantSource::Single | TenantSource::From(_) => "one tenant: (SHA-256(key))".to_owned(),
+    };
+    let sources: Vec<String> = match &policy.tenant {
+        TenantSource::Header(h) => vec![h.to_string()],
+        TenantSource::Parts(parts) => parts.iter().map(ToString::to_string).collect(),
+        TenantSource::Single | TenantSource::From(_) => Vec::new(),
     };
     json!({
         "header": args.key_header.spelled,
         "tenant_scoping": tenant,
+        "tenant_sources": sources,
+        "require_tenant": policy.require_tenant,
         "lease_seconds": { "default": policy.lease.as_secs() },
         "on_lease_expiry": {
             "default": policy.on_lease_expiry.as_str(),
