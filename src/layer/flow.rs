@@ -545,3 +545,98 @@ fn replay(policy: &LayerPolicy, record: &Record) -> Response {
 fn whole_seconds(d: Duration) -> u32 {
     u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(headers: &[(&str, &str)]) -> http::request::Parts {
+        let mut req = Request::builder();
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        req.body(()).unwrap().into_parts().0
+    }
+
+    fn tenant(sources: &str, headers: &[(&str, &str)]) -> Option<String> {
+        let list = sources
+            .split(',')
+            .map(|s| TenantPart::parse(s).unwrap())
+            .collect();
+        let policy = LayerPolicy::default().tenant(TenantSource::Parts(list));
+        tenant_of(&parts(headers), &policy)
+    }
+
+    #[test]
+    fn one_header_hashes_as_every_release_did() {
+        let want = hex::encode(Sha256::digest(b"Bearer t1"));
+        let by_default = tenant_of(
+            &parts(&[("authorization", "Bearer t1")]),
+            &LayerPolicy::default(),
+        );
+        assert_eq!(by_default.as_deref(), Some(want.as_str()));
+        assert_eq!(
+            tenant("Authorization", &[("authorization", "Bearer t1")]).as_deref(),
+            Some(want.as_str())
+        );
+        assert_eq!(tenant_of(&parts(&[]), &LayerPolicy::default()), None);
+    }
+
+    #[test]
+    fn cookies_are_read_by_name_across_cookie_headers() {
+        let a = tenant("cookie:session", &[("cookie", "theme=dark; session=A")]);
+        let a_again = tenant("cookie:session", &[("cookie", "session=A;theme=light")]);
+        let b = tenant("cookie:session", &[("cookie", "session=B")]);
+        assert!(a.is_some());
+        assert_eq!(a, a_again, "other cookies do not change the tenant");
+        assert_ne!(a, b);
+        let split = tenant(
+            "cookie:session",
+            &[("cookie", "theme=dark"), ("cookie", "session=A")],
+        );
+        assert_eq!(split, a, "HTTP/2 splits the Cookie header");
+        assert_eq!(tenant("cookie:session", &[("cookie", "Session=A")]), None);
+        assert_eq!(tenant("cookie:session", &[("cookie", "sessionx=A")]), None);
+        assert_eq!(tenant("cookie:session", &[]), None);
+    }
+
+    #[test]
+    fn no_two_combinations_of_sources_hash_alike() {
+        let sources = "authorization,x-org,cookie:session";
+        let cases: [&[(&str, &str)]; 8] = [
+            &[("authorization", "a")],
+            &[("x-org", "a")],
+            &[("cookie", "session=a")],
+            &[("authorization", "a"), ("x-org", "b")],
+            &[("authorization", "ab")],
+            &[("authorization", "a"), ("authorization", "b")],
+            &[("authorization", "a"), ("cookie", "session=b")],
+            &[("x-org", "a"), ("cookie", "session=b")],
+        ];
+        let mut seen: Vec<String> = cases
+            .iter()
+            .map(|headers| tenant(sources, headers).unwrap())
+            .collect();
+        // And none is the one-header hash of the same bytes.
+        seen.push(hex::encode(Sha256::digest(b"a")));
+        let all = seen.len();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), all);
+    }
+
+    #[test]
+    fn a_source_is_a_header_or_a_named_cookie() {
+        assert_eq!(
+            TenantPart::parse(" Cookie:sid ").unwrap(),
+            TenantPart::Cookie("sid".into())
+        );
+        assert_eq!(
+            TenantPart::parse("X-Org").unwrap(),
+            TenantPart::Header(HeaderName::from_static("x-org"))
+        );
+        for bad in ["cookie:", "cookie:a b", "cookie:a;b", "bad header"] {
+            assert!(TenantPart::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
