@@ -25,6 +25,7 @@ mod docs;
 mod examples;
 mod failover;
 mod harness_selftest;
+mod host_attacks;
 mod hostile;
 mod keep_alive;
 mod keys_server;
