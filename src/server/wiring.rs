@@ -33,10 +33,7 @@ pub fn app_state(args: &ServeArgs, checked: Checked, store: Arc<dyn Store>) -> A
 /// only requests for its own address or a name of `IDEMGATE_ALLOWED_HOSTS`
 /// (`serve::hosts`).
 pub fn router(state: AppState) -> axum::Router {
-    let hosts = serve::hosts::HostRule::new(
-        state.tokens.is_empty() || state.admin.mode() == AdminMode::Open,
-        state.admin.allowed_hosts(),
-    );
+    let hosts = host_rule(&state);
     let console = console::Console::new(
         state.engine.clone(),
         state.admin.clone(),
@@ -52,6 +49,17 @@ pub fn router(state: AppState) -> axum::Router {
             axum::routing::get(|| async { axum::response::Redirect::to("/console") }),
         );
     hosts.guard(app)
+}
+
+/// The names `serve`'s listener answers: open without tenant tokens (the
+/// reservation API answers anyone, and so do the operators' endpoints
+/// without admin tokens), it is checked; with them, where
+/// `IDEMGATE_ALLOWED_HOSTS` is set.
+fn host_rule(state: &AppState) -> serve::hosts::HostRule {
+    serve::hosts::HostRule::new(
+        state.tokens.is_empty() || state.admin.mode() == AdminMode::Open,
+        state.admin.allowed_hosts(),
+    )
 }
 
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
@@ -81,6 +89,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     state.admin.log("serve");
+    host_rule(&state).log("serve", listener.local_addr()?);
     // `idemgate keys`, refused the SQLite file this process holds, then says
     // where to ask instead.
     #[cfg(feature = "sqlite")]

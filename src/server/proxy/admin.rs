@@ -16,7 +16,7 @@ use crate::engine::Engine;
 use crate::layer::{LayerPolicy, TenantSource};
 use crate::server::api::{self, AppState};
 use crate::server::auth::Tokens;
-use crate::server::config::{AdminMode, ProxyArgs};
+use crate::server::config::{AdminAccess, AdminMode, ProxyArgs};
 use crate::server::console;
 use crate::server::serve::hosts::HostRule;
 
@@ -40,17 +40,19 @@ pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Ro
         state.max_body_bytes,
         false,
     ));
-    // Open without admin tokens (a loopback listener): it answers only
-    // requests for its own address or a name of IDEMGATE_ALLOWED_HOSTS.
-    let hosts = HostRule::new(
-        state.admin.mode() == AdminMode::Open,
-        state.admin.allowed_hosts(),
-    );
-    hosts.guard(
+    host_rule(&state.admin).guard(
         api::admin_router(state)
             .merge(console)
             .layer(axum::middleware::from_fn_with_state(patch, publish)),
     )
+}
+
+/// The names the admin listener answers: open without admin tokens (a
+/// loopback listener), it answers only requests for its own address or a
+/// name of `IDEMGATE_ALLOWED_HOSTS`; with them, it is checked where that is
+/// set.
+pub fn host_rule(access: &AdminAccess) -> HostRule {
+    HostRule::new(access.mode() == AdminMode::Open, access.allowed_hosts())
 }
 
 /// What the proxy publishes over the reservation API's policy.

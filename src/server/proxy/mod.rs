@@ -201,9 +201,11 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         "idemgate proxy is listening"
     );
     tls::log_tls(&args.run.tls);
-    args.admin
-        .access(args.admin_listen, &crate::server::auth::Tokens::default())
-        .log("proxy");
+    let access = args
+        .admin
+        .access(args.admin_listen, &crate::server::auth::Tokens::default());
+    access.log("proxy");
+    admin::host_rule(&access).log("proxy", admin.local_addr()?);
 
     // One signal stops both listeners.
     let (stop, stopped) = tokio::sync::watch::channel(false);

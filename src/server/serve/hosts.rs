@@ -55,6 +55,31 @@ impl HostRule {
         }
     }
 
+    /// Says at start-up, for the listener bound to `listen`, which names
+    /// it answers (nothing where it answers any).
+    pub fn log(&self, door: &'static str, listen: SocketAddr) {
+        if !self.checked {
+            return;
+        }
+        let allowed: Vec<String> = self
+            .allowed
+            .iter()
+            .map(|a| match a.port {
+                Some(port) => format!("{}:{port}", a.host),
+                None => a.host.clone(),
+            })
+            .collect();
+        tracing::info!(
+            door,
+            %listen,
+            allowed_hosts = allowed.join(",").as_str(),
+            "this listener answers only requests addressed to its own address (or localhost \
+             with its port) or a name of IDEMGATE_ALLOWED_HOSTS; any other Host is 421 \
+             misdirected-request (DNS rebinding). Name in IDEMGATE_ALLOWED_HOSTS what a health \
+             check or a reverse proxy sends"
+        );
+    }
+
     /// `router`, answering `421` to a request for another name before any
     /// of its routes runs.
     pub fn guard(self, router: Router) -> Router {
