@@ -1,7 +1,8 @@
 //! Serving a router: the accept loop with its TLS handshake (when
 //! `IDEMGATE_TLS_CERT` is set) and HTTP/1.1 or HTTP/2 by ALPN, its
-//! per-connection timers (`conn`), graceful shutdown (`drain`), and the request
-//! tracing every listener shares. Both HTTP doors (the reservation API and the
+//! per-connection timers (`conn`), graceful shutdown (`drain`), the names a
+//! listener open without tokens answers (`hosts`), and the request tracing
+//! every listener shares. Both HTTP doors (the reservation API and the
 //! proxy) are served through it.
 
 mod conn;
