@@ -109,6 +109,12 @@ pub enum ApiError {
     #[cfg_attr(not(feature = "server"), allow(dead_code))]
     #[error("{0}")]
     AdminDisabled(&'static str),
+    /// 421 misdirected-request: the request's `Host` is neither the
+    /// listener's own address nor a name it was told to answer
+    /// (`IDEMGATE_ALLOWED_HOSTS`): a page whose name was rebound to it.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))]
+    #[error("{0}")]
+    MisdirectedRequest(&'static str),
     /// 412 first-sent-too-old: the request's first attempt is older than
     /// the window keys are remembered for, so it may have executed and been
     /// forgotten; it is not executed.
@@ -177,6 +183,7 @@ impl ApiError {
             | ApiError::LeaseLost(_)
             | ApiError::NotStuck(_) => StatusCode::CONFLICT,
             ApiError::Forbidden(_) | ApiError::AdminDisabled(_) => StatusCode::FORBIDDEN,
+            ApiError::MisdirectedRequest(_) => StatusCode::MISDIRECTED_REQUEST,
             ApiError::FirstSentTooOld(_) => StatusCode::PRECONDITION_FAILED,
             ApiError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -205,6 +212,7 @@ impl ApiError {
             ApiError::NotStuck(_) => "key-not-stuck",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::AdminDisabled(_) => "admin-disabled",
+            ApiError::MisdirectedRequest(_) => "misdirected-request",
             ApiError::FirstSentTooOld(_) => "first-sent-too-old",
             ApiError::KeyReused => "key-reused",
             ApiError::PayloadTooLarge(_) => "payload-too-large",
@@ -232,6 +240,7 @@ impl ApiError {
             ApiError::NotStuck(_) => "Key not stuck",
             ApiError::Forbidden(_) => "Forbidden",
             ApiError::AdminDisabled(_) => "Admin endpoints disabled",
+            ApiError::MisdirectedRequest(_) => "Misdirected request",
             ApiError::FirstSentTooOld(_) => "First attempt too old",
             ApiError::KeyReused => "Idempotency-Key reused",
             ApiError::PayloadTooLarge(_) => "Payload too large",

@@ -24,7 +24,7 @@ use tracing::Instrument;
 use super::call::{Call, Decided, Decision};
 use super::encoding;
 use super::holder::{SettledAs, timed_out};
-use super::policy::{LayerPolicy, TenantSource};
+use super::policy::{Door, LayerPolicy, TenantPart, TenantSource};
 use super::shared::{Inner, Shared};
 use crate::admission::{self, NotAdmitted};
 use crate::engine::{ReserveOutcome, ReserveRequest};
@@ -84,7 +84,15 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     // is not passed on.
     req.headers_mut().remove(IDEMPOTENCY_ATTEMPT);
     let (parts, body) = req.into_parts();
-    let tenant = tenant_of(&parts, policy);
+    let tenant = match tenant_of(&parts, policy) {
+        Some(tenant) => tenant,
+        None => {
+            if let Some(refused) = seen.no_tenant(&shared, &parts.headers) {
+                return refused;
+            }
+            ANONYMOUS.to_owned()
+        }
+    };
     let body = crate::body::BodyIdleTimeout::apply(&parts.extensions, body);
     let body = match read_body(&parts.headers, body, policy).await {
         Ok(body) => body,
@@ -235,6 +243,59 @@ impl Seen {
         )
     }
 
+    /// A keyed request with none of the policy's tenant sources: `401`
+    /// where [`LayerPolicy::require_tenant`] says so, before anything is
+    /// read, reserved or called; else `None`, the anonymous tenant, which
+    /// the first such request that carries a `Cookie` (a credential the
+    /// policy does not read) warns about, once per layer.
+    fn no_tenant(&self, shared: &Shared, headers: &HeaderMap) -> Option<Response> {
+        let policy = &shared.policy;
+        let setting = match policy.door {
+            Door::Proxy => "IDEMGATE_TENANT_FROM",
+            Door::Layer => "LayerPolicy::tenant",
+        };
+        if policy.require_tenant {
+            let outcome = Outcome::Missing;
+            telemetry::record(self.mode, outcome, self.started.elapsed());
+            spans::record_request(Some(outcome.as_str()), None, None);
+            tracing::info!(
+                mode = self.mode,
+                http.request.method = %self.method,
+                url.path = %self.url_path,
+                outcome = outcome.as_str(),
+                "no credential to scope the key by: refused, not executed"
+            );
+            let e = ApiError::Unauthorized(match policy.door {
+                Door::Proxy => {
+                    "this request carries none of the credentials its key is scoped by \
+                     (IDEMGATE_TENANT_FROM), and keys without one are refused \
+                     (IDEMGATE_REQUIRE_TENANT): send the credential, or no Idempotency-Key"
+                }
+                Door::Layer => {
+                    "this request carries none of the credentials its key is scoped by, and \
+                     keys without one are refused: send the credential, or no idempotency key"
+                }
+            });
+            return Some(answered(self.dialect, outcome, policy.problem(e)));
+        }
+        if headers.contains_key(header::COOKIE)
+            && !shared
+                .anonymous_cookie_warned
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                mode = self.mode,
+                tenant_from = %describe_sources(&policy.tenant),
+                "a keyed request carries a Cookie but none of the credentials keys are scoped \
+                 by, so it is in the one anonymous tenant, whose replays every request without \
+                 them shares: if the Cookie holds the caller's session, name it in {setting} \
+                 (e.g. cookie:session), or refuse such requests (IDEMGATE_REQUIRE_TENANT=true). \
+                 Said once",
+            );
+        }
+        None
+    }
+
     /// The engine's decision answered: counted, logged, and the answer.
     fn answered(
         &self,
@@ -299,31 +360,124 @@ async fn passthrough(
     }
 }
 
-/// The request's tenant under `policy`: the hex SHA-256 of the tenant
-/// header's value(s) or of the id the policy's function returns, or the
-/// anonymous tenant.
-fn tenant_of(parts: &http::request::Parts, policy: &LayerPolicy) -> String {
+/// The request's tenant under `policy`: the hash of its credentials
+/// ([`tenant_hash`]), the anonymous tenant under [`TenantSource::Single`],
+/// or `None` when it carries none of the sources the policy names.
+fn tenant_of(parts: &http::request::Parts, policy: &LayerPolicy) -> Option<String> {
+    let credentials = match &policy.tenant {
+        TenantSource::Single => return Some(ANONYMOUS.to_owned()),
+        TenantSource::Header(name) => Credentials::Header(header_values(&parts.headers, name)),
+        TenantSource::From(of) => return of(parts).map(|id| tenant_hash(&Credentials::Id(&id))),
+        TenantSource::Parts(sources) => match sources.as_slice() {
+            [TenantPart::Header(name)] => Credentials::Header(header_values(&parts.headers, name)),
+            _ => Credentials::Named(
+                sources
+                    .iter()
+                    .map(|source| {
+                        let values = match source {
+                            TenantPart::Header(name) => header_values(&parts.headers, name),
+                            TenantPart::Cookie(name) => cookie_values(&parts.headers, name),
+                        };
+                        (source, values)
+                    })
+                    .collect(),
+            ),
+        },
+    };
+    let found = match &credentials {
+        Credentials::Header(values) => !values.is_empty(),
+        Credentials::Named(sources) => sources.iter().any(|(_, values)| !values.is_empty()),
+        Credentials::Id(_) => true,
+    };
+    found.then(|| tenant_hash(&credentials))
+}
+
+/// What a request's tenant is hashed from.
+enum Credentials<'a> {
+    /// One header's values: [`TenantSource::Header`], or a list of one.
+    Header(Vec<&'a [u8]>),
+    /// The id a [`TenantSource::From`] function returned.
+    Id(&'a str),
+    /// Each source of a [`TenantSource::Parts`] list of several, in the
+    /// list's order, with its values (none where the request lacks it).
+    Named(Vec<(&'a TenantPart, Vec<&'a [u8]>)>),
+}
+
+/// The tenant of `credentials`: the lowercase hex SHA-256 of an input that
+/// no other credentials give. One header's values are joined by `\n`, which
+/// no header value holds (the encoding every earlier release used, so a
+/// key's tenant survives an upgrade); an id is hashed as it is. A list of
+/// sources starts with a NUL byte, which no header value holds either, then
+/// names each source and counts and length-prefixes each of its values, so
+/// that a value moved from one source to another, split in two, or missing
+/// changes the input. The one place a tenant is hashed.
+fn tenant_hash(credentials: &Credentials<'_>) -> String {
+    fn framed(hasher: &mut Sha256, bytes: &[u8]) {
+        hasher.update((bytes.len() as u64).to_be_bytes());
+        hasher.update(bytes);
+    }
     let mut hasher = Sha256::new();
-    match &policy.tenant {
-        TenantSource::Single => return ANONYMOUS.to_owned(),
-        TenantSource::Header(name) => {
-            let mut values = parts.headers.get_all(name).iter().peekable();
-            if values.peek().is_none() {
-                return ANONYMOUS.to_owned();
-            }
-            for (i, value) in values.enumerate() {
+    match credentials {
+        Credentials::Header(values) => {
+            for (i, value) in values.iter().enumerate() {
                 if i > 0 {
                     hasher.update(b"\n");
                 }
-                hasher.update(value.as_bytes());
+                hasher.update(value);
             }
         }
-        TenantSource::From(of) => match of(parts) {
-            Some(id) => hasher.update(id.as_bytes()),
-            None => return ANONYMOUS.to_owned(),
-        },
+        Credentials::Id(id) => hasher.update(id.as_bytes()),
+        Credentials::Named(sources) => {
+            hasher.update(b"\0idemgate-tenant-sources-v1\0");
+            for (source, values) in sources {
+                framed(&mut hasher, source.to_string().as_bytes());
+                hasher.update((values.len() as u64).to_be_bytes());
+                for value in values {
+                    framed(&mut hasher, value);
+                }
+            }
+        }
     }
     hex::encode(hasher.finalize())
+}
+
+/// Every value of the header `name`.
+fn header_values<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Vec<&'a [u8]> {
+    headers
+        .get_all(name)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect()
+}
+
+/// Every value of the cookie `name` in the request's `Cookie` header(s)
+/// (HTTP/2 may split them), in order.
+fn cookie_values<'a>(headers: &'a HeaderMap, name: &str) -> Vec<&'a [u8]> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&b| b == b';'))
+        .filter_map(|pair| {
+            let at = pair.iter().position(|&b| b == b'=')?;
+            let (key, value) = (pair[..at].trim_ascii(), &pair[at + 1..]);
+            (key == name.as_bytes()).then(|| value.trim_ascii())
+        })
+        .collect()
+}
+
+/// The sources a tenant is taken from, by name (never a value), for a log
+/// line.
+fn describe_sources(source: &TenantSource) -> String {
+    match source {
+        TenantSource::Single => "none (one tenant)".to_owned(),
+        TenantSource::Header(name) => name.to_string(),
+        TenantSource::From(_) => "the policy's function".to_owned(),
+        TenantSource::Parts(parts) => parts
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+    }
 }
 
 /// The whole request body, or `413` once it passes `limit`.
@@ -391,4 +545,99 @@ fn replay(policy: &LayerPolicy, record: &Record) -> Response {
 /// Whole seconds, at least 1, as the engine takes them.
 fn whole_seconds(d: Duration) -> u32 {
     u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(headers: &[(&str, &str)]) -> http::request::Parts {
+        let mut req = Request::builder();
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        req.body(()).unwrap().into_parts().0
+    }
+
+    fn tenant(sources: &str, headers: &[(&str, &str)]) -> Option<String> {
+        let list = sources
+            .split(',')
+            .map(|s| TenantPart::parse(s).unwrap())
+            .collect();
+        let policy = LayerPolicy::default().tenant(TenantSource::Parts(list));
+        tenant_of(&parts(headers), &policy)
+    }
+
+    #[test]
+    fn one_header_hashes_as_every_release_did() {
+        let want = hex::encode(Sha256::digest(b"Bearer t1"));
+        let by_default = tenant_of(
+            &parts(&[("authorization", "Bearer t1")]),
+            &LayerPolicy::default(),
+        );
+        assert_eq!(by_default.as_deref(), Some(want.as_str()));
+        assert_eq!(
+            tenant("Authorization", &[("authorization", "Bearer t1")]).as_deref(),
+            Some(want.as_str())
+        );
+        assert_eq!(tenant_of(&parts(&[]), &LayerPolicy::default()), None);
+    }
+
+    #[test]
+    fn cookies_are_read_by_name_across_cookie_headers() {
+        let a = tenant("cookie:session", &[("cookie", "theme=dark; session=A")]);
+        let a_again = tenant("cookie:session", &[("cookie", "session=A;theme=light")]);
+        let b = tenant("cookie:session", &[("cookie", "session=B")]);
+        assert!(a.is_some());
+        assert_eq!(a, a_again, "other cookies do not change the tenant");
+        assert_ne!(a, b);
+        let split = tenant(
+            "cookie:session",
+            &[("cookie", "theme=dark"), ("cookie", "session=A")],
+        );
+        assert_eq!(split, a, "HTTP/2 splits the Cookie header");
+        assert_eq!(tenant("cookie:session", &[("cookie", "Session=A")]), None);
+        assert_eq!(tenant("cookie:session", &[("cookie", "sessionx=A")]), None);
+        assert_eq!(tenant("cookie:session", &[]), None);
+    }
+
+    #[test]
+    fn no_two_combinations_of_sources_hash_alike() {
+        let sources = "authorization,x-org,cookie:session";
+        let cases: [&[(&str, &str)]; 8] = [
+            &[("authorization", "a")],
+            &[("x-org", "a")],
+            &[("cookie", "session=a")],
+            &[("authorization", "a"), ("x-org", "b")],
+            &[("authorization", "ab")],
+            &[("authorization", "a"), ("authorization", "b")],
+            &[("authorization", "a"), ("cookie", "session=b")],
+            &[("x-org", "a"), ("cookie", "session=b")],
+        ];
+        let mut seen: Vec<String> = cases
+            .iter()
+            .map(|headers| tenant(sources, headers).unwrap())
+            .collect();
+        // And none is the one-header hash of the same bytes.
+        seen.push(hex::encode(Sha256::digest(b"a")));
+        let all = seen.len();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), all);
+    }
+
+    #[test]
+    fn a_source_is_a_header_or_a_named_cookie() {
+        assert_eq!(
+            TenantPart::parse(" Cookie:sid ").unwrap(),
+            TenantPart::Cookie("sid".into())
+        );
+        assert_eq!(
+            TenantPart::parse("X-Org").unwrap(),
+            TenantPart::Header(HeaderName::from_static("x-org"))
+        );
+        for bad in ["cookie:", "cookie:a b", "cookie:a;b", "bad header"] {
+            assert!(TenantPart::parse(bad).is_err(), "{bad}");
+        }
+    }
 }

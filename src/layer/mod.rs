@@ -69,8 +69,12 @@
 //! the layer.
 //!
 //! The tenant a key belongs to comes from the request: by default the SHA-256
-//! of its `Authorization` header, or whatever [`LayerPolicy::tenant_from`]
-//! makes of the principal an authentication layer put in its extensions.
+//! of its `Authorization` header; [`TenantSource::Parts`] takes several
+//! headers and cookies together (a session cookie is a credential too), and
+//! [`LayerPolicy::tenant_from`] whatever it makes of the principal an
+//! authentication layer put in its extensions. A request with none of them
+//! is in one anonymous tenant that every such request shares (the first with
+//! a `Cookie` is a WARN), unless [`LayerPolicy::require_tenant`] refuses it.
 //!
 //! # Shutting down
 //!
@@ -153,7 +157,7 @@ pub use headers::{
     strip_connection_headers,
 };
 pub use layer::IdempotencyLayer;
-pub use policy::{LayerPolicy, Route, TenantFn, TenantSource};
+pub use policy::{LayerPolicy, Route, TenantFn, TenantPart, TenantSource};
 pub use service::Idempotency;
 
 /// Response extension: the request never reached the origin (the proxy sets

@@ -64,6 +64,58 @@ pub enum TenantSource {
     /// `None` puts the request in the anonymous tenant. The tenant is stored
     /// as the SHA-256 of the returned id.
     From(TenantFn),
+    /// The request's credentials from several places, taken together:
+    /// headers and cookies (a session cookie is a credential too). The
+    /// tenant is a SHA-256 over every source's values, each named and
+    /// length-prefixed, so no two combinations hash alike; a request with
+    /// none of them is in the anonymous tenant. One header alone hashes as
+    /// [`TenantSource::Header`] does, so `Parts(vec![Header(h)])` is that
+    /// tenant.
+    Parts(Vec<TenantPart>),
+}
+
+/// One place [`TenantSource::Parts`] takes a credential from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TenantPart {
+    /// A request header, every value of it.
+    Header(HeaderName),
+    /// A cookie of the `Cookie` header(s), by its name (case-sensitive, as
+    /// cookie names are), every value of it.
+    Cookie(String),
+}
+
+impl TenantPart {
+    /// `NAME` (a header) or `cookie:NAME`, the form `IDEMGATE_TENANT_FROM`
+    /// takes.
+    pub fn parse(s: &str) -> Result<TenantPart, String> {
+        let given = s.trim();
+        if let Some((prefix, name)) = given.split_once(':')
+            && prefix.trim().eq_ignore_ascii_case("cookie")
+        {
+            let name = name.trim();
+            let token = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_graphic() && !b"()<>@,;:\\\"/[]?={}".contains(&b));
+            return if token {
+                Ok(TenantPart::Cookie(name.to_owned()))
+            } else {
+                Err(format!("{s:?} does not name a cookie: give cookie:NAME"))
+            };
+        }
+        HeaderName::from_bytes(given.as_bytes())
+            .map(TenantPart::Header)
+            .map_err(|_| format!("{s:?} is not a header name or cookie:NAME"))
+    }
+}
+
+impl std::fmt::Display for TenantPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TenantPart::Header(name) => f.write_str(name.as_str()),
+            TenantPart::Cookie(name) => write!(f, "cookie:{name}"),
+        }
+    }
 }
 
 /// A function from a request's head to its tenant's id (see [`TenantSource::From`]).
@@ -75,6 +127,7 @@ impl std::fmt::Debug for TenantSource {
             TenantSource::Single => f.write_str("Single"),
             TenantSource::Header(name) => f.debug_tuple("Header").field(name).finish(),
             TenantSource::From(_) => f.write_str("From(..)"),
+            TenantSource::Parts(parts) => f.debug_tuple("Parts").field(parts).finish(),
         }
     }
 }
@@ -114,6 +167,13 @@ pub struct LayerPolicy {
     /// Whose keys a request's key is among (default: the SHA-256 of
     /// `Authorization`; see [`TenantSource::Header`] for what that costs).
     pub tenant: TenantSource,
+    /// Answer `401 unauthorized` to a guarded request with a key that
+    /// carries none of the [`tenant`](Self::tenant) sources, instead of
+    /// putting it in the anonymous tenant that every such request shares
+    /// (default `false`). A request without a key passes through as ever:
+    /// nothing of it is stored or replayed. Nothing under
+    /// [`TenantSource::Single`] is refused.
+    pub require_tenant: bool,
     /// What goes into the fingerprint.
     pub fingerprint_policy: FingerprintPolicy,
     /// Statuses that mean the origin did not act: the response is returned
@@ -186,6 +246,7 @@ impl Default for LayerPolicy {
             key_header: HeaderName::from_static("idempotency-key"),
             key_policy: KeyPolicy::default(),
             tenant: TenantSource::Header(http::header::AUTHORIZATION),
+            require_tenant: false,
             fingerprint_policy: FingerprintPolicy::default(),
             release_statuses: vec![408, 425, 429, 503],
             store_headers_deny: vec![http::header::SET_COOKIE, http::header::WWW_AUTHENTICATE],
@@ -232,6 +293,8 @@ setters! {
     key_policy: KeyPolicy;
     /// Sets [`tenant`](#structfield.tenant).
     tenant: TenantSource;
+    /// Sets [`require_tenant`](#structfield.require_tenant).
+    require_tenant: bool;
     /// Sets [`fingerprint_policy`](#structfield.fingerprint_policy).
     fingerprint_policy: FingerprintPolicy;
     /// Sets [`release_statuses`](#structfield.release_statuses).

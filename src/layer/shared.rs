@@ -23,6 +23,9 @@ pub(crate) struct Shared {
     pub engine: Arc<Engine>,
     pub policy: LayerPolicy,
     pub deferred: Deferred,
+    /// Whether the anonymous tenant's WARN about a request with a `Cookie`
+    /// was said.
+    pub anonymous_cookie_warned: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -34,6 +37,7 @@ impl Shared {
             engine,
             policy,
             deferred: Deferred::default(),
+            anonymous_cookie_warned: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }

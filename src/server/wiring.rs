@@ -7,7 +7,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 
 use crate::server::api::{self, AppState};
-use crate::server::config::{Checked, ConfigError, ServeArgs};
+use crate::server::config::{AdminMode, Checked, ConfigError, ServeArgs};
 use crate::server::{console, open, serve, tls};
 use crate::store::Store;
 
@@ -27,22 +27,39 @@ pub fn app_state(args: &ServeArgs, checked: Checked, store: Arc<dyn Store>) -> A
 }
 
 /// What `serve` answers on its listener: the reservation API (its
-/// operators' endpoints included) and the operators' console.
+/// operators' endpoints included) and the operators' console. Without
+/// tenant tokens the listener is open (the reservation API answers anyone,
+/// and so do the operators' endpoints without admin tokens), and answers
+/// only requests for its own address or a name of `IDEMGATE_ALLOWED_HOSTS`
+/// (`serve::hosts`).
 pub fn router(state: AppState) -> axum::Router {
+    let hosts = host_rule(&state);
     let console = console::Console::new(
         state.engine.clone(),
         state.admin.clone(),
         state.max_body_bytes,
         true,
     );
-    api::router(state)
+    let app = api::router(state)
         .merge(console::router(console))
         // A person who opens the server's address finds the console (which
         // links the API's docs).
         .route(
             "/",
             axum::routing::get(|| async { axum::response::Redirect::to("/console") }),
-        )
+        );
+    hosts.guard(app)
+}
+
+/// The names `serve`'s listener answers: open without tenant tokens (the
+/// reservation API answers anyone, and so do the operators' endpoints
+/// without admin tokens), it is checked; with them, where
+/// `IDEMGATE_ALLOWED_HOSTS` is set.
+fn host_rule(state: &AppState) -> serve::hosts::HostRule {
+    serve::hosts::HostRule::new(
+        state.tokens.is_empty() || state.admin.mode() == AdminMode::Open,
+        state.admin.allowed_hosts(),
+    )
 }
 
 /// `idemgate serve`: runs until SIGTERM or ctrl-c.
@@ -72,6 +89,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     state.admin.log("serve");
+    host_rule(&state).log("serve", listener.local_addr()?);
     // `idemgate keys`, refused the SQLite file this process holds, then says
     // where to ask instead.
     #[cfg(feature = "sqlite")]

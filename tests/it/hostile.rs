@@ -17,13 +17,31 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Writes `request` on a new connection and reads until the server closes it
-/// or `patience` passes; returns what came back.
+/// or `patience` passes; returns what came back. Its `Host: x` is sent as
+/// the listener's own address, the one name an open listener answers.
 async fn raw(port: u16, request: &[u8], patience: Duration) -> String {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    stream.write_all(request).await.unwrap();
+    stream.write_all(&own_host(request, port)).await.unwrap();
     let mut got = Vec::new();
     let _ = tokio::time::timeout(patience, stream.read_to_end(&mut got)).await;
     String::from_utf8_lossy(&got).into_owned()
+}
+
+/// `request` with its `Host: x` line naming `127.0.0.1:port`.
+fn own_host(request: &[u8], port: u16) -> Vec<u8> {
+    const PLACEHOLDER: &[u8] = b"Host: x\r\n";
+    match request
+        .windows(PLACEHOLDER.len())
+        .position(|w| w == PLACEHOLDER)
+    {
+        Some(at) => [
+            &request[..at],
+            format!("Host: 127.0.0.1:{port}\r\n").as_bytes(),
+            &request[at + PLACEHOLDER.len()..],
+        ]
+        .concat(),
+        None => request.to_vec(),
+    }
 }
 
 /// The status code of a raw HTTP/1.1 answer (0 when there was none).

@@ -52,7 +52,11 @@ impl Client {
             .await
     }
 
+    /// Sends `raw`, its `Host: x` as the listener's own address (the one
+    /// name an open listener answers).
     async fn request(&mut self, raw: &str) -> Option<Answer> {
+        let own = format!("Host: {}\r\n", self.stream.peer_addr().ok()?);
+        let raw = raw.replacen("Host: x\r\n", &own, 1);
         self.stream.write_all(raw.as_bytes()).await.ok()?;
         self.answer().await
     }

@@ -26,6 +26,7 @@ mod examples;
 mod failover;
 mod harness_selftest;
 mod held_attacks;
+mod host_attacks;
 mod hostile;
 mod keep_alive;
 mod keys_server;

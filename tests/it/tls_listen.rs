@@ -333,6 +333,43 @@ async fn curl_speaks_http1_and_http2_over_tls_and_the_log_says_https() {
     );
 }
 
+/// Over HTTP/2 a browser names the host in `:authority`, not `Host`: on
+/// `serve` open without tokens, a page whose name was rebound to 127.0.0.1
+/// is refused there too (`421 misdirected-request`), and the listener's own
+/// names are answered.
+#[tokio::test]
+async fn an_http2_authority_of_another_name_is_misdirected() {
+    let ca = Ca::new("authority test CA");
+    let files = Files::new(&ca, &ca.server(1));
+    let (_served, port) = start_serve(&files, &ca, &[]).await;
+    let ca_path = files.ca.to_str().unwrap();
+    for (host, want) in [
+        ("rebind.attacker.example", "421 2"),
+        ("localhost", "200 2"),
+        ("127.0.0.1", "200 2"),
+    ] {
+        let resolve = format!("{host}:{port}:127.0.0.1");
+        let (ok, out, err) = curl(&[
+            "--http2",
+            "--cacert",
+            ca_path,
+            // The rebound name is not on the certificate: a browser that
+            // was told to go on anyway, or a plain HTTP listener.
+            "--insecure",
+            "--resolve",
+            &resolve,
+            "-w",
+            "\n%{http_code} %{http_version}",
+            &format!("https://{host}:{port}/v1/admin/keys?state=stuck"),
+        ]);
+        assert!(ok, "{host}: {err}");
+        assert!(out.ends_with(want), "{host}: {out}");
+        if want.starts_with("421") {
+            assert!(out.contains("misdirected-request"), "{host}: {out}");
+        }
+    }
+}
+
 /// Requests on kept-alive connections and on new ones while the files are
 /// replaced: a half-written certificate and a key of another certificate
 /// are refused with a WARN naming the setting and the old certificate

@@ -45,6 +45,8 @@ export class KeyMissing extends Problem { static override readonly slug = "key-m
 export class KeyInvalid extends Problem { static override readonly slug = "key-invalid"; override name = "KeyInvalid"; }
 export class Unauthorized extends Problem { static override readonly slug = "unauthorized"; override name = "Unauthorized"; }
 export class NotFound extends Problem { static override readonly slug = "not-found"; override name = "NotFound"; }
+/** 421: the server answers only requests for its own address or a name of its `IDEMGATE_ALLOWED_HOSTS`. */
+export class MisdirectedRequest extends Problem { static override readonly slug = "misdirected-request"; override name = "MisdirectedRequest"; }
 /** 409: the key's first request is still running; wait and retry the same key. */
 export class RequestInFlight extends Problem { static override readonly slug = "request-in-flight"; override name = "RequestInFlight"; }
 /**
@@ -72,7 +74,7 @@ export class Internal extends Problem { static override readonly slug = "interna
 
 const BY_SLUG = new Map<string, typeof Problem>(
   [
-    InvalidRequest, KeyMissing, KeyInvalid, Unauthorized, NotFound, RequestInFlight, OutcomeUnknown, LeaseLost,
+    InvalidRequest, KeyMissing, KeyInvalid, Unauthorized, NotFound, MisdirectedRequest, RequestInFlight, OutcomeUnknown, LeaseLost,
     ReservationGone, PayloadTooLarge, KeyReused, TenantLimit, StoreUnavailable, Internal,
   ].map((cls) => [cls.slug, cls]),
 );

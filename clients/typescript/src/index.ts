@@ -13,7 +13,7 @@ export type {
   ReservationRecord, Reserved, ReserveOptions, StoredResponse,
 } from "./api.js";
 export {
-  IdemgateError, Internal, InvalidRequest, KeyInvalid, KeyMissing, KeyReused, LeaseLost, NotFound,
-  OutcomeUnknown, PayloadTooLarge, Problem, RequestInFlight, ReservationGone, StoreUnavailable, TenantLimit,
-  Unauthorized,
+  IdemgateError, Internal, InvalidRequest, KeyInvalid, KeyMissing, KeyReused, LeaseLost, MisdirectedRequest,
+  NotFound, OutcomeUnknown, PayloadTooLarge, Problem, RequestInFlight, ReservationGone, StoreUnavailable,
+  TenantLimit, Unauthorized,
 } from "./errors.js";

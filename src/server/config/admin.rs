@@ -1,5 +1,6 @@
 //! Who may use the operators' endpoints (`/v1/admin/keys…`):
-//! `IDEMGATE_ADMIN_TOKENS`.
+//! `IDEMGATE_ADMIN_TOKENS`; and which names the listener they are on
+//! answers to: `IDEMGATE_ALLOWED_HOSTS`.
 
 use std::net::SocketAddr;
 
@@ -24,6 +25,49 @@ pub struct AdminArgs {
           hide_env_values = true,
           value_parser = TokensParser::new("--admin-tokens", "IDEMGATE_ADMIN_TOKENS", parse_admin_tokens))]
     pub admin_tokens: Option<Tokens>,
+
+    /// Host names (HOST or HOST:PORT, comma-separated) that `serve`'s
+    /// listener and the proxy's admin listener answer besides their own
+    /// address (the IP and port they listen on, and localhost with that
+    /// port). A listener open without tokens answers no other `Host`
+    /// (421 misdirected-request), so that a page whose name was rebound to
+    /// 127.0.0.1 reaches nothing; one with tokens checks `Host` only where
+    /// this is set. Name here what a health check or a local reverse proxy
+    /// sends as `Host`. The proxy's own listener is never checked.
+    #[arg(long, env = "IDEMGATE_ALLOWED_HOSTS", value_name = "HOST[:PORT],…",
+          value_delimiter = ',', value_parser = parse_allowed_host)]
+    pub allowed_hosts: Vec<AllowedHost>,
+}
+
+/// A name of `IDEMGATE_ALLOWED_HOSTS`: a host (lowercase; an IPv6 address
+/// in brackets) and, if given, the one port it is allowed with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowedHost {
+    /// The host, lowercase.
+    pub host: String,
+    /// The port, or any.
+    pub port: Option<u16>,
+}
+
+/// `HOST` or `HOST:PORT` (`[::1]:8080` for an IPv6 address).
+fn parse_allowed_host(s: &str) -> Result<AllowedHost, String> {
+    let given = s.trim();
+    if given.contains("://") || given.contains(['/', '@', '?', '#']) || given.is_empty() {
+        return Err(format!(
+            "{s:?} is not a host name: give HOST or HOST:PORT (no scheme, path or user), e.g. \
+             idemgate.internal:9090"
+        ));
+    }
+    let authority: http::uri::Authority = given
+        .parse()
+        .map_err(|_| format!("{s:?} is not a host name: give HOST or HOST:PORT"))?;
+    if authority.host().is_empty() || (given.ends_with(':') && authority.port().is_none()) {
+        return Err(format!("{s:?} is not a host name: give HOST or HOST:PORT"));
+    }
+    Ok(AllowedHost {
+        host: authority.host().to_ascii_lowercase(),
+        port: authority.port_u16(),
+    })
 }
 
 // === impl AdminArgs ===
@@ -38,6 +82,7 @@ impl AdminArgs {
             tenants: tenants.clone(),
             loopback: listen.ip().is_loopback(),
             listen,
+            allowed_hosts: self.allowed_hosts.clone(),
         }
     }
 }
@@ -58,6 +103,7 @@ pub struct AdminAccess {
     tenants: Tokens,
     loopback: bool,
     listen: SocketAddr,
+    allowed_hosts: Vec<AllowedHost>,
 }
 
 /// How a listener's operators' endpoints answer, as a whole.
@@ -87,6 +133,12 @@ impl AdminAccess {
         } else {
             AdminMode::Disabled
         }
+    }
+
+    /// The names of `IDEMGATE_ALLOWED_HOSTS` the listener answers besides
+    /// its own address.
+    pub fn allowed_hosts(&self) -> &[AllowedHost] {
+        &self.allowed_hosts
     }
 
     /// The operator a request is from — the name its token is recorded

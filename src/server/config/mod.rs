@@ -20,7 +20,7 @@ pub mod source;
 mod store;
 mod tokens;
 
-pub use admin::{AdminAccess, AdminArgs, AdminMode, LOOPBACK_OPERATOR};
+pub use admin::{AdminAccess, AdminArgs, AdminMode, AllowedHost, LOOPBACK_OPERATOR};
 pub use policy::PolicyArgs;
 pub use proxy::{Header, ProxyArgs};
 pub use run::{RunArgs, SealArgs, TlsArgs};

@@ -9,6 +9,7 @@ use clap::Args;
 use super::{
     AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, heading, seconds,
 };
+use crate::layer::{TenantPart, TenantSource};
 use crate::store::LeaseExpiry;
 
 /// Settings of `idemgate proxy`.
@@ -185,11 +186,31 @@ pub struct ProxyArgs {
           value_parser = parse_header_name)]
     pub key_header: Header,
 
-    /// The request header whose value names the tenant (hashed); requests
-    /// without it share one anonymous tenant.
-    #[arg(help_heading = heading::LIMITS, long, env = "IDEMGATE_TENANT_HEADER", default_value = "Authorization",
+    /// The request header whose value names the tenant (hashed): the
+    /// one-header form of IDEMGATE_TENANT_FROM [default: Authorization].
+    #[arg(help_heading = heading::LIMITS, long, env = "IDEMGATE_TENANT_HEADER",
           value_parser = parse_header_name)]
-    pub tenant_header: Header,
+    pub tenant_header: Option<Header>,
+
+    /// Where a request's credentials are, which scope its keys (hashed
+    /// together, so each credential is its own tenant), comma-separated:
+    /// header names and cookie:NAME, e.g. Authorization,cookie:session.
+    /// A request with none of them is in one anonymous tenant, whose
+    /// replays everyone without a credential shares: name the session
+    /// cookie of an origin whose callers sign in with one [default:
+    /// Authorization].
+    #[arg(help_heading = heading::LIMITS, long, env = "IDEMGATE_TENANT_FROM",
+          value_name = "HEADER|cookie:NAME,…", value_delimiter = ',',
+          value_parser = TenantPart::parse)]
+    pub tenant_from: Option<Vec<TenantPart>>,
+
+    /// Answer 401 unauthorized to a guarded request with a key that carries
+    /// none of the IDEMGATE_TENANT_FROM credentials, without calling the
+    /// upstream, instead of putting it in the anonymous tenant. A request
+    /// without a key still passes through (nothing of it is stored or
+    /// replayed).
+    #[arg(help_heading = heading::LIMITS, long, env = "IDEMGATE_REQUIRE_TENANT")]
+    pub require_tenant: bool,
 
     /// Response statuses returned but not stored: the key is released, since
     /// the origin did not act.
@@ -308,8 +329,29 @@ impl ProxyArgs {
         self.policy.limits_waiting(self.default_wait)
     }
 
+    /// Where the tenant of a request is taken from: IDEMGATE_TENANT_FROM,
+    /// or IDEMGATE_TENANT_HEADER, or `Authorization`.
+    pub fn tenant_source(&self) -> TenantSource {
+        match (&self.tenant_from, &self.tenant_header) {
+            (Some(parts), _) => match parts.as_slice() {
+                [TenantPart::Header(name)] => TenantSource::Header(name.clone()),
+                _ => TenantSource::Parts(parts.clone()),
+            },
+            (None, Some(header)) => TenantSource::Header(header.name.clone()),
+            (None, None) => TenantSource::Header(http::header::AUTHORIZATION),
+        }
+    }
+
     /// Refuses settings the proxy must not start with.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.tenant_from.is_some() && self.tenant_header.is_some() {
+            return Err(ConfigError {
+                setting: "tenant_header",
+                problem: "is set, and so is {tenant_from}, of which it is the one-header form; \
+                          set one (e.g. IDEMGATE_TENANT_FROM=Authorization,cookie:session)"
+                    .into(),
+            });
+        }
         let upstream = self.upstream_uri()?;
         if let Some(path) = &self.upstream_ca_file
             && upstream.scheme() != Some(&http::uri::Scheme::HTTPS)

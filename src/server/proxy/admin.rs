@@ -16,8 +16,9 @@ use crate::engine::Engine;
 use crate::layer::{LayerPolicy, TenantSource};
 use crate::server::api::{self, AppState};
 use crate::server::auth::Tokens;
-use crate::server::config::ProxyArgs;
+use crate::server::config::{AdminAccess, AdminMode, ProxyArgs};
 use crate::server::console;
+use crate::server::serve::hosts::HostRule;
 
 /// The admin router over the proxy's `engine`, whose operators' endpoints
 /// settle keys in the proxy's own replay cache and wake its waiters.
@@ -39,9 +40,19 @@ pub fn router(engine: Arc<Engine>, args: &ProxyArgs, policy: &LayerPolicy) -> Ro
         state.max_body_bytes,
         false,
     ));
-    api::admin_router(state)
-        .merge(console)
-        .layer(axum::middleware::from_fn_with_state(patch, publish))
+    host_rule(&state.admin).guard(
+        api::admin_router(state)
+            .merge(console)
+            .layer(axum::middleware::from_fn_with_state(patch, publish)),
+    )
+}
+
+/// The names the admin listener answers: open without admin tokens (a
+/// loopback listener), it answers only requests for its own address or a
+/// name of `IDEMGATE_ALLOWED_HOSTS`; with them, it is checked where that is
+/// set.
+pub fn host_rule(access: &AdminAccess) -> HostRule {
+    HostRule::new(access.mode() == AdminMode::Open, access.allowed_hosts())
 }
 
 /// What the proxy publishes over the reservation API's policy.
@@ -52,11 +63,27 @@ fn policy_patch(args: &ProxyArgs, policy: &LayerPolicy, sealed: bool) -> Value {
             "keys are scoped by tenant: (SHA-256 of the {h} header, SHA-256(key)); requests \
              without it share one anonymous tenant"
         ),
+        TenantSource::Parts(parts) => format!(
+            "keys are scoped by tenant: (SHA-256 of the request's {} together, SHA-256(key)); \
+             requests with none of them share one anonymous tenant",
+            parts
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
         TenantSource::Single | TenantSource::From(_) => "one tenant: (SHA-256(key))".to_owned(),
+    };
+    let sources: Vec<String> = match &policy.tenant {
+        TenantSource::Header(h) => vec![h.to_string()],
+        TenantSource::Parts(parts) => parts.iter().map(ToString::to_string).collect(),
+        TenantSource::Single | TenantSource::From(_) => Vec::new(),
     };
     json!({
         "header": args.key_header.spelled,
         "tenant_scoping": tenant,
+        "tenant_sources": sources,
+        "require_tenant": policy.require_tenant,
         "lease_seconds": { "default": policy.lease.as_secs() },
         "on_lease_expiry": {
             "default": policy.on_lease_expiry.as_str(),

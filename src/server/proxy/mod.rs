@@ -31,7 +31,7 @@ use tower::Layer;
 pub use client::ProxyClient;
 
 use crate::engine::Engine;
-use crate::layer::{IdempotencyLayer, LayerPolicy, Route, TenantSource};
+use crate::layer::{IdempotencyLayer, LayerPolicy, Route};
 use crate::server::config::{ConfigError, ProxyArgs};
 use crate::server::{open, serve, tls};
 use crate::store::Store;
@@ -136,7 +136,8 @@ pub fn layer_policy(args: &ProxyArgs, routes: Vec<Route>) -> LayerPolicy {
         .require_key(args.require_key)
         .key_header(args.key_header.name.clone())
         .key_policy(args.policy.key_policy())
-        .tenant(TenantSource::Header(args.tenant_header.name.clone()))
+        .tenant(args.tenant_source())
+        .require_tenant(args.require_tenant)
         .fingerprint_policy(args.policy.fingerprint_policy())
         .release_statuses(args.release_statuses.clone())
         .store_headers_deny(
@@ -201,9 +202,11 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         "idemgate proxy is listening"
     );
     tls::log_tls(&args.run.tls);
-    args.admin
-        .access(args.admin_listen, &crate::server::auth::Tokens::default())
-        .log("proxy");
+    let access = args
+        .admin
+        .access(args.admin_listen, &crate::server::auth::Tokens::default());
+    access.log("proxy");
+    admin::host_rule(&access).log("proxy", admin.local_addr()?);
 
     // One signal stops both listeners.
     let (stop, stopped) = tokio::sync::watch::channel(false);

@@ -1,11 +1,13 @@
 //! Serving a router: the accept loop with its TLS handshake (when
 //! `IDEMGATE_TLS_CERT` is set) and HTTP/1.1 or HTTP/2 by ALPN, its
-//! per-connection timers (`conn`), graceful shutdown (`drain`), and the request
-//! tracing every listener shares. Both HTTP doors (the reservation API and the
+//! per-connection timers (`conn`), graceful shutdown (`drain`), the names a
+//! listener open without tokens answers (`hosts`), and the request tracing
+//! every listener shares. Both HTTP doors (the reservation API and the
 //! proxy) are served through it.
 
 mod conn;
 mod drain;
+pub mod hosts;
 
 use std::future::Future;
 use std::time::Duration;
@@ -164,6 +166,9 @@ pub async fn serve_tls(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
+        // The address the client connected to: what the listener's own
+        // name is, for a `Host` check (`hosts`).
+        let local = stream.local_addr().ok().map(hosts::LocalAddr);
         // The peer address goes into every request (ConnectInfo): the proxy
         // forwards it as X-Forwarded-For. Whoever reads a body whole reads it
         // under the idle timeout (`BodyIdleTimeout`). The connection is busy
@@ -180,6 +185,9 @@ pub async fn serve_tls(
             req.extensions_mut()
                 .insert(axum::extract::ConnectInfo(peer));
             req.extensions_mut().insert(idle);
+            if let Some(local) = local {
+                req.extensions_mut().insert(local);
+            }
             if over_tls {
                 req.extensions_mut().insert(OverTls);
             }

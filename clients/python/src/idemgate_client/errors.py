@@ -22,6 +22,7 @@ __all__ = [
     "KeyInvalid",
     "Unauthorized",
     "NotFound",
+    "MisdirectedRequest",
     "RequestInFlight",
     "OutcomeUnknown",
     "LeaseLost",
@@ -74,6 +75,13 @@ class Unauthorized(Problem):
 
 class NotFound(Problem):
     slug = "not-found"
+
+
+class MisdirectedRequest(Problem):
+    """421: the server answers only requests addressed to its own address or
+    a name of its ``IDEMGATE_ALLOWED_HOSTS``; use the address it listens on."""
+
+    slug = "misdirected-request"
 
 
 class RequestInFlight(Problem):
@@ -134,6 +142,7 @@ _BY_SLUG = {
         KeyInvalid,
         Unauthorized,
         NotFound,
+        MisdirectedRequest,
         RequestInFlight,
         OutcomeUnknown,
         LeaseLost,
