@@ -349,14 +349,26 @@ pub struct RecordView {
 
 // === views of records ===
 
+/// A stored response as its holder's tenant is given it back (a replay's
+/// JSON, the record's view): without a hop-by-hop or framing header, which
+/// a record written before commits left them out may hold, so that a
+/// backend that answers with these headers frames its body itself.
 pub(super) fn response_view(response: &StoredResponse) -> ResponseView {
     let (body, body_base64) = match std::str::from_utf8(&response.body) {
         Ok(text) => (Some(text.to_owned()), None),
         Err(_) => (None, Some(BASE64.encode(&response.body))),
     };
+    let headers = response
+        .headers
+        .iter()
+        .filter(|(name, _)| {
+            HeaderName::from_bytes(name.as_bytes()).is_ok_and(|name| !is_framing(&name))
+        })
+        .cloned()
+        .collect();
     ResponseView {
         status: response.status,
-        headers: response.headers.clone(),
+        headers,
         body,
         body_base64,
     }

@@ -493,9 +493,11 @@ async fn a_planted_record_replays_without_its_framing(b: Backend) {
 
 /// A holder's commit through the reservation API comes after its effect, so
 /// it is not refused for a framing header: the header is left out, never
-/// stored, and the replay's JSON carries none.
+/// stored, and the replay's JSON carries none — nor from a record planted
+/// with them, in the replay or the record's view.
 async fn a_commit_stores_no_framing_header(b: Backend) {
-    let app = TestApp::new(&b.url(), &[]).await;
+    // No replay cache: every replay reads the table.
+    let app = TestApp::new(&b.url(), &["--replay-cache-bytes", "0"]).await;
     let key = fresh_key();
     let held = app.reserve(&key, r#"{"fingerprint":"fp"}"#).await;
     assert_eq!(held.status, 201, "{held:#?}");
@@ -519,6 +521,29 @@ async fn a_commit_stores_no_framing_header(b: Backend) {
     let replay = app.reserve(&key, r#"{"fingerprint":"fp"}"#).await;
     assert_eq!(replay.status, 200, "{replay:#?}");
     assert_eq!(replay.body["response"]["headers"], want);
+
+    plant(
+        &b,
+        &json!([
+            ["content-type", "text/plain"],
+            ["content-length", "2"],
+            ["Transfer-Encoding", "chunked"]
+        ]),
+    )
+    .await;
+    let replay = app.reserve(&key, r#"{"fingerprint":"fp"}"#).await;
+    assert_eq!(replay.status, 200, "{replay:#?}");
+    assert_eq!(replay.body["response"]["headers"], want);
+    let view = app
+        .send(
+            "GET",
+            &format!("/v1/reservations/{}", held.reservation_id()),
+            &[],
+            None,
+        )
+        .await;
+    assert_eq!(view.status, 200, "{view:#?}");
+    assert_eq!(view.body["response"]["headers"], want);
 }
 
 // === the origin's answer ===
