@@ -130,7 +130,7 @@ fuzz_target!(|input: Input| {
         assert!(!forwarded.contains_key(n), "forwarded hop-by-hop {n}");
     }
     for n in &named {
-        if !n.as_str().starts_with("x-forwarded-") {
+        if !n.as_str().starts_with("x-forwarded-") && n != "forwarded" {
             assert!(
                 !forwarded.contains_key(n),
                 "forwarded a header Connection names"
@@ -145,6 +145,17 @@ fuzz_target!(|input: Input| {
         assert!(chain.ends_with(&ip.to_string()), "{chain}");
         assert_eq!(forwarded.get_all("x-forwarded-for").iter().count(), 1);
     }
+    // `Forwarded` always ends with the proxy's own `for=` element.
+    let last = forwarded["forwarded"].to_str().expect("ASCII elements");
+    assert!(
+        last.ends_with(&match client {
+            Some(IpAddr::V6(ip)) => format!("for=\"[{ip}]\""),
+            Some(ip) => format!("for={ip}"),
+            None => "for=unknown".to_owned(),
+        }),
+        "{last}"
+    );
+    assert_eq!(forwarded.get_all("forwarded").iter().count(), 1);
 
     // The other request headers the doors read.
     let _ = prefer_wait(&headers);

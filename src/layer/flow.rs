@@ -14,7 +14,7 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::response::Response;
 use http::header::CONTENT_TYPE;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
+use http::{HeaderMap, Request, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
@@ -23,6 +23,7 @@ use tracing::Instrument;
 
 use super::call::{Call, Decided, Decision};
 use super::encoding;
+use super::headers::replay_headers;
 use super::holder::{SettledAs, timed_out};
 use super::policy::{Door, LayerPolicy, TenantPart, TenantSource};
 use super::shared::{Inner, Shared};
@@ -528,15 +529,10 @@ fn replay(policy: &LayerPolicy, record: &Record) -> Response {
     };
     let mut res = Response::new(Body::from(stored.body.clone()));
     *res.status_mut() = status;
+    // Every replay of every door passes here: whoever wrote the record, its
+    // framing is never replayed, hyper frames the body it has.
+    *res.headers_mut() = replay_headers(&stored.headers);
     let headers = res.headers_mut();
-    for (name, value) in &stored.headers {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(value),
-        ) {
-            headers.append(name, value);
-        }
-    }
     mark_replayed(headers);
     set_expires(headers, record.expires_at);
     res

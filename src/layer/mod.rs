@@ -14,8 +14,9 @@
 //! request body over the limit `413 payload-too-large` before the service is
 //! called. Responses with a release status (408, 425, 429, 503 by default) are
 //! returned but not stored; every other status is stored, 500 included.
-//! Hop-by-hop headers and the deny list (`Set-Cookie`, `WWW-Authenticate`)
-//! are never stored. A response body over the limit is passed through and
+//! Hop-by-hop and framing headers are never stored nor replayed from any
+//! record, and the deny list (`Set-Cookie`, `Set-Cookie2`,
+//! `WWW-Authenticate`) is not stored. A response body over the limit is passed through and
 //! stored as its status and headers only, replayed with
 //! `Idempotency-Body-Omitted: true`. A response stored with a
 //! `Content-Encoding` the retry does not accept (gzip, deflate, br) is

@@ -179,8 +179,10 @@ pub struct LayerPolicy {
     /// Statuses that mean the origin did not act: the response is returned
     /// but not stored, and the key is released (default 408, 425, 429, 503).
     pub release_statuses: Vec<u16>,
-    /// Response headers never stored for replay, besides the hop-by-hop ones
-    /// (default `Set-Cookie`, `WWW-Authenticate`).
+    /// Response headers never stored for replay, besides the hop-by-hop and
+    /// framing ones, which are never stored nor replayed whatever this says
+    /// (default `Set-Cookie`, `Set-Cookie2`, `WWW-Authenticate`: a replay
+    /// must not hand one caller's cookie or challenge to another).
     pub store_headers_deny: Vec<HeaderName>,
     /// Largest request body accepted and response body stored (default
     /// 1 MiB).
@@ -249,7 +251,11 @@ impl Default for LayerPolicy {
             require_tenant: false,
             fingerprint_policy: FingerprintPolicy::default(),
             release_statuses: vec![408, 425, 429, 503],
-            store_headers_deny: vec![http::header::SET_COOKIE, http::header::WWW_AUTHENTICATE],
+            store_headers_deny: vec![
+                http::header::SET_COOKIE,
+                HeaderName::from_static("set-cookie2"),
+                http::header::WWW_AUTHENTICATE,
+            ],
             max_body_bytes: 1024 * 1024,
             lease: limits.default_lease,
             answer_timeout: None,

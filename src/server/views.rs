@@ -16,6 +16,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::headers::set_expires;
+use crate::layer::headers::is_framing;
 use crate::problem::ApiError;
 use crate::store::{self, Record, StoredResponse};
 
@@ -176,7 +177,11 @@ pub struct CommitBody {
     /// HTTP status (100..=599).
     #[schema(minimum = 100, maximum = 599)]
     pub status: u16,
-    /// Header lines as `[name, value]` pairs.
+    /// Header lines as `[name, value]` pairs. Hop-by-hop and framing
+    /// headers (`Connection` and what it names, `Keep-Alive`, `Proxy-*`,
+    /// `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`, `Content-Length`)
+    /// are never stored: a commit's are left out, and an operator's
+    /// completion that names one is refused (`400 invalid-request`).
     #[serde(default, deserialize_with = "header_pairs")]
     #[schema(schema_with = header_lines)]
     pub headers: Vec<(String, String)>,
@@ -187,7 +192,14 @@ pub struct CommitBody {
 }
 
 /// The commit's body as the response to store, checked: a holder's commit,
-/// or an operator's resolve that completes a key.
+/// or an operator's resolve that completes a key (which refuses a framing
+/// header first, [`refuse_framing`]). Hop-by-hop and framing headers are
+/// left out: never stored, whoever writes the record. A holder's commit
+/// comes after its effect, so it is not refused for them (its key would be
+/// left to its lease, and the effect without its record); what the holder
+/// gets replayed is JSON, whose body a backend frames itself, and a
+/// backend that copies a stored `Content-Length` or `Transfer-Encoding`
+/// onto its own answer would desynchronise its own client.
 pub(crate) fn stored_response(
     body: CommitBody,
     max_body: usize,
@@ -228,11 +240,31 @@ pub(crate) fn stored_response(
             bytes.len()
         )));
     }
+    let mut headers = body.headers;
+    headers.retain(|(name, _)| {
+        HeaderName::from_bytes(name.as_bytes()).is_ok_and(|name| !is_framing(&name))
+    });
     Ok(StoredResponse {
         status: body.status,
-        headers: body.headers,
+        headers,
         body: bytes,
     })
+}
+
+/// `400 invalid-request` naming the first hop-by-hop or framing header of an
+/// operator's completion (`Content-Length`, `Transfer-Encoding`,
+/// `Connection`, …): idemgate frames a replay itself and never replays one,
+/// so the completion is refused rather than stored as something it is not.
+pub(crate) fn refuse_framing(headers: &[(String, String)]) -> Result<(), ApiError> {
+    for (name, _) in headers {
+        if HeaderName::from_bytes(name.as_bytes()).is_ok_and(|name| is_framing(&name)) {
+            return Err(ApiError::InvalidRequest(format!(
+                "header {name:?} is a hop-by-hop or framing header: a replay is framed by its \
+                 own body and never carries it; leave it out"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Body of `POST /v1/reservations/{id}/extend`.
@@ -317,14 +349,26 @@ pub struct RecordView {
 
 // === views of records ===
 
+/// A stored response as its holder's tenant is given it back (a replay's
+/// JSON, the record's view): without a hop-by-hop or framing header, which
+/// a record written before commits left them out may hold, so that a
+/// backend that answers with these headers frames its body itself.
 pub(super) fn response_view(response: &StoredResponse) -> ResponseView {
     let (body, body_base64) = match std::str::from_utf8(&response.body) {
         Ok(text) => (Some(text.to_owned()), None),
         Err(_) => (None, Some(BASE64.encode(&response.body))),
     };
+    let headers = response
+        .headers
+        .iter()
+        .filter(|(name, _)| {
+            HeaderName::from_bytes(name.as_bytes()).is_ok_and(|name| !is_framing(&name))
+        })
+        .cloned()
+        .collect();
     ResponseView {
         status: response.status,
-        headers: response.headers.clone(),
+        headers,
         body,
         body_base64,
     }

@@ -24,6 +24,7 @@ mod defaults;
 mod docs;
 mod examples;
 mod failover;
+mod framing_attacks;
 mod harness_selftest;
 mod held_attacks;
 mod host_attacks;

@@ -15,7 +15,8 @@ use axum::Router;
 use axum::extract::Path;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
-use http::header;
+use http::{HeaderValue, header};
+use tower_http::set_header::SetResponseHeaderLayer;
 use utoipa_swagger_ui::Config;
 
 use super::docs_pages;
@@ -60,7 +61,21 @@ pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
             "/docs/{*file}",
             get(move |Path(file): Path<String>| asset(file, config.clone())),
         )
+        .layer(SetResponseHeaderLayer::if_not_present(
+            header::X_FRAME_OPTIONS,
+            HeaderValue::from_static("DENY"),
+        ))
+        .layer(SetResponseHeaderLayer::if_not_present(
+            header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static(FRAME_ANCESTORS),
+        ))
 }
+
+/// No page under `/docs` is framed by another site's page (clickjacking):
+/// `X-Frame-Options: DENY` for the browsers that know only it, and this
+/// policy, which asks nothing else of Swagger UI's scripts and styles. The
+/// console sets its own, stricter one.
+const FRAME_ANCESTORS: &str = "frame-ancestors 'none'";
 
 /// [`PAGE`] with the reference pages' links.
 static PAGE_WITH_INDEX: LazyLock<String> =

@@ -218,10 +218,10 @@ pub struct ProxyArgs {
           default_value = "408,425,429,503", value_parser = clap::value_parser!(u16).range(100..=599))]
     pub release_statuses: Vec<u16>,
 
-    /// Response headers never stored for replay (hop-by-hop headers never
-    /// are), comma-separated.
+    /// Response headers never stored for replay (hop-by-hop and framing
+    /// headers never are, nor replayed), comma-separated.
     #[arg(help_heading = heading::STORED, long, env = "IDEMGATE_STORE_HEADERS_DENY", value_delimiter = ',',
-          default_value = "set-cookie,www-authenticate", value_parser = parse_header_name)]
+          default_value = "set-cookie,set-cookie2,www-authenticate", value_parser = parse_header_name)]
     pub store_headers_deny: Vec<Header>,
 
     #[command(flatten)]

@@ -9,7 +9,7 @@ use super::show::not_found;
 use super::{Action, KeyView, key_hash, view};
 use crate::engine::{Engine, Resolved, Settlement};
 use crate::problem::ApiError;
-use crate::server::views::{CommitBody, stored_response};
+use crate::server::views::{CommitBody, refuse_framing, stored_response};
 
 /// The longest reason kept.
 const MAX_REASON: usize = 1000;
@@ -30,7 +30,8 @@ pub struct ResolveBody {
 
 /// Settles the key `(tenant, key_hash_hex)` as `body` says, on behalf of
 /// `by`: `409 key-not-stuck` unless it is unknown or in flight past its
-/// lease.
+/// lease; `400 invalid-request` for a completion that names a hop-by-hop or
+/// framing header.
 pub async fn resolve(
     engine: &Engine,
     tenant: &str,
@@ -47,7 +48,10 @@ pub async fn resolve(
         )));
     }
     let response = match (body.action, body.response) {
-        (Action::Complete, Some(response)) => Some(stored_response(response, max_body_bytes)?),
+        (Action::Complete, Some(response)) => {
+            refuse_framing(&response.headers)?;
+            Some(stored_response(response, max_body_bytes)?)
+        }
         (Action::Complete, None) => {
             return Err(ApiError::InvalidRequest(
                 "action complete needs response: {\"status\", \"headers\", \"body\" | \

@@ -71,7 +71,9 @@ impl ProxyClient {
     /// `connect_timeout` bounds the TCP connect and TLS handshake together;
     /// an idle connection is kept for `idle_timeout` (zero: none is kept).
     /// With `preserve_host`, the upstream gets the `Host` the client sent;
-    /// without, the upstream's own authority.
+    /// without, the upstream's own authority. An answer's head is read
+    /// whole up to `max_head_bytes` (at least hyper's own limit; see
+    /// [`head_limits`]).
     ///
     /// # Errors
     /// When `upstream` has no scheme or authority (`upstream`), or the CA
@@ -82,6 +84,7 @@ impl ProxyClient {
         connect_timeout: Duration,
         idle_timeout: Duration,
         preserve_host: bool,
+        max_head_bytes: usize,
     ) -> Result<ProxyClient, ConfigError> {
         let bad_upstream = |problem: &str| ConfigError {
             setting: "upstream",
@@ -102,8 +105,14 @@ impl ProxyClient {
                     problem,
                 }
             })?;
+        let (head_bytes, head_lines) = head_limits(max_head_bytes);
         let mut builder = Client::builder(TokioExecutor::new());
         builder
+            // An origin's answer of more than hyper's 100 header lines (or
+            // 408 KiB of head) would otherwise fail after the origin acted:
+            // a 502, and the key held unknown.
+            .http1_max_buf_size(head_bytes)
+            .http1_max_headers(head_lines)
             // Closes idle connections as they expire, not only when a
             // request finds them expired.
             .pool_timer(TokioTimer::new())
@@ -278,6 +287,27 @@ impl Upstream {
     }
 }
 
+/// hyper's own bound on a response's head in bytes (its read buffer's
+/// default), below which the proxy never goes.
+const HYPER_HEAD_BYTES: usize = 8192 + 4096 * 100;
+
+/// The most header lines a head may have: `http`'s `HeaderMap` holds at most
+/// 32,768 slots at a load of three quarters, and hyper reserves one for each
+/// line it parsed, so a head of more would make hyper's connection task
+/// panic rather than fail. Where this is below what a head of
+/// `max_head_bytes` can hold, it is the bound.
+const MAX_HEAD_LINES: usize = 24_576;
+
+/// The read buffer's size and the header lines hyper makes room for, for a
+/// head of up to `max_head_bytes`: as many lines as fit in it (the shortest
+/// line, `a:` and its LF, is 3 bytes), within [`MAX_HEAD_LINES`]. hyper
+/// allocates the room for the lines on each response it parses (unwritten,
+/// so it costs an allocation of that size, not its filling).
+fn head_limits(max_head_bytes: usize) -> (usize, usize) {
+    let bytes = max_head_bytes.max(HYPER_HEAD_BYTES);
+    (bytes, (bytes / 3 + 1).min(MAX_HEAD_LINES))
+}
+
 /// The upstream's response as the client gets it: hop-by-hop headers
 /// stripped.
 fn response_filter(mut res: Response) -> Response {
@@ -363,8 +393,18 @@ mod tests {
             Duration::from_secs(1),
             Duration::from_secs(4),
             false,
+            1024 * 1024,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_head_is_read_up_to_the_body_limit_and_the_lines_a_map_holds() {
+        assert_eq!(head_limits(1024 * 1024), (1024 * 1024, MAX_HEAD_LINES));
+        assert_eq!(head_limits(1024), (HYPER_HEAD_BYTES, MAX_HEAD_LINES));
+        let mut map = http::HeaderMap::new();
+        map.reserve(MAX_HEAD_LINES);
+        assert!(map.try_reserve(MAX_HEAD_LINES + 1).is_err());
     }
 
     #[test]

@@ -77,6 +77,7 @@ impl Proxy {
             args.upstream_connect_timeout,
             args.upstream_idle_timeout,
             args.preserve_host,
+            args.policy.max_body_bytes,
         )?;
         let mcp = args.protocol == "mcp";
         let client = if mcp { client.endpoint() } else { client };
