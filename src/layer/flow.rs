@@ -14,7 +14,7 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::response::Response;
 use http::header::CONTENT_TYPE;
-use http::{HeaderMap, Request, StatusCode, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
