@@ -464,6 +464,12 @@ pub fn engine_sealed(
     store: Arc<dyn Store>,
     limits: Limits,
 ) -> Engine {
+    if sealer.is_none() && run.seal.seal_accept_plaintext {
+        tracing::warn!(
+            "IDEMGATE_SEAL_ACCEPT_PLAINTEXT is set without IDEMGATE_SEAL_KEY: it has no effect \
+             (nothing is sealed)"
+        );
+    }
     if sealer.as_ref().is_some_and(Sealer::accepts_plaintext) {
         tracing::warn!(
             "IDEMGATE_SEAL_ACCEPT_PLAINTEXT is set: records stored in the clear (from before \

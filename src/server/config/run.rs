@@ -128,21 +128,27 @@ pub struct TlsArgs {
 #[derive(Debug, Clone, Args)]
 #[command(mut_args = boolean_style)]
 pub struct SealArgs {
-    /// Seals stored responses at rest (AES-256-GCM): 32 random bytes,
-    /// base64 (`openssl rand -base64 32`). New responses are sealed under it.
+    /// Seals stored responses, requests and checkpoints at rest (AES-256-GCM)
+    /// and keys the stored key hashes, credential tenants and fingerprints
+    /// (HMAC-SHA-256): 32 random bytes, base64 (`openssl rand -base64 32`).
+    /// New records are sealed under it. A process without the key that
+    /// other processes name records with refuses to start.
     #[arg(help_heading = heading::SEALING, long, env = "IDEMGATE_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<SecretString>,
 
-    /// Retired seal keys, comma-separated base64: responses sealed under them
-    /// still open, none is sealed under them any more.
+    /// Retired seal keys, comma-separated base64: records sealed and named
+    /// under them are still opened and found; none is sealed under them any
+    /// more. Keep a key here until the key window since it was last used has
+    /// passed.
     #[arg(help_heading = heading::SEALING, long, env = "IDEMGATE_SEAL_KEY_PREVIOUS", hide_env_values = true)]
     pub seal_key_previous: Option<SecretString>,
 
-    /// With a seal key: still replay records stored in the clear, from
-    /// before sealing was turned on. Without it such a record is refused
-    /// (never replayed, never run again), so that a row written into the
-    /// database by hand cannot reach a caller. Set it for one key window
-    /// (the longest TTL) after turning sealing on, then remove it.
+    /// With a seal key, the window after sealing is turned on: still replay
+    /// records stored in the clear, and keep naming new records by plain
+    /// hashes so that processes not yet given the key (or of 0.3.0) find
+    /// them. Without it a record in the clear is refused (never replayed,
+    /// never run again), so that a row written into the database by hand
+    /// cannot reach a caller. Remove it once every process has the key.
     #[arg(help_heading = heading::SEALING, long, env = "IDEMGATE_SEAL_ACCEPT_PLAINTEXT")]
     pub seal_accept_plaintext: bool,
 }
@@ -255,14 +261,6 @@ impl SealArgs {
                 return Err(ConfigError {
                     setting: "seal_key_previous",
                     problem: "holds retired keys but no current one: set {seal_key} too".into(),
-                });
-            }
-            if self.seal_accept_plaintext {
-                return Err(ConfigError {
-                    setting: "seal_accept_plaintext",
-                    problem: "only means something while sealing is on: set {seal_key} too, \
-                              or remove it"
-                        .into(),
                 });
             }
             return Ok(None);
