@@ -16,6 +16,10 @@
 //!   header and a fingerprint over the tool's name and arguments (the
 //!   JSON-RPC `id` and `_meta` are ignored). A call without a key passes
 //!   through unguarded, as the HTTP door passes a request without one.
+//! * Every envelope is guarded (`envelope.rs`): a guarded call sent as a
+//!   notification is answered `202` and dropped, a batch that holds one is
+//!   refused whole, and a body the door and a server could read
+//!   differently is refused; none of them is forwarded.
 //! * The layer's answer goes back as MCP clients take it: a first call's
 //!   answer as the server gave it; a replay as the stored response with the
 //!   repeat's own `id`, in the form the first answer had where the repeat
@@ -33,6 +37,7 @@
 //!   with it). An answer that is not the call's result (a JSON-RPC error, a
 //!   broken stream) is never stored (`upstream.rs`).
 
+pub mod envelope;
 mod messages;
 mod protocol;
 mod tools;
@@ -49,6 +54,7 @@ use http_body_util::BodyExt;
 use serde_json::{Map, Value, json};
 use tower::{Layer, ServiceExt};
 
+use self::envelope::Envelope;
 use self::messages::Form;
 use self::protocol::Protocol;
 use self::tools::{Catalogue, KEY_ARGUMENT};
@@ -114,6 +120,44 @@ pub const FINGERPRINT_IGNORE: [&str; 2] = ["/id", "/params/_meta"];
 const SESSION_END_BOUND: std::time::Duration = std::time::Duration::from_secs(300);
 
 async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Response {
+    let req = if req.method() != Method::POST && !http_body::Body::is_end_stream(req.body()) {
+        // A server may read a body whatever the method: a guarded call
+        // comes with POST, or not at all.
+        let (parts, body) = req.into_parts();
+        let bytes = match door.read(body).await {
+            Ok(bytes) => bytes,
+            Err(res) => return res,
+        };
+        let content_type = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok());
+        // A body that is not JSON (an upload) is the server's to read.
+        let holds_a_call =
+            match envelope::classify(&bytes, content_type, &|name| door.catalogue.guarded(name)) {
+                Envelope::Forward(_) => false,
+                Envelope::Refuse(refusal) => refusal.code != envelope::PARSE_ERROR,
+                Envelope::Guard { .. } | Envelope::Drop { .. } => true,
+            };
+        if holds_a_call {
+            let mut res = refused_envelope(&envelope::Refusal {
+                why: "a tool call is sent with POST",
+                code: envelope::INVALID_REQUEST,
+                ids: Vec::new(),
+                batch: false,
+                dropped: 0,
+            });
+            *res.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+            res.headers_mut().insert(
+                http::header::ALLOW,
+                HeaderValue::from_static("GET, POST, DELETE"),
+            );
+            return res;
+        }
+        Request::from_parts(parts, Body::from(bytes))
+    } else {
+        req
+    };
     if req.method() == Method::DELETE
         && let Some(session) = req
             .headers()
@@ -144,34 +188,37 @@ async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Re
         return door.forward(req).await;
     }
     let (parts, body) = req.into_parts();
-    let bytes = match http_body_util::Limited::new(body, door.max_body_bytes)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) => {
-            let e = if e.is::<http_body_util::LengthLimitError>() {
-                ApiError::PayloadTooLarge(format!(
-                    "the request body is over {} bytes",
-                    door.max_body_bytes
-                ))
-            } else {
-                ApiError::InvalidRequest(format!("the request body could not be read: {e}"))
-            };
-            return e.into_response();
+    let bytes = match door.read(body).await {
+        Ok(bytes) => bytes,
+        Err(res) => return res,
+    };
+    let content_type = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let message = match envelope::classify(&bytes, content_type, &|name| {
+        door.catalogue.guarded(name)
+    }) {
+        Envelope::Forward(message) => message,
+        Envelope::Guard { message, id } => return door.call(parts, bytes, message, id).await,
+        Envelope::Drop { dropped } => {
+            dropped_notifications(dropped);
+            return StatusCode::ACCEPTED.into_response();
+        }
+        Envelope::Refuse(refusal) => {
+            dropped_notifications(refusal.dropped);
+            tracing::info!(
+                why = refusal.why,
+                "an MCP request body that may hold a guarded tool call was refused, not forwarded"
+            );
+            return refused_envelope(&refusal);
         }
     };
-    let message = serde_json::from_slice::<Value>(&bytes).ok();
     let method = message
         .as_ref()
         .and_then(|m| m.get("method"))
         .and_then(Value::as_str);
     match (method, message.as_ref().and_then(|m| m.get("id"))) {
-        (Some("tools/call"), Some(id)) => {
-            let id = id.clone();
-            let message = message.unwrap_or_default();
-            door.call(parts, bytes, message, id).await
-        }
         (Some("notifications/cancelled"), None)
             if message
                 .as_ref()
@@ -198,7 +245,65 @@ async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Re
     }
 }
 
+/// Counts guarded tool calls sent as notifications, never forwarded.
+fn dropped_notifications(n: usize) {
+    if n > 0 {
+        tracing::info!(
+            dropped = n,
+            "a guarded tool call sent as a JSON-RPC notification (no id) was dropped, not \
+             forwarded: a call without an id can be neither answered nor told from its repeat"
+        );
+        crate::telemetry::record_mcp_notifications_dropped(n as u64);
+    }
+}
+
+/// A body the door does not forward, answered as JSON-RPC: an error for
+/// each of its requests (an array for a batch), or one error without an id
+/// (`400`, as MCP servers answer a message they cannot read).
+fn refused_envelope(refusal: &envelope::Refusal) -> Response {
+    let error = |id: &Value| {
+        messages::error(
+            id,
+            refusal.code,
+            &format!("idemgate: {}", refusal.why),
+            None,
+        )
+    };
+    if refusal.ids.is_empty() {
+        let mut res = messages::answer(Form::Json, &error(&Value::Null), HeaderMap::new());
+        *res.status_mut() = StatusCode::BAD_REQUEST;
+        return res;
+    }
+    let message = if refusal.batch {
+        Value::Array(refusal.ids.iter().map(error).collect())
+    } else {
+        error(&refusal.ids[0])
+    };
+    messages::answer(Form::Json, &message, HeaderMap::new())
+}
+
 impl McpDoorState {
+    /// A request's whole body, within the body limit; else the answer.
+    async fn read(&self, body: Body) -> Result<Bytes, Response> {
+        match http_body_util::Limited::new(body, self.max_body_bytes)
+            .collect()
+            .await
+        {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(e) => {
+                let e = if e.is::<http_body_util::LengthLimitError>() {
+                    ApiError::PayloadTooLarge(format!(
+                        "the request body is over {} bytes",
+                        self.max_body_bytes
+                    ))
+                } else {
+                    ApiError::InvalidRequest(format!("the request body could not be read: {e}"))
+                };
+                Err(e.into_response())
+            }
+        }
+    }
+
     async fn forward(&self, req: Request<Body>) -> Response {
         match self.client.clone().oneshot(req).await {
             Ok(res) => res,
