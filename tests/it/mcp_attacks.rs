@@ -1,6 +1,6 @@
-//! The MCP door's envelopes under attack (issue 51, finding 1), against
-//! the real binary on both stores, over a hand-written JSON-RPC upstream
-//! that counts the tool calls it runs.
+//! The MCP door's envelopes and key scopes under attack (issue 51, findings
+//! 1 and 6), against the real binary on both stores, over a hand-written
+//! JSON-RPC upstream that counts the tool calls it runs.
 //!
 //! * A guarded `tools/call` sent as a notification (no `id`) was forwarded,
 //!   unguarded, every time; a JSON-RPC batch of two calls under one key ran
@@ -10,6 +10,9 @@
 //! * A `method` that is `tools/call` but for its case, or a body that
 //!   repeats a member, could make the door and a lenient server read two
 //!   different messages; now refused.
+//! * A model's `idempotency_key` argument and a runtime's `_meta` key lived
+//!   in one namespace: the model's `rt-2` pre-empted the runtime's. Now they
+//!   never meet.
 
 use std::sync::{Arc, Mutex};
 
@@ -279,6 +282,87 @@ async fn ambiguous_messages_are_refused(backend: Backend) {
     assert_eq!(metric(&door, DROPPED).await, Some(0.0));
 }
 
+/// A model's key `rt-2` does not pre-empt a runtime's `rt-2`: both calls
+/// run, once each, and each repeat gets its own call's result. The key
+/// header is the runtime's scope, as `_meta` is.
+async fn a_models_key_never_meets_a_runtimes(backend: Backend) {
+    let (door, ran) = door(&backend, &[]).await;
+    let (_, model) = post(&door, &charge(Some(1), 5, Some("rt-2"), None).to_string()).await;
+    assert_eq!(model["result"]["content"][0]["text"], "call 1", "{model}");
+    let (_, runtime) = post(&door, &charge(Some(2), 7, None, Some("rt-2")).to_string()).await;
+    assert_eq!(
+        runtime["result"]["content"][0]["text"], "call 2",
+        "the runtime's call runs: {runtime}"
+    );
+    assert_eq!(ran.count(), 2);
+
+    let (_, model_again) = post(&door, &charge(Some(3), 5, Some("rt-2"), None).to_string()).await;
+    assert_eq!(model_again["result"], model["result"], "{model_again}");
+    let (_, runtime_again) = post(&door, &charge(Some(4), 7, None, Some("rt-2")).to_string()).await;
+    assert_eq!(
+        runtime_again["result"], runtime["result"],
+        "{runtime_again}"
+    );
+    let by_header = common::http()
+        .post(format!("{}/mcp", door.base()))
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .header("idempotency-key", "\"rt-2\"")
+        .body(charge(Some(5), 7, None, None).to_string())
+        .send()
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap();
+    assert_eq!(by_header["result"], runtime["result"], "{by_header}");
+
+    // Nor can a model's repeat with other arguments refuse the runtime's
+    // key, or the runtime's the model's: other arguments under one's own
+    // key are refused in its own scope only.
+    let (_, model_other) = post(&door, &charge(Some(6), 9, Some("rt-2"), None).to_string()).await;
+    assert_eq!(model_other["result"]["isError"], true, "{model_other}");
+    let (_, runtime_again) = post(&door, &charge(Some(7), 7, None, Some("rt-2")).to_string()).await;
+    assert_eq!(
+        runtime_again["result"], runtime["result"],
+        "{runtime_again}"
+    );
+    assert_eq!(ran.count(), 2);
+    assert_eq!(
+        *ran.calls.lock().unwrap(),
+        vec![json!({ "amount": 5 }), json!({ "amount": 7 })]
+    );
+    // An operator finds each: the runtime's with --key, the model's with
+    // --model-key.
+    use sha2::{Digest, Sha256};
+    let admin = format!("http://127.0.0.1:{}", door.admin);
+    for (flag, hashed) in [
+        ("--key", &b"rt-2"[..]),
+        ("--model-key", &b"idemgate/model-key\0rt-2"[..]),
+    ] {
+        let mut show = common::bin::idemgate_at(&backend.url());
+        show.args([
+            "keys",
+            "show",
+            "anonymous",
+            flag,
+            "rt-2",
+            "--server",
+            &admin,
+            "--json",
+        ]);
+        let out = show.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{flag}: {stderr}");
+        let view: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            view["key_hash"],
+            hex::encode(Sha256::digest(hashed)),
+            "{flag}"
+        );
+    }
+}
+
 /// The invariants the `mcp_envelope` fuzz target checks, on bodies built
 /// from the pieces that make envelopes odd, and on arbitrary bytes: a
 /// stable smoke run of what `cargo fuzz run mcp_envelope` runs long.
@@ -358,6 +442,7 @@ crate::both_stores! {
         notifications_and_batches_are_guarded,
         require_key_holds_in_every_envelope,
         ambiguous_messages_are_refused,
+        a_models_key_never_meets_a_runtimes,
     ],
     concurrent: [],
 }

@@ -15,7 +15,9 @@
 //!   then goes through the same layer as the HTTP door, with the key in the
 //!   header and a fingerprint over the tool's name and arguments (the
 //!   JSON-RPC `id` and `_meta` are ignored). A call without a key passes
-//!   through unguarded, as the HTTP door passes a request without one.
+//!   through unguarded, as the HTTP door passes a request without one. A
+//!   model's key lives in a scope of its own (`ModelKey`: the layer stores
+//!   it under another hash), so it never meets a runtime's.
 //! * Every envelope is guarded (`envelope.rs`): a guarded call sent as a
 //!   notification is answered `202` and dropped, a batch that holds one is
 //!   refused whole, and a body the door and a server could read
@@ -59,6 +61,7 @@ use self::messages::Form;
 use self::protocol::Protocol;
 use self::tools::{Catalogue, KEY_ARGUMENT};
 use self::upstream::{CallId, McpUpstream, Running};
+use crate::key::ModelKey;
 use crate::layer::{Idempotency, IdempotencyLayer};
 use crate::problem::{ApiError, OwnProblem};
 use crate::server::proxy::ProxyClient;
@@ -366,9 +369,14 @@ impl McpDoorState {
             Err(why) => return asker.refused(&ApiError::KeyInvalid(why)),
         };
         match key {
-            Some(key) => match sf_string(&key) {
+            Some((key, set_by)) => match sf_string(&key) {
                 Some(value) => {
                     parts.headers.insert(self.key_header.clone(), value);
+                    if set_by == SetBy::Model {
+                        // The model's keys never meet the runtime's: a
+                        // model cannot pre-empt, replay or refuse them.
+                        parts.extensions.insert(ModelKey);
+                    }
                 }
                 None => {
                     let e = ApiError::KeyInvalid(
@@ -400,12 +408,26 @@ impl McpDoorState {
     }
 }
 
+/// Who set a call's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SetBy {
+    /// `_meta` or the key header: a runtime.
+    Runtime,
+    /// The `idempotency_key` argument: a model, whose keys live in a scope
+    /// of their own (`ModelKey`).
+    Model,
+}
+
 /// The call's key, first found: its `_meta["dev.idemgate/idempotency-key"]`
 /// and the key header (`in_header`: then `None`, the layer reads it), set
 /// by a runtime; then its `idempotency_key` argument, set by a model. The
 /// argument is taken out of the call either way (`strip`: unless the tool
 /// declares it), so the server never sees a key the runtime's overrode.
-fn take_key(message: &mut Value, strip: bool, in_header: bool) -> Result<Option<String>, String> {
+fn take_key(
+    message: &mut Value,
+    strip: bool,
+    in_header: bool,
+) -> Result<Option<(String, SetBy)>, String> {
     let argument = message
         .pointer_mut("/params/arguments")
         .and_then(Value::as_object_mut)
@@ -417,7 +439,7 @@ fn take_key(message: &mut Value, strip: bool, in_header: bool) -> Result<Option<
             }
         });
     match message.pointer(&format!("/params/_meta/{}", META_KEY.replace('/', "~1"))) {
-        Some(Value::String(key)) => return Ok(Some(key.clone())),
+        Some(Value::String(key)) => return Ok(Some((key.clone(), SetBy::Runtime))),
         Some(_) => return Err(format!("_meta[\"{META_KEY}\"] must be a string")),
         None => {}
     }
@@ -425,7 +447,7 @@ fn take_key(message: &mut Value, strip: bool, in_header: bool) -> Result<Option<
         return Ok(None);
     }
     match argument {
-        Some(Value::String(key)) => Ok(Some(key)),
+        Some(Value::String(key)) => Ok(Some((key, SetBy::Model))),
         Some(_) => Err(format!("the {KEY_ARGUMENT} argument must be a string")),
         None => Ok(None),
     }
@@ -697,14 +719,23 @@ mod tests {
     fn the_runtimes_key_comes_first_and_the_argument_is_removed_all_the_same() {
         let mut call = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
             "params": { "name": "charge", "arguments": { "amount": 5, "idempotency_key": "k1" } } });
-        assert_eq!(take_key(&mut call, true, false), Ok(Some("k1".into())));
+        assert_eq!(
+            take_key(&mut call, true, false),
+            Ok(Some(("k1".into(), SetBy::Model)))
+        );
         assert_eq!(call["params"]["arguments"], json!({ "amount": 5 }));
         let mut own = json!({ "params": { "arguments": { "idempotency_key": "k2" } } });
-        assert_eq!(take_key(&mut own, false, false), Ok(Some("k2".into())));
+        assert_eq!(
+            take_key(&mut own, false, false),
+            Ok(Some(("k2".into(), SetBy::Model)))
+        );
         assert_eq!(own["params"]["arguments"]["idempotency_key"], "k2");
         let mut meta = json!({ "params": { "arguments": {},
             "_meta": { "dev.idemgate/idempotency-key": "k3" } } });
-        assert_eq!(take_key(&mut meta, true, false), Ok(Some("k3".into())));
+        assert_eq!(
+            take_key(&mut meta, true, false),
+            Ok(Some(("k3".into(), SetBy::Runtime)))
+        );
         let mut bad = json!({ "params": { "arguments": { "idempotency_key": 7 } } });
         assert!(take_key(&mut bad, true, false).is_err());
         assert_eq!(
@@ -716,7 +747,10 @@ mod tests {
         let mut both = json!({ "params": {
             "arguments": { "amount": 5, "idempotency_key": "invented" },
             "_meta": { "dev.idemgate/idempotency-key": "runtime" } } });
-        assert_eq!(take_key(&mut both, true, false), Ok(Some("runtime".into())));
+        assert_eq!(
+            take_key(&mut both, true, false),
+            Ok(Some(("runtime".into(), SetBy::Runtime)))
+        );
         assert_eq!(both["params"]["arguments"], json!({ "amount": 5 }));
         let mut header = json!({ "params": {
             "arguments": { "amount": 5, "idempotency_key": 7 } } });
