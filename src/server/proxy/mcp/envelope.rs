@@ -87,9 +87,13 @@ pub fn classify(
     let mut seen = Seen::default();
     let parsed = {
         let mut de = serde_json::Deserializer::from_slice(body);
-        Node { seen: &mut seen }
-            .deserialize(&mut de)
-            .and_then(|value| de.end().map(|()| value))
+        Node {
+            seen: &mut seen,
+            root: true,
+            message: true,
+        }
+        .deserialize(&mut de)
+        .and_then(|value| de.end().map(|()| value))
     };
     let Ok(value) = parsed else {
         if is_form(content_type) {
@@ -253,11 +257,11 @@ fn is_form(content_type: Option<&str>) -> bool {
 struct Seen {
     /// An object repeated a member name.
     duplicate: bool,
-    /// A `method` member was `tools/call`.
+    /// A message's `method` member was `tools/call`.
     tools_call: bool,
-    /// A member that is `method` but for its case or whitespace, or a
-    /// `method` that is `tools/call` but for its case or whitespace, names
-    /// a tool call.
+    /// A message's member that is `method` but for its case or whitespace,
+    /// or a `method` that is `tools/call` but for its case or whitespace,
+    /// names a tool call.
     odd_method: bool,
 }
 
@@ -281,6 +285,11 @@ impl Seen {
 /// member kept), noting what [`Seen`] asks.
 struct Node<'s> {
     seen: &'s mut Seen,
+    /// The body's value itself.
+    root: bool,
+    /// A message: the root, or a member of a root array. Only a message's
+    /// `method` is read: a tool's arguments may name any method.
+    message: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for Node<'_> {
@@ -334,6 +343,8 @@ impl<'de> Visitor<'de> for Node<'_> {
         let mut out = Vec::new();
         while let Some(v) = seq.next_element_seed(Node {
             seen: &mut *self.seen,
+            root: false,
+            message: self.root,
         })? {
             out.push(v);
         }
@@ -345,8 +356,12 @@ impl<'de> Visitor<'de> for Node<'_> {
         while let Some(name) = map.next_key::<String>()? {
             let value = map.next_value_seed(Node {
                 seen: &mut *self.seen,
+                root: false,
+                message: false,
             })?;
-            self.seen.member(&name, &value);
+            if self.message {
+                self.seen.member(&name, &value);
+            }
             if out.insert(name, value).is_some() {
                 self.seen.duplicate = true;
             }
@@ -487,6 +502,10 @@ mod tests {
         ] {
             assert!(matches!(of(body), Envelope::Refuse(_)), "{body}");
         }
+        // A method named in a tool's arguments is the tool's.
+        let mut named = call(json!(1));
+        named["params"]["arguments"]["method"] = json!("Tools/Call");
+        assert!(matches!(of(&named.to_string()), Envelope::Guard { .. }));
         // A repeated member in a message that calls no tool is the server's to read.
         assert!(matches!(
             of(r#"{"jsonrpc":"2.0","id":1,"id":2,"method":"ping"}"#),
