@@ -55,4 +55,9 @@ pub mod fuzzing {
     pub use crate::layer::headers::storable;
     #[cfg(feature = "server")]
     pub use crate::server::proxy::headers::to_upstream;
+    #[cfg(feature = "server")]
+    pub use crate::server::proxy::mcp::envelope::{
+        Envelope, assert_invariants as assert_mcp_envelope_invariants,
+        classify as classify_mcp_envelope,
+    };
 }

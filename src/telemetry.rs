@@ -68,10 +68,16 @@ pub(crate) fn describe() {
         "idemgate_db_pool_connections",
         "Database pool connections by state (idle, active)."
     );
+    metrics::describe_counter!(
+        "idemgate_mcp_notifications_dropped_total",
+        "Guarded MCP tool calls sent as JSON-RPC notifications (without an id, alone or in a \
+         batch): answered 202 and never forwarded."
+    );
     // Counters of the process, at 0 from start-up like the doors' series, so
     // that an alert on `rate()` or `increase()` works before the first event.
     metrics::counter!("idemgate_replay_cache_hits_total").increment(0);
     metrics::counter!("idemgate_replay_cache_misses_total").increment(0);
+    metrics::counter!("idemgate_mcp_notifications_dropped_total").increment(0);
     for kind in StoreErrorKind::ALL {
         metrics::counter!("idemgate_store_errors_total", "kind" => kind.as_str()).increment(0);
     }
@@ -187,6 +193,11 @@ pub fn record_pruned(n: u64) {
 /// Sets the gauge of keys whose outcome is unknown.
 pub fn record_unknown(n: u64) {
     metrics::gauge!("idemgate_keys_unknown").set(n as f64);
+}
+
+/// Guarded MCP tool calls sent as notifications, dropped by the MCP door.
+pub fn record_mcp_notifications_dropped(n: u64) {
+    metrics::counter!("idemgate_mcp_notifications_dropped_total").increment(n);
 }
 
 /// Counts one reserve answered from the replay cache.

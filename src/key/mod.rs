@@ -107,11 +107,46 @@ impl IdempotencyKey {
         self.hash
     }
 
+    /// The key in the scope of keys a model chose ([`ModelKey`]): its hash
+    /// becomes [`model_key_hash`]'s, which no key of the other scope has.
+    #[must_use]
+    pub fn in_model_scope(self) -> Self {
+        let hash = model_key_hash(&self.key);
+        Self {
+            key: self.key,
+            hash,
+        }
+    }
+
     /// The first 12 hex characters of [`hash`](Self::hash): the only form of the key logs may carry.
     #[must_use]
     pub fn hash_prefix(&self) -> String {
         hash_prefix(&self.hash)
     }
+}
+
+/// A request extension: the request's key was chosen by a model (an MCP
+/// tool call's `idempotency_key` argument), not set by the client's code.
+/// The layer keeps such keys in a scope of their own ([`model_key_hash`]),
+/// so that a model can neither pre-empt, replay nor refuse a key a runtime
+/// set, nor the other way round. Only a door inserts it; no header does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelKey;
+
+/// What the hash of a model's key is taken over before the key: a NUL
+/// byte, which no key has (keys are printable ASCII), so that no key's
+/// plain SHA-256 is a model key's hash.
+const MODEL_SCOPE: &[u8] = b"idemgate/model-key\0";
+
+/// The hash a key a model chose is stored under: SHA-256 of
+/// `idemgate/model-key`, a NUL byte, and the key. Keys a client's code
+/// sends keep the SHA-256 of the key alone.
+#[must_use]
+pub fn model_key_hash(key: &str) -> [u8; 32] {
+    let mut hasher = Sha256::new();
+    hasher.update(MODEL_SCOPE);
+    hasher.update(key.as_bytes());
+    hasher.finalize().into()
 }
 
 /// The first 12 hex characters of a key hash (all of it, if shorter): the

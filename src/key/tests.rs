@@ -332,3 +332,16 @@ fn key_format_serde_names() {
         KeyFormat::Any
     );
 }
+
+#[test]
+fn a_models_key_has_a_hash_of_its_own_and_a_clients_keeps_its_own() {
+    let key = parse_value(b"\"rt-2\"", &KeyPolicy::default()).unwrap();
+    let plain: [u8; 32] = Sha256::digest(b"rt-2").into();
+    assert_eq!(key.hash(), plain, "a client's key hash is unchanged");
+    let model = key.clone().in_model_scope();
+    assert_ne!(model.hash(), plain);
+    let scoped: [u8; 32] = Sha256::digest(b"idemgate/model-key\0rt-2").into();
+    assert_eq!(model.hash(), scoped, "as docs/mcp.md says");
+    assert_eq!(model.hash(), model_key_hash("rt-2"));
+    assert_eq!(model.as_str(), "rt-2");
+}

@@ -33,7 +33,7 @@ use crate::fingerprint;
 use crate::headers::{
     IDEMPOTENCY_ATTEMPT, mark_replayed, prefer_wait, set_expires, set_repeatability_result,
 };
-use crate::key::{Dialect, KeyError};
+use crate::key::{Dialect, KeyError, ModelKey};
 use crate::problem::ApiError;
 use crate::spans;
 use crate::store::{ClaimedRequest, Record};
@@ -80,7 +80,12 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     if let Err(refusal) = admission::check_first_sent(&keyed, guard.ttl) {
         return seen.refused(policy, refusal, Some(&keyed.key.hash_prefix()));
     }
-    let key = keyed.key;
+    // A key a model chose lives in a scope of its own (`ModelKey`).
+    let key = if req.extensions().get::<ModelKey>().is_some() {
+        keyed.key.in_model_scope()
+    } else {
+        keyed.key
+    };
     // Only a takeover says which attempt a request is; a client's own say
     // is not passed on.
     req.headers_mut().remove(IDEMPOTENCY_ATTEMPT);

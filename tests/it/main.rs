@@ -36,6 +36,7 @@ mod least_privilege;
 mod lifecycle;
 mod limits;
 mod mcp;
+mod mcp_attacks;
 mod metrics;
 mod openapi;
 mod outage;

@@ -110,6 +110,11 @@ pub struct KeyRef {
     #[arg(long, value_name = "KEY")]
     pub key: Option<String>,
 
+    /// A key a model chose (an MCP tool call's idempotency_key argument),
+    /// hashed here in the scope of the model's keys, as the MCP door does.
+    #[arg(long, value_name = "KEY", conflicts_with_all = ["key", "key_hash"])]
+    pub model_key: Option<String>,
+
     /// The proxy's tenant: the value its tenant header (Authorization by
     /// default) carried, hashed here as the proxy does.
     #[arg(long, value_name = "HEADER_VALUE", conflicts_with = "tenant")]

@@ -395,9 +395,18 @@ fn names_of(
                 .map_err(|e| anyhow::anyhow!("--key: {}", ApiError::from(e)))?
                 .hash()
         }
-        (None, None) => {
-            bail!("name the key: KEY_HASH (as `keys list` shows it), or --key KEY to hash it here")
-        }
+        (None, None) => match &key.model_key {
+            Some(raw) => {
+                let parsed =
+                    crate::key::parse_value(raw.as_bytes(), &crate::key::KeyPolicy::default())
+                        .map_err(|e| anyhow::anyhow!("--model-key: {}", ApiError::from(e)))?;
+                hex::encode(parsed.in_model_scope().hash())
+            }
+            None => bail!(
+                "name the key: KEY_HASH (as `keys list` shows it), or --key KEY to hash it here \
+                 (--model-key KEY for a key a model chose in an MCP tool call)"
+            ),
+        },
     };
     Ok(
         crate::seal::names_of(sealer, &tenant, tenant_from_credential, &plain)

@@ -15,7 +15,13 @@
 //!   then goes through the same layer as the HTTP door, with the key in the
 //!   header and a fingerprint over the tool's name and arguments (the
 //!   JSON-RPC `id` and `_meta` are ignored). A call without a key passes
-//!   through unguarded, as the HTTP door passes a request without one.
+//!   through unguarded, as the HTTP door passes a request without one. A
+//!   model's key lives in a scope of its own (`ModelKey`: the layer stores
+//!   it under another hash), so it never meets a runtime's.
+//! * Every envelope is guarded (`envelope.rs`): a guarded call sent as a
+//!   notification is answered `202` and dropped, a batch that holds one is
+//!   refused whole, and a body the door and a server could read
+//!   differently is refused; none of them is forwarded.
 //! * The layer's answer goes back as MCP clients take it: a first call's
 //!   answer as the server gave it; a replay as the stored response with the
 //!   repeat's own `id`, in the form the first answer had where the repeat
@@ -33,6 +39,7 @@
 //!   with it). An answer that is not the call's result (a JSON-RPC error, a
 //!   broken stream) is never stored (`upstream.rs`).
 
+pub mod envelope;
 mod messages;
 mod protocol;
 mod tools;
@@ -49,10 +56,12 @@ use http_body_util::BodyExt;
 use serde_json::{Map, Value, json};
 use tower::{Layer, ServiceExt};
 
+use self::envelope::Envelope;
 use self::messages::Form;
 use self::protocol::Protocol;
 use self::tools::{Catalogue, KEY_ARGUMENT};
 use self::upstream::{CallId, McpUpstream, Running};
+use crate::key::ModelKey;
 use crate::layer::{Idempotency, IdempotencyLayer};
 use crate::problem::{ApiError, OwnProblem};
 use crate::server::proxy::ProxyClient;
@@ -114,6 +123,44 @@ pub const FINGERPRINT_IGNORE: [&str; 2] = ["/id", "/params/_meta"];
 const SESSION_END_BOUND: std::time::Duration = std::time::Duration::from_secs(300);
 
 async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Response {
+    let req = if req.method() != Method::POST && !http_body::Body::is_end_stream(req.body()) {
+        // A server may read a body whatever the method: a guarded call
+        // comes with POST, or not at all.
+        let (parts, body) = req.into_parts();
+        let bytes = match door.read(body).await {
+            Ok(bytes) => bytes,
+            Err(res) => return res,
+        };
+        let content_type = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok());
+        // A body that is not JSON (an upload) is the server's to read.
+        let holds_a_call =
+            match envelope::classify(&bytes, content_type, &|name| door.catalogue.guarded(name)) {
+                Envelope::Forward(_) => false,
+                Envelope::Refuse(refusal) => refusal.code != envelope::PARSE_ERROR,
+                Envelope::Guard { .. } | Envelope::Drop { .. } => true,
+            };
+        if holds_a_call {
+            let mut res = refused_envelope(&envelope::Refusal {
+                why: "a tool call is sent with POST",
+                code: envelope::INVALID_REQUEST,
+                ids: Vec::new(),
+                batch: false,
+                dropped: 0,
+            });
+            *res.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+            res.headers_mut().insert(
+                http::header::ALLOW,
+                HeaderValue::from_static("GET, POST, DELETE"),
+            );
+            return res;
+        }
+        Request::from_parts(parts, Body::from(bytes))
+    } else {
+        req
+    };
     if req.method() == Method::DELETE
         && let Some(session) = req
             .headers()
@@ -144,34 +191,37 @@ async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Re
         return door.forward(req).await;
     }
     let (parts, body) = req.into_parts();
-    let bytes = match http_body_util::Limited::new(body, door.max_body_bytes)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) => {
-            let e = if e.is::<http_body_util::LengthLimitError>() {
-                ApiError::PayloadTooLarge(format!(
-                    "the request body is over {} bytes",
-                    door.max_body_bytes
-                ))
-            } else {
-                ApiError::InvalidRequest(format!("the request body could not be read: {e}"))
-            };
-            return e.into_response();
+    let bytes = match door.read(body).await {
+        Ok(bytes) => bytes,
+        Err(res) => return res,
+    };
+    let content_type = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let message = match envelope::classify(&bytes, content_type, &|name| {
+        door.catalogue.guarded(name)
+    }) {
+        Envelope::Forward(message) => message,
+        Envelope::Guard { message, id } => return door.call(parts, bytes, message, id).await,
+        Envelope::Drop { dropped } => {
+            dropped_notifications(dropped);
+            return StatusCode::ACCEPTED.into_response();
+        }
+        Envelope::Refuse(refusal) => {
+            dropped_notifications(refusal.dropped);
+            tracing::info!(
+                why = refusal.why,
+                "an MCP request body that may hold a guarded tool call was refused, not forwarded"
+            );
+            return refused_envelope(&refusal);
         }
     };
-    let message = serde_json::from_slice::<Value>(&bytes).ok();
     let method = message
         .as_ref()
         .and_then(|m| m.get("method"))
         .and_then(Value::as_str);
     match (method, message.as_ref().and_then(|m| m.get("id"))) {
-        (Some("tools/call"), Some(id)) => {
-            let id = id.clone();
-            let message = message.unwrap_or_default();
-            door.call(parts, bytes, message, id).await
-        }
         (Some("notifications/cancelled"), None)
             if message
                 .as_ref()
@@ -198,7 +248,65 @@ async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Re
     }
 }
 
+/// Counts guarded tool calls sent as notifications, never forwarded.
+fn dropped_notifications(n: usize) {
+    if n > 0 {
+        tracing::info!(
+            dropped = n,
+            "a guarded tool call sent as a JSON-RPC notification (no id) was dropped, not \
+             forwarded: a call without an id can be neither answered nor told from its repeat"
+        );
+        crate::telemetry::record_mcp_notifications_dropped(n as u64);
+    }
+}
+
+/// A body the door does not forward, answered as JSON-RPC: an error for
+/// each of its requests (an array for a batch), or one error without an id
+/// (`400`, as MCP servers answer a message they cannot read).
+fn refused_envelope(refusal: &envelope::Refusal) -> Response {
+    let error = |id: &Value| {
+        messages::error(
+            id,
+            refusal.code,
+            &format!("idemgate: {}", refusal.why),
+            None,
+        )
+    };
+    if refusal.ids.is_empty() {
+        let mut res = messages::answer(Form::Json, &error(&Value::Null), HeaderMap::new());
+        *res.status_mut() = StatusCode::BAD_REQUEST;
+        return res;
+    }
+    let message = if refusal.batch {
+        Value::Array(refusal.ids.iter().map(error).collect())
+    } else {
+        error(&refusal.ids[0])
+    };
+    messages::answer(Form::Json, &message, HeaderMap::new())
+}
+
 impl McpDoorState {
+    /// A request's whole body, within the body limit; else the answer.
+    async fn read(&self, body: Body) -> Result<Bytes, Response> {
+        match http_body_util::Limited::new(body, self.max_body_bytes)
+            .collect()
+            .await
+        {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(e) => {
+                let e = if e.is::<http_body_util::LengthLimitError>() {
+                    ApiError::PayloadTooLarge(format!(
+                        "the request body is over {} bytes",
+                        self.max_body_bytes
+                    ))
+                } else {
+                    ApiError::InvalidRequest(format!("the request body could not be read: {e}"))
+                };
+                Err(e.into_response())
+            }
+        }
+    }
+
     async fn forward(&self, req: Request<Body>) -> Response {
         match self.client.clone().oneshot(req).await {
             Ok(res) => res,
@@ -261,9 +369,14 @@ impl McpDoorState {
             Err(why) => return asker.refused(&ApiError::KeyInvalid(why)),
         };
         match key {
-            Some(key) => match sf_string(&key) {
+            Some((key, set_by)) => match sf_string(&key) {
                 Some(value) => {
                     parts.headers.insert(self.key_header.clone(), value);
+                    if set_by == SetBy::Model {
+                        // The model's keys never meet the runtime's: a
+                        // model cannot pre-empt, replay or refuse them.
+                        parts.extensions.insert(ModelKey);
+                    }
                 }
                 None => {
                     let e = ApiError::KeyInvalid(
@@ -295,12 +408,26 @@ impl McpDoorState {
     }
 }
 
+/// Who set a call's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SetBy {
+    /// `_meta` or the key header: a runtime.
+    Runtime,
+    /// The `idempotency_key` argument: a model, whose keys live in a scope
+    /// of their own (`ModelKey`).
+    Model,
+}
+
 /// The call's key, first found: its `_meta["dev.idemgate/idempotency-key"]`
 /// and the key header (`in_header`: then `None`, the layer reads it), set
 /// by a runtime; then its `idempotency_key` argument, set by a model. The
 /// argument is taken out of the call either way (`strip`: unless the tool
 /// declares it), so the server never sees a key the runtime's overrode.
-fn take_key(message: &mut Value, strip: bool, in_header: bool) -> Result<Option<String>, String> {
+fn take_key(
+    message: &mut Value,
+    strip: bool,
+    in_header: bool,
+) -> Result<Option<(String, SetBy)>, String> {
     let argument = message
         .pointer_mut("/params/arguments")
         .and_then(Value::as_object_mut)
@@ -312,7 +439,7 @@ fn take_key(message: &mut Value, strip: bool, in_header: bool) -> Result<Option<
             }
         });
     match message.pointer(&format!("/params/_meta/{}", META_KEY.replace('/', "~1"))) {
-        Some(Value::String(key)) => return Ok(Some(key.clone())),
+        Some(Value::String(key)) => return Ok(Some((key.clone(), SetBy::Runtime))),
         Some(_) => return Err(format!("_meta[\"{META_KEY}\"] must be a string")),
         None => {}
     }
@@ -320,7 +447,7 @@ fn take_key(message: &mut Value, strip: bool, in_header: bool) -> Result<Option<
         return Ok(None);
     }
     match argument {
-        Some(Value::String(key)) => Ok(Some(key)),
+        Some(Value::String(key)) => Ok(Some((key, SetBy::Model))),
         Some(_) => Err(format!("the {KEY_ARGUMENT} argument must be a string")),
         None => Ok(None),
     }
@@ -592,14 +719,23 @@ mod tests {
     fn the_runtimes_key_comes_first_and_the_argument_is_removed_all_the_same() {
         let mut call = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
             "params": { "name": "charge", "arguments": { "amount": 5, "idempotency_key": "k1" } } });
-        assert_eq!(take_key(&mut call, true, false), Ok(Some("k1".into())));
+        assert_eq!(
+            take_key(&mut call, true, false),
+            Ok(Some(("k1".into(), SetBy::Model)))
+        );
         assert_eq!(call["params"]["arguments"], json!({ "amount": 5 }));
         let mut own = json!({ "params": { "arguments": { "idempotency_key": "k2" } } });
-        assert_eq!(take_key(&mut own, false, false), Ok(Some("k2".into())));
+        assert_eq!(
+            take_key(&mut own, false, false),
+            Ok(Some(("k2".into(), SetBy::Model)))
+        );
         assert_eq!(own["params"]["arguments"]["idempotency_key"], "k2");
         let mut meta = json!({ "params": { "arguments": {},
             "_meta": { "dev.idemgate/idempotency-key": "k3" } } });
-        assert_eq!(take_key(&mut meta, true, false), Ok(Some("k3".into())));
+        assert_eq!(
+            take_key(&mut meta, true, false),
+            Ok(Some(("k3".into(), SetBy::Runtime)))
+        );
         let mut bad = json!({ "params": { "arguments": { "idempotency_key": 7 } } });
         assert!(take_key(&mut bad, true, false).is_err());
         assert_eq!(
@@ -611,7 +747,10 @@ mod tests {
         let mut both = json!({ "params": {
             "arguments": { "amount": 5, "idempotency_key": "invented" },
             "_meta": { "dev.idemgate/idempotency-key": "runtime" } } });
-        assert_eq!(take_key(&mut both, true, false), Ok(Some("runtime".into())));
+        assert_eq!(
+            take_key(&mut both, true, false),
+            Ok(Some(("runtime".into(), SetBy::Runtime)))
+        );
         assert_eq!(both["params"]["arguments"], json!({ "amount": 5 }));
         let mut header = json!({ "params": {
             "arguments": { "amount": 5, "idempotency_key": 7 } } });
