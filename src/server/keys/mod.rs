@@ -400,7 +400,7 @@ fn names_of(
                 let parsed =
                     crate::key::parse_value(raw.as_bytes(), &crate::key::KeyPolicy::default())
                         .map_err(|e| anyhow::anyhow!("--model-key: {}", ApiError::from(e)))?;
-                hex::encode(parsed.in_model_scope().hash())
+                parsed.in_model_scope().hash()
             }
             None => bail!(
                 "name the key: KEY_HASH (as `keys list` shows it), or --key KEY to hash it here \
