@@ -122,16 +122,18 @@ struct SealKey {
 }
 
 /// The HMAC-SHA-256 keys a seal key names records with, each derived from it
-/// under a label of its own ([`Sealer::key_hash`] and its siblings).
+/// under a label of its own ([`Sealer::key_hash`] and its siblings), kept
+/// with the key's pads already hashed: a name then costs two blocks of
+/// SHA-256 more than its plain hash, not four.
 struct NameKeys {
-    key_hash: [u8; 32],
-    tenant: [u8; 32],
-    fingerprint: [u8; 32],
+    key_hash: hmac::Hmac<Sha256>,
+    tenant: hmac::Hmac<Sha256>,
+    fingerprint: hmac::Hmac<Sha256>,
 }
 
 impl NameKeys {
     fn new(key: &[u8; 32]) -> NameKeys {
-        let derive = |label: &[u8]| -> [u8; 32] { hmac_sha256(key, &[label]) };
+        let derive = |label: &[u8]| mac(&hmac_sha256(&mac(key), &[label]));
         NameKeys {
             key_hash: derive(b"idemgate v1 key hash"),
             tenant: derive(b"idemgate v1 tenant"),
@@ -140,11 +142,15 @@ impl NameKeys {
     }
 }
 
-/// HMAC-SHA-256 of the concatenation of `parts` under `key`.
-fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    use hmac::Mac;
-    let mut mac =
-        <hmac::Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes a key of any length");
+/// HMAC-SHA-256 under `key`, its pads hashed, ready to be cloned per message.
+fn mac(key: &[u8]) -> hmac::Hmac<Sha256> {
+    <hmac::Hmac<Sha256> as hmac::Mac>::new_from_slice(key).expect("HMAC takes a key of any length")
+}
+
+/// HMAC-SHA-256 of the concatenation of `parts` under the prepared `key`.
+fn hmac_sha256(key: &hmac::Hmac<Sha256>, parts: &[&[u8]]) -> [u8; 32] {
+    use hmac::Mac as _;
+    let mut mac = key.clone();
     for part in parts {
         mac.update(part);
     }
@@ -760,6 +766,90 @@ mod tests {
             Sealer::new(&[3; 32], &[]).open_recovery("acme", &[7; 32], "charged", &sealed),
             Err(OpenError::UnknownKey(_))
         ));
+    }
+
+    /// The names a seal key gives are a stored format: a change renames
+    /// every record, and a process that looked under the new names would
+    /// run their requests again. Pinned to HMAC-SHA-256 computed here by
+    /// its definition (RFC 2104), under the key derived with each label.
+    #[test]
+    fn keyed_names_are_hmac_sha256_under_a_derived_key_each() {
+        fn hmac(key: &[u8], message: &[u8]) -> [u8; 32] {
+            let mut block = [0u8; 64];
+            block[..key.len()].copy_from_slice(key);
+            let pad = |b: u8| block.iter().map(|k| k ^ b).collect::<Vec<u8>>();
+            let inner = Sha256::new()
+                .chain_update(pad(0x36))
+                .chain_update(message)
+                .finalize();
+            Sha256::new()
+                .chain_update(pad(0x5c))
+                .chain_update(inner)
+                .finalize()
+                .into()
+        }
+        let seal_key = [9u8; 32];
+        let a = Sealer::new(&seal_key, &[]);
+        let plain: [u8; 32] = Sha256::digest(b"order-42").into();
+        let derived = hmac(&seal_key, b"idemgate v1 key hash");
+        assert_eq!(a.key_hash(Naming::Keyed(0), &plain), hmac(&derived, &plain));
+        let derived = hmac(&seal_key, b"idemgate v1 tenant");
+        assert_eq!(
+            a.tenant(Naming::Keyed(0), "abc"),
+            hex::encode(hmac(&derived, b"abc"))
+        );
+        let derived = hmac(&seal_key, b"idemgate v1 fingerprint");
+        assert_eq!(
+            a.fingerprint(Naming::Keyed(0), "fp"),
+            hex::encode(hmac(&derived, b"fp"))
+        );
+        // Plain is the SHA-256 as it was; a previous key names as it did.
+        assert_eq!(a.key_hash(Naming::Plain, &plain), plain);
+        let rotated = Sealer::new(&[1; 32], &[seal_key]);
+        assert_eq!(
+            rotated.key_hash(Naming::Keyed(1), &plain),
+            a.key_hash(Naming::Keyed(0), &plain)
+        );
+        assert_ne!(
+            rotated.key_hash(Naming::Keyed(0), &plain),
+            a.key_hash(Naming::Keyed(0), &plain)
+        );
+    }
+
+    #[test]
+    fn a_checkpoint_sealed_whole_hides_its_point_and_opens_whole() {
+        let a = Sealer::new(&[1; 32], &[]);
+        let data = serde_json::json!({"charge": "ch_123"});
+        let (point, sealed) = a.seal_checkpoint("acme", &[7; 32], "charged-card", Some(&data));
+        assert_eq!(point, SEALED_POINT);
+        assert!(is_sealed_recovery(&sealed));
+        assert!(!sealed.to_string().contains("charged-card"));
+        let now = chrono::Utc::now();
+        let mut record = crate::store::Record {
+            tenant: "acme".into(),
+            key_hash: vec![7; 32],
+            fingerprint: None,
+            state: crate::store::KeyState::InFlight,
+            reservation_id: Uuid::new_v4(),
+            lease_expires_at: Some(now),
+            attempt: 1,
+            recovery: Some(crate::store::Recovery {
+                recovery_point: point,
+                data: Some(sealed),
+            }),
+            response: None,
+            created_at: now,
+            completed_at: None,
+            expires_at: now,
+            on_lease_expiry: crate::store::LeaseExpiry::Takeover,
+            resolution: None,
+            marked_unknown: None,
+            request: None,
+        };
+        open_record(Some(&a), &mut record).unwrap();
+        let recovery = record.recovery.unwrap();
+        assert_eq!(recovery.recovery_point, "charged-card");
+        assert_eq!(recovery.data, Some(data));
     }
 
     #[test]

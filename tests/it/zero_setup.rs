@@ -335,7 +335,9 @@ async fn a_second_process_on_one_sqlite_file_is_refused_naming_the_first() {
 
     // SIGKILL left the lock file behind; the kernel's lock went with the process.
     assert!(dir.path().join("idemgate.db.lock").exists());
-    let next = Served::spawn(bare(dir.path()), &[]).await;
+    // (With the same seal key: without it the next would not find the
+    // record, which is keyed, and refuses to start.)
+    let next = Served::spawn(bare(dir.path()), &["--seal-key", seal]).await;
     let again = reserve(&next.base(), &key).await;
     assert_eq!(again.status(), 409, "the record outlived its first server");
 }
