@@ -196,6 +196,7 @@ pub fn record_unknown(n: u64) {
 }
 
 /// Guarded MCP tool calls sent as notifications, dropped by the MCP door.
+#[cfg(feature = "server")]
 pub fn record_mcp_notifications_dropped(n: u64) {
     metrics::counter!("idemgate_mcp_notifications_dropped_total").increment(n);
 }
