@@ -1,5 +1,7 @@
 """An MCP server made with the official Python SDK (`mcp`), unchanged by
-idemgate: a write tool that charges, a slow one, and a read-only one. Every
+idemgate: a write tool that charges, a slow one, one that asks the user to
+confirm first (elicitation: a multi-round-trip call under 2026-07-28, a
+question mid-call under 2025-11-25), and a read-only one. Every
 execution of a write tool appends a line to $CHARGES_LOG, so a test counts
 what really ran; the slow one also logs its start (tool "slow_charge.started"),
 so a test sees a call in flight and whether it ran to its end.
@@ -16,7 +18,9 @@ import sys
 import uuid
 from typing import Any
 
-from mcp.server.mcpserver import MCPServer
+from typing import Annotated
+
+from mcp.server.mcpserver import Elicit, MCPServer, Resolve
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel
 
@@ -51,6 +55,26 @@ class Charge(BaseModel):
 @server.tool(description="Charge, with a typed result (the tool declares an outputSchema).")
 def typed_charge(customer: str, amount: int) -> Charge:
     return Charge(charge=_record("typed_charge", customer=customer, amount=amount), amount=amount)
+
+
+class Confirmation(BaseModel):
+    confirm: bool
+
+
+def _ask(customer: str, amount: int) -> Elicit[Confirmation]:
+    # Logged when asked, so a test sees the question reach the server.
+    with open(os.environ["CHARGES_LOG"], "a", encoding="utf-8") as log:
+        log.write(json.dumps({"tool": "confirmed_charge.asked", "customer": customer, "amount": amount}) + "\n")
+    return Elicit(f"Charge {customer} {amount}?", Confirmation)
+
+
+@server.tool(description="Charge, after asking the user to confirm (elicitation).")
+def confirmed_charge(
+    customer: str, amount: int, confirmation: Annotated[Confirmation, Resolve(_ask)]
+) -> dict[str, Any]:
+    if not confirmation.confirm:
+        return {"charge": None, "amount": amount}
+    return {"charge": _record("confirmed_charge", customer=customer, amount=amount), "amount": amount}
 
 
 @server.tool(description="A customer's balance.", annotations=ToolAnnotations(readOnlyHint=True))
