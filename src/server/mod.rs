@@ -82,6 +82,7 @@ pub async fn run(argv: Vec<OsString>) -> ExitCode {
     let exporting = exporter::init_tracing(json, otlp.as_deref());
     let result = match cli.command {
         Command::Serve(args) => wiring::serve(*args).await,
+        Command::Proxy(args) if args.stdio => stdio(*args, cli.config, &sources).await,
         Command::Proxy(args) => proxy::run(*args, cli.config).await,
         Command::Migrate(args) => migrate(args, json).await,
         Command::Prune(args) => prune_once(args, json).await,
@@ -143,6 +144,23 @@ fn report(json: bool, what: &str) {
     } else {
         say(&format!("idemgate: {what}"));
     }
+}
+
+/// `idemgate proxy --protocol mcp --stdio`: its store, unless one is set,
+/// in the user's data directory.
+async fn stdio(
+    mut args: config::ProxyArgs,
+    config: Option<PathBuf>,
+    sources: &config::Sources,
+) -> anyhow::Result<()> {
+    if matches!(
+        sources.origin("database_url"),
+        None | Some(config::Origin::Default(_))
+    ) {
+        args.validate()?;
+        args.store.database_url = proxy::stdio::default_database_url(&args.command)?;
+    }
+    proxy::stdio::run(args, config).await
 }
 
 async fn migrate(args: config::command::MigrateArgs, json: bool) -> anyhow::Result<()> {

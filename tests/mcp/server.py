@@ -7,6 +7,7 @@ what really ran; the slow one also logs its start (tool "slow_charge.started"),
 so a test sees a call in flight and whether it ran to its end.
 
     CHARGES_LOG=/tmp/charges python3 tests/mcp/server.py PORT [--json-response]
+    CHARGES_LOG=/tmp/charges python3 tests/mcp/server.py --stdio
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ def balance(customer: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    port = int(sys.argv[1])
-    json_response = "--json-response" in sys.argv[2:]
-    asyncio.run(server.run_streamable_http_async(port=port, json_response=json_response))
+    if sys.argv[1:] == ["--stdio"]:
+        # The SDK's stdio server: MCP on stdin and stdout, as an MCP host
+        # starts a local server (tests/mcp/test_stdio.py, behind idemgate's
+        # stdio door).
+        asyncio.run(server.run_stdio_async())
+    else:
+        port = int(sys.argv[1])
+        json_response = "--json-response" in sys.argv[2:]
+        asyncio.run(server.run_streamable_http_async(port=port, json_response=json_response))

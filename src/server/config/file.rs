@@ -117,6 +117,8 @@ pub fn merge(cmd: clap::Command, argv: Vec<OsString>) -> Result<Merged, ConfigEr
     }
 
     let mut argv = argv;
+    // Before a `--`, whose arguments are a command's (`proxy --stdio -- COMMAND`).
+    let mut at = argv.iter().position(|a| a == "--").unwrap_or(argv.len());
     let mut from_file = Vec::new();
     for (key, written, value) in settings {
         let Some(arg) = sub_cmd
@@ -154,7 +156,8 @@ pub fn merge(cmd: clap::Command, argv: Vec<OsString>) -> Result<Merged, ConfigEr
         })?;
         // Booleans too: they all take `--flag=true|false` (see
         // `config::boolean_style`).
-        argv.push(format!("--{long}={text}").into());
+        argv.insert(at, format!("--{long}={text}").into());
+        at += 1;
         from_file.push(FileSetting {
             id: key,
             key: written,

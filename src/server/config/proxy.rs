@@ -1,5 +1,6 @@
 //! Settings of `idemgate proxy`.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -123,6 +124,25 @@ pub struct ProxyArgs {
     #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_PROTOCOL", value_name = "http|mcp", default_value = "http",
           value_parser = ["http", "mcp"])]
     pub protocol: String,
+
+    /// With --protocol mcp: run `COMMAND [ARGS…]` (given after `--`) as the
+    /// MCP server over its stdin and stdout, and speak MCP to this process's
+    /// own client over idemgate's stdin and stdout, for an MCP host that
+    /// starts servers as commands: configure `idemgate proxy --protocol mcp
+    /// --stdio -- COMMAND ARGS…` as the server's command. The server's
+    /// stderr is idemgate's; idemgate logs to stderr only, and writes
+    /// nothing but MCP to stdout. No listener is opened (no --listen,
+    /// --admin-listen or --upstream). Unless DATABASE_URL is set, the
+    /// keys are kept in a SQLite file of the server's own in the user's
+    /// data directory ($XDG_DATA_HOME/idemgate/, else
+    /// ~/.local/share/idemgate/; on macOS ~/Library/Application
+    /// Support/idemgate/), named after the command.
+    #[arg(help_heading = heading::MCP, long, conflicts_with_all = ["upstream", "listen", "admin_listen"])]
+    pub stdio: bool,
+
+    /// With --stdio: the MCP server's command and its arguments, after `--`.
+    #[arg(value_name = "COMMAND", last = true)]
+    pub command: Vec<OsString>,
 
     /// With --protocol mcp: the tools that are guarded, comma-separated
     /// (`*` for all). Unset, every tool the server's tools/list does not
@@ -352,9 +372,14 @@ impl ProxyArgs {
                     .into(),
             });
         }
-        let upstream = self.upstream_uri()?;
+        self.validate_stdio()?;
+        let https = if self.stdio {
+            false
+        } else {
+            self.upstream_uri()?.scheme() == Some(&http::uri::Scheme::HTTPS)
+        };
         if let Some(path) = &self.upstream_ca_file
-            && upstream.scheme() != Some(&http::uri::Scheme::HTTPS)
+            && !https
         {
             return Err(ConfigError {
                 setting: "upstream_ca_file",
@@ -427,6 +452,35 @@ impl ProxyArgs {
         }
         self.run.tls.validate()?;
         self.policy.validate()
+    }
+
+    /// `--stdio` goes with `--protocol mcp` and a command, and a command
+    /// with `--stdio`.
+    fn validate_stdio(&self) -> Result<(), ConfigError> {
+        let stdio = |problem: &str| ConfigError {
+            setting: "stdio",
+            problem: problem.into(),
+        };
+        match (self.stdio, self.command.is_empty()) {
+            (true, _) if self.protocol != "mcp" => Err(stdio(
+                "runs an MCP server over stdio, but the protocol is not mcp; add --protocol mcp \
+                 (idemgate proxy --protocol mcp --stdio -- COMMAND ARGS…)",
+            )),
+            (true, true) => Err(stdio(
+                "needs the MCP server's command after `--` (idemgate proxy --protocol mcp \
+                 --stdio -- COMMAND ARGS…)",
+            )),
+            (false, false) => Err(ConfigError {
+                setting: "upstream",
+                problem: format!(
+                    "a command was given after `--` ({}), which only --stdio runs; add \
+                     --protocol mcp --stdio to run it as a stdio MCP server, or leave it out \
+                     and name the upstream URL",
+                    self.command[0].to_string_lossy()
+                ),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// The upstream as a URI: `http` or `https`, a host, and a path without

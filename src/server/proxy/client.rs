@@ -30,7 +30,7 @@ use http::uri::{Authority, Scheme};
 use http::{Request, StatusCode, Uri, Version, header};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use tower::Service;
+use tower::{Service, ServiceExt as _};
 use tracing::Instrument as _;
 
 use super::headers::to_upstream;
@@ -43,11 +43,24 @@ use crate::server::tls::{self, Connector, Trust};
 /// Forwards requests to one upstream.
 #[derive(Clone)]
 pub struct ProxyClient {
-    client: Client<Connector, Body>,
+    client: Via,
     upstream: Arc<Upstream>,
     /// Send the client's `Host` upstream instead of the upstream's own.
     preserve_host: bool,
 }
+
+/// How requests reach the upstream.
+#[derive(Clone)]
+enum Via {
+    /// Over HTTP, through the pool.
+    Pool(Client<Connector, Body>),
+    /// A service in this process (the stdio door's bridge to its server),
+    /// which marks its own answers [`NotExecuted`] or [`OutcomeUnknown`].
+    Local(LocalService),
+}
+
+/// A service in this process that answers as an upstream would.
+pub type LocalService = tower::util::BoxCloneSyncService<Request<Body>, Response, Infallible>;
 
 /// Where requests go.
 #[derive(Debug)]
@@ -124,7 +137,7 @@ impl ProxyClient {
         if idle_timeout.is_zero() {
             builder.pool_max_idle_per_host(0);
         }
-        let client = builder.build(connector);
+        let client = Via::Pool(builder.build(connector));
         Ok(ProxyClient {
             client,
             upstream: Arc::new(Upstream {
@@ -135,6 +148,23 @@ impl ProxyClient {
             }),
             preserve_host,
         })
+    }
+
+    /// A client whose upstream is `service`, in this process, named
+    /// `name` (an authority: the span's `server.address`): the stdio door's
+    /// MCP server. Requests go to it as they come (no forwarding headers,
+    /// no rewritten target).
+    pub fn local(service: LocalService, name: &'static str) -> ProxyClient {
+        ProxyClient {
+            client: Via::Local(service),
+            upstream: Arc::new(Upstream {
+                scheme: Scheme::HTTP,
+                authority: Authority::from_static(name),
+                base_path: String::new(),
+                endpoint: true,
+            }),
+            preserve_host: false,
+        }
     }
 
     /// This client with its upstream URL taken as one endpoint rather than a
@@ -157,6 +187,15 @@ impl ProxyClient {
     /// own 4xx/5xx. An upgrade request keeps its `Upgrade`, and a `101`
     /// switches both connections (`upgrade`).
     async fn forward(self, mut req: Request<Body>) -> Response {
+        let client = match &self.client {
+            Via::Pool(client) => client.clone(),
+            Via::Local(service) => {
+                return match service.clone().oneshot(req).await {
+                    Ok(res) => res,
+                    Err(never) => match never {},
+                };
+            }
+        };
         let asked = upgrade::Asked::take(&mut req);
         let mut req = match self.upstream_request_filter(req) {
             Ok(req) => req,
@@ -168,7 +207,7 @@ impl ProxyClient {
         // The upstream call's span is the upstream's parent, when traces are
         // exported; otherwise the client's traceparent goes on as it came.
         crate::server::otel::inject(req.headers_mut());
-        match self.client.request(req).await {
+        match client.request(req).await {
             Ok(res) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {
                 upgrade::switched(asked, res, &self.upstream.authority)
             }

@@ -17,6 +17,7 @@ pub mod client;
 pub mod headers;
 pub mod mcp;
 pub mod routes;
+pub mod stdio;
 mod upgrade;
 
 use std::path::PathBuf;
@@ -65,7 +66,6 @@ impl Proxy {
         routes: Vec<Route>,
         store: Arc<dyn Store>,
     ) -> Result<Proxy, ConfigError> {
-        crate::server::exporter::metrics_handle();
         let upstream = args.upstream_uri()?;
         let trust = match &args.upstream_ca_file {
             Some(path) => tls::Trust::CaFile(path),
@@ -79,8 +79,27 @@ impl Proxy {
             args.preserve_host,
             args.policy.max_body_bytes,
         )?;
+        let client = if args.protocol == "mcp" {
+            client.endpoint()
+        } else {
+            client
+        };
+        Proxy::build_over(args, routes, store, client)
+    }
+
+    /// [`Proxy::build`] with the upstream `client` given: the stdio door's
+    /// is its server's bridge.
+    ///
+    /// # Errors
+    /// A setting the engine refuses.
+    pub fn build_over(
+        args: &ProxyArgs,
+        routes: Vec<Route>,
+        store: Arc<dyn Store>,
+        client: ProxyClient,
+    ) -> Result<Proxy, ConfigError> {
+        crate::server::exporter::metrics_handle();
         let mcp = args.protocol == "mcp";
-        let client = if mcp { client.endpoint() } else { client };
         let mut policy = layer_policy(args, routes);
         if mcp {
             // A tool call's fingerprint is its name and arguments; an MCP
