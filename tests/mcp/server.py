@@ -89,7 +89,11 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--stdio"]:
         # The SDK's stdio server: MCP on stdin and stdout, as an MCP host
         # starts a local server (tests/mcp/test_stdio.py, behind idemgate's
-        # stdio door).
+        # stdio door). $MCP_SERVER_PIDFILE, if set, gets this process's pid:
+        # a test kills it mid-call.
+        if os.environ.get("MCP_SERVER_PIDFILE"):
+            with open(os.environ["MCP_SERVER_PIDFILE"], "w", encoding="utf-8") as f:
+                f.write(str(os.getpid()))
         asyncio.run(server.run_stdio_async())
     else:
         port = int(sys.argv[1])

@@ -127,15 +127,9 @@ fn database_file_name(command: &[OsString]) -> String {
     let mut slug = String::new();
     for arg in command {
         let arg = arg.to_string_lossy();
-        // A path names the program by its last part.
-        let arg = if slug.is_empty() {
-            arg.rsplit(['/', '\\'])
-                .next()
-                .unwrap_or_default()
-                .to_owned()
-        } else {
-            arg.into_owned()
-        };
+        // A path (the program's, a script's, a package's scope) by its
+        // last part.
+        let arg = arg.rsplit(['/', '\\']).next().unwrap_or_default();
         for c in arg.chars() {
             if c.is_ascii_alphanumeric() || c == '.' || c == '_' {
                 slug.push(c.to_ascii_lowercase());
@@ -203,22 +197,18 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
         version: Arc::new(Mutex::new(None)),
     };
     let mut calls = tokio::task::JoinSet::new();
-    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    let mut lines = stdin_lines();
     let signal = crate::server::serve::shutdown_signal();
     tokio::pin!(signal);
     let ended = loop {
         tokio::select! {
-            line = lines.next_line() => match line {
-                Ok(Some(line)) => {
+            line = lines.recv() => match line {
+                Some(line) => {
                     if !line.trim().is_empty() {
                         calls.spawn(door.clone().send(line));
                     }
                 }
-                Ok(None) => break Ended::Input,
-                Err(e) => {
-                    tracing::warn!(error = %e, "idemgate's stdin could not be read; stopping");
-                    break Ended::Input;
-                }
+                None => break Ended::Input,
             },
             status = child.wait() => break Ended::Child(status),
             () = &mut signal => break Ended::Signal,
@@ -288,6 +278,35 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     let _ = writing.await;
     tracing::info!("idemgate's MCP stdio door stopped");
     outcome
+}
+
+/// idemgate's stdin, line by line, read on a thread of its own: a read
+/// that waits for its client never holds up the process's exit (tokio's
+/// own stdin reads on its blocking pool, which the runtime waits for).
+fn stdin_lines() -> mpsc::UnboundedReceiver<String> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let spawned = std::thread::Builder::new()
+        .name("idemgate-stdin".into())
+        .spawn(move || {
+            use std::io::BufRead as _;
+            for line in std::io::stdin().lock().lines() {
+                match line {
+                    Ok(line) => {
+                        if tx.send(line).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "idemgate's stdin could not be read; stopping");
+                        return;
+                    }
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot start the thread that reads idemgate's stdin");
+    }
+    rx
 }
 
 /// Why the door's loop ended.
@@ -796,7 +815,7 @@ mod tests {
     fn a_command_names_its_own_file() {
         let cmd = |args: &[&str]| -> Vec<OsString> { args.iter().map(OsString::from).collect() };
         let a = database_file_name(&cmd(&["npx", "-y", "@example/payments-mcp"]));
-        assert!(a.starts_with("stdio-npx-y-example-payments-mcp-"), "{a}");
+        assert!(a.starts_with("stdio-npx-y-payments-mcp-"), "{a}");
         assert!(a.ends_with(".db"));
         let b = database_file_name(&cmd(&["/usr/bin/python3", "server.py", "--stdio"]));
         assert!(b.starts_with("stdio-python3-server.py-stdio-"), "{b}");
