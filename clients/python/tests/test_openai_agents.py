@@ -455,3 +455,41 @@ def test_a_door_killed_mid_call_never_charges_twice(tmp_path: Path, form: str) -
         assert len(rig.executions("slow_charge", who)) == charged
     finally:
         rig.stop()
+
+
+# --- the stdio door: MCPServerStdio ------------------------------------------------------------
+
+
+def test_through_the_stdio_door_two_runs_of_a_job_charge_once(tmp_path: Path) -> None:
+    """``idempotent_mcp_server`` with stdio params is the SDK's
+    ``MCPServerStdio`` running ``idemgate proxy --protocol mcp --stdio --
+    server.py --stdio``, as an MCP host would: each run starts its own door
+    and server, whose keys are kept in the data directory between them."""
+    binary = os.environ.get("IDEMGATE_BIN")
+    if not binary:
+        raise RuntimeError("set IDEMGATE_BIN to an idemgate binary (cargo build)")
+    log = tmp_path / "executions.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMGATE_") and k != "DATABASE_URL"}
+    env.update(CHARGES_LOG=str(log), XDG_DATA_HOME=str(tmp_path / "data"), RUST_LOG="warn")
+    params: Any = {"command": binary, "env": env,
+                   "args": ["proxy", "--protocol", "mcp", "--stdio", "--", sys.executable, str(SERVER), "--stdio"]}
+    order, who = job(), customer()
+
+    async def one_run(script: Script) -> str:
+        async with idempotent_mcp_server(params) as payments:
+            assert payments.__class__.__name__ == "IdempotentMCPServerStdio"
+            agent: Agent[Any] = Agent(name="billing", model=script, mcp_servers=[payments])
+            result = await Runner.run(agent, "charge the order", context=order, run_config=NO_TRACES)
+            return str(result.final_output)
+
+    first, second = Script([charge(who), charge(who), "done"]), Script([charge(who), "done"])
+    assert asyncio.run(one_run(first)) == "done"
+    assert asyncio.run(one_run(second)) == "done"
+    executed = [json.loads(line) for line in log.read_text().splitlines()]
+    executed = [e for e in executed if e["tool"] == "charge" and e["customer"] == who]
+    assert len(executed) == 1
+    assert charge_ids(first) == charge_ids(second) == {executed[0]["charge"]}
+    assert set(first.offered["charge"]["properties"]) == {"customer", "amount"}
+    with pytest.raises(KeyReused):
+        asyncio.run(one_run(Script([charge(who, amount=900), "done"])))
+    assert list((tmp_path / "data" / "idemgate").glob("stdio-*.db"))

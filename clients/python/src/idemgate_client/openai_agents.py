@@ -2,8 +2,10 @@
 keyed by the job, run at most once.
 
 :func:`idempotent_mcp_server` is the SDK's ``MCPServerStreamableHttp``,
-pointed at idemgate's MCP door (``idemgate proxy --protocol mcp``), with the
-caller's half of the key:
+pointed at idemgate's MCP door (``idemgate proxy --protocol mcp``), or its
+``MCPServerStdio``, running idemgate's stdio door in front of a local server
+(``{"command": "idemgate", "args": ["proxy", "--protocol", "mcp", "--stdio",
+"--", ...]}``), with the caller's half of the key:
 
 - **The runtime mints the key**, never the model. Every ``tools/call``
   carries ``_meta["dev.idemgate/idempotency-key"]`` (through the SDK's
@@ -81,7 +83,7 @@ from .keys import derive_key
 from .pydantic_ai import MissingOperation, Operation
 
 if TYPE_CHECKING:
-    from agents.mcp import MCPServerStreamableHttp, MCPServerStreamableHttpParams
+    from agents.mcp import MCPServerStdio, MCPServerStdioParams, MCPServerStreamableHttp, MCPServerStreamableHttpParams
     from agents.mcp.util import MCPToolMetaContext
     from agents.run_context import RunContextWrapper
     from agents.tool import ToolErrorFunction
@@ -185,7 +187,7 @@ def _stop_in(error: BaseException) -> BaseException | None:
 
 
 def idempotent_mcp_server(
-    params: MCPServerStreamableHttpParams,
+    params: MCPServerStreamableHttpParams | MCPServerStdioParams,
     *,
     operation: Operation | Callable[[Any], Operation] | None = None,
     step: Callable[[str, Mapping[str, Any]], str | int] | None = None,
@@ -194,10 +196,13 @@ def idempotent_mcp_server(
     max_retry_attempts: int = 2,
     failure_error_function: ToolErrorFunction | None | Literal["default"] = "default",
     **options: Any,
-) -> MCPServerStreamableHttp:
+) -> MCPServerStreamableHttp | MCPServerStdio:
     """An ``agents.mcp.MCPServerStreamableHttp`` for ``params`` (its ``url``
     the door's endpoint, ``http://host:port/mcp``) whose tool calls carry the
-    job's keys, with the model kept away from them (see the module's notes).
+    job's keys, with the model kept away from them (see the module's notes);
+    for stdio ``params`` (a ``command``: ``idemgate`` with ``["proxy",
+    "--protocol", "mcp", "--stdio", "--", SERVER, ...]``, the stdio door
+    in front of a local server), the same as an ``agents.mcp.MCPServerStdio``.
 
     ``operation``: the job's :class:`Operation`, or a function of the run's
     context that returns it (default: :func:`operation_in` of the context).
@@ -209,9 +214,10 @@ def idempotent_mcp_server(
     above the door's. ``max_retry_attempts``: the SDK's own retries of a
     failed call, under the same key. ``failure_error_function``: what the model is told of any other tool error
     (``"default"``: the SDK's own message; ``None``: such errors are raised).
-    Every other keyword goes to ``MCPServerStreamableHttp``; a
+    Every other keyword goes to ``MCPServerStreamableHttp`` (or
+    ``MCPServerStdio``); a
     ``tool_meta_resolver``'s ``_meta`` is sent too, with the key over it."""
-    from agents.mcp import MCPServerStreamableHttp
+    from agents.mcp import MCPServerStdio, MCPServerStreamableHttp
     from agents.tool import default_tool_error_function
 
     if wait_budget < 0:
@@ -249,6 +255,41 @@ def idempotent_mcp_server(
         message = fallback(context, error)
         return await message if inspect.isawaitable(message) else message
 
+    async def listed(server: Any, tools: list[Tool]) -> list[Tool]:
+        for tool in tools:
+            schema = tool.input_schema
+            if KEY_ARGUMENT not in (schema.get("properties") or {}):
+                continue
+            if KEY_ARGUMENT in (schema.get("required") or []):
+                server.keyed_by_the_tool = server.keyed_by_the_tool | {tool.name}
+                continue
+            schema["properties"] = _without_key(schema["properties"])
+        return tools
+
+    async def called(
+        server: Any,
+        call: Callable[[str, dict[str, Any] | None, dict[str, Any] | None], Any],
+        tool_name: str,
+        arguments: dict[str, Any] | None,
+        meta: dict[str, Any] | None,
+    ) -> CallToolResult:
+        if arguments and tool_name not in server.keyed_by_the_tool:
+            arguments = _without_key(arguments)
+        started = time.monotonic()
+        while True:
+            result = cast("CallToolResult", await call(tool_name, arguments, meta))
+            problem = _refusal(result)
+            if problem is None:
+                return result
+            refused = _refused(problem)
+            if refused.slug != "request-in-flight":
+                raise refused
+            waited = time.monotonic() - started
+            pause = max(refused.retry_after or 1.0, 0.2)
+            if waited + pause > wait_budget:
+                raise _in_run(InFlight)(str((meta or {}).get(KEY_META, "")), waited, _lease_end(problem))
+            await asyncio.sleep(pause)
+
     class IdempotentMCPServer(MCPServerStreamableHttp):
         """``MCPServerStreamableHttp`` with the job's keys (``idempotent_mcp_server``)."""
 
@@ -256,37 +297,37 @@ def idempotent_mcp_server(
         keyed_by_the_tool: frozenset[str] = frozenset()
 
         async def list_tools(self, run_context: RunContextWrapper[Any] | None = None, agent: Any = None) -> list[Tool]:
-            tools = await super().list_tools(run_context, agent)
-            for tool in tools:
-                schema = tool.input_schema
-                if KEY_ARGUMENT not in (schema.get("properties") or {}):
-                    continue
-                if KEY_ARGUMENT in (schema.get("required") or []):
-                    self.keyed_by_the_tool = self.keyed_by_the_tool | {tool.name}
-                    continue
-                schema["properties"] = _without_key(schema["properties"])
-            return tools
+            return await listed(self, await super().list_tools(run_context, agent))
 
         async def call_tool(
             self, tool_name: str, arguments: dict[str, Any] | None, meta: dict[str, Any] | None = None
         ) -> CallToolResult:
-            if arguments and tool_name not in self.keyed_by_the_tool:
-                arguments = _without_key(arguments)
-            started = time.monotonic()
-            while True:
-                result = await super().call_tool(tool_name, arguments, meta)
-                problem = _refusal(result)
-                if problem is None:
-                    return result
-                refused = _refused(problem)
-                if refused.slug != "request-in-flight":
-                    raise refused
-                waited = time.monotonic() - started
-                pause = max(refused.retry_after or 1.0, 0.2)
-                if waited + pause > wait_budget:
-                    raise _in_run(InFlight)(str((meta or {}).get(KEY_META, "")), waited, _lease_end(problem))
-                await asyncio.sleep(pause)
+            return await called(self, super().call_tool, tool_name, arguments, meta)
 
+    class IdempotentMCPServerStdio(MCPServerStdio):
+        """``MCPServerStdio`` with the job's keys (``idempotent_mcp_server``), for
+        ``idemgate proxy --protocol mcp --stdio -- COMMAND`` as its command."""
+
+        #: Tools whose own schema requires an ``idempotency_key``: left as they are.
+        keyed_by_the_tool: frozenset[str] = frozenset()
+
+        async def list_tools(self, run_context: RunContextWrapper[Any] | None = None, agent: Any = None) -> list[Tool]:
+            return await listed(self, await super().list_tools(run_context, agent))
+
+        async def call_tool(
+            self, tool_name: str, arguments: dict[str, Any] | None, meta: dict[str, Any] | None = None
+        ) -> CallToolResult:
+            return await called(self, super().call_tool, tool_name, arguments, meta)
+
+    if "command" in params:
+        return IdempotentMCPServerStdio(
+            cast("MCPServerStdioParams", params),
+            client_session_timeout_seconds=client_session_timeout_seconds,
+            max_retry_attempts=max_retry_attempts,
+            tool_meta_resolver=resolve,
+            failure_error_function=on_failure,
+            **options,
+        )
     return IdempotentMCPServer(
         params,
         client_session_timeout_seconds=client_session_timeout_seconds,
