@@ -2,7 +2,10 @@
  * MCP tool calls that run once per step: for the official TypeScript SDK's
  * `Client` (`@modelcontextprotocol/sdk`) or anything with its `callTool`, in
  * front of a server that honours an `idempotency_key` argument — one behind
- * `idemgate proxy --protocol mcp`, or one that dedupes itself.
+ * `idemgate proxy --protocol mcp`, or one that dedupes itself. Any transport:
+ * a local server the client starts as a command (`StdioClientTransport`)
+ * gets idemgate's stdio door by starting `idemgate proxy --protocol mcp
+ * --stdio -- COMMAND ARGS…` in its place.
  *
  * ```ts
  * const result = await callToolOnce(client, { name: "charge", arguments: { customer, amount } },

@@ -25,9 +25,9 @@ function repository(): string {
 
 export const ROOT = repository();
 const TARGET = resolve(ROOT, process.env["CARGO_TARGET_DIR"] ?? "target");
-const BIN = process.env["IDEMGATE_BIN"] ?? join(TARGET, "debug", "idemgate");
-const PYTHON = process.env["MCP_PYTHON"] ?? join(TARGET, "clients", "python", "bin", "python");
-const SERVER = join(ROOT, "tests", "mcp", "server.py");
+export const BIN = process.env["IDEMGATE_BIN"] ?? join(TARGET, "debug", "idemgate");
+export const PYTHON = process.env["MCP_PYTHON"] ?? join(TARGET, "clients", "python", "bin", "python");
+export const SERVER = join(ROOT, "tests", "mcp", "server.py");
 
 /** Each request's own bound: a call that never gets its answer fails in seconds, not the SDK's 60. */
 export const REQUEST = { timeout: 15_000 };
