@@ -51,7 +51,8 @@ pub enum Command {
     /// Run the reservation/commit API (default 127.0.0.1:8080).
     Serve(Box<ServeArgs>),
     /// Run the reverse proxy in front of --upstream (default 127.0.0.1:8081,
-    /// admin endpoints on 127.0.0.1:9090).
+    /// admin endpoints on 127.0.0.1:9090), or the MCP door in front of a
+    /// stdio MCP server (--protocol mcp --stdio -- COMMAND ARGS…).
     Proxy(Box<ProxyArgs>),
     /// Apply pending database migrations and exit; with --status, say what
     /// is applied, pending and connected, and change nothing.

@@ -137,7 +137,8 @@ pub struct ProxyArgs {
     /// data directory ($XDG_DATA_HOME/idemgate/, else
     /// ~/.local/share/idemgate/; on macOS ~/Library/Application
     /// Support/idemgate/), named after the command.
-    #[arg(help_heading = heading::MCP, long, conflicts_with_all = ["upstream", "listen", "admin_listen"])]
+    #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_STDIO",
+          conflicts_with_all = ["upstream", "listen", "admin_listen"])]
     pub stdio: bool,
 
     /// With --stdio: the MCP server's command and its arguments, after `--`.
