@@ -153,11 +153,25 @@ async fn stdio(
     config: Option<PathBuf>,
     sources: &config::Sources,
 ) -> anyhow::Result<()> {
-    if matches!(
-        sources.origin("database_url"),
-        None | Some(config::Origin::Default(_))
-    ) {
-        args.validate()?;
+    let unset = |setting: &str| {
+        matches!(
+            sources.origin(setting),
+            None | Some(config::Origin::Default(_))
+        )
+    };
+    args.validate()?;
+    for setting in ["listen", "admin_listen"] {
+        if !unset(setting) {
+            return Err(config::ConfigError {
+                setting,
+                problem: "is set, and so is {stdio}: the stdio door speaks MCP on stdin and \
+                          stdout, and opens no listener; set one"
+                    .into(),
+            }
+            .into());
+        }
+    }
+    if unset("database_url") {
         args.store.database_url = proxy::stdio::default_database_url(&args.command)?;
     }
     proxy::stdio::run(args, config).await

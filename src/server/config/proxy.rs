@@ -137,8 +137,7 @@ pub struct ProxyArgs {
     /// data directory ($XDG_DATA_HOME/idemgate/, else
     /// ~/.local/share/idemgate/; on macOS ~/Library/Application
     /// Support/idemgate/), named after the command.
-    #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_STDIO",
-          conflicts_with_all = ["upstream", "listen", "admin_listen"])]
+    #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_STDIO")]
     pub stdio: bool,
 
     /// With --stdio: the MCP server's command and its arguments, after `--`.
@@ -373,7 +372,6 @@ impl ProxyArgs {
                     .into(),
             });
         }
-        self.validate_stdio()?;
         let https = if self.stdio {
             false
         } else {
@@ -452,7 +450,8 @@ impl ProxyArgs {
             });
         }
         self.run.tls.validate()?;
-        self.policy.validate()
+        self.policy.validate()?;
+        self.validate_stdio()
     }
 
     /// `--stdio` goes with `--protocol mcp` and a command, and a command
@@ -467,6 +466,12 @@ impl ProxyArgs {
                 "runs an MCP server over stdio, but the protocol is not mcp; add --protocol mcp \
                  (idemgate proxy --protocol mcp --stdio -- COMMAND ARGS…)",
             )),
+            (true, _) if self.upstream.is_some() => Err(ConfigError {
+                setting: "upstream",
+                problem: "is set, and so is {stdio}, which runs the MCP server as a command \
+                          instead of forwarding to a URL; set one"
+                    .into(),
+            }),
             (true, true) => Err(stdio(
                 "needs the MCP server's command after `--` (idemgate proxy --protocol mcp \
                  --stdio -- COMMAND ARGS…)",

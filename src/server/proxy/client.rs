@@ -51,6 +51,10 @@ pub struct ProxyClient {
 
 /// How requests reach the upstream.
 #[derive(Clone)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per client, cloned per request: a box would allocate on every clone"
+)]
 enum Via {
     /// Over HTTP, through the pool.
     Pool(Client<Connector, Body>),
