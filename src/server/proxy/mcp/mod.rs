@@ -42,6 +42,7 @@
 pub mod envelope;
 mod messages;
 mod protocol;
+mod rounds;
 mod tools;
 mod upstream;
 
@@ -62,7 +63,7 @@ use self::protocol::Protocol;
 use self::tools::{Catalogue, KEY_ARGUMENT};
 use self::upstream::{CallId, McpUpstream, Running};
 use crate::key::ModelKey;
-use crate::layer::{Idempotency, IdempotencyLayer};
+use crate::layer::{HeldFor, Idempotency, IdempotencyLayer};
 use crate::problem::{ApiError, OwnProblem};
 use crate::server::proxy::ProxyClient;
 
@@ -115,8 +116,15 @@ pub fn router(
 }
 
 /// The JSON-Pointers a guarded call's fingerprint leaves out: the JSON-RPC
-/// id (new on every call) and `_meta` (progress tokens, the key).
-pub const FINGERPRINT_IGNORE: [&str; 2] = ["/id", "/params/_meta"];
+/// id (new on every call), `_meta` (progress tokens, the key), and what a
+/// later round of a call that asked for input adds to it (`rounds.rs`): every
+/// round of one call is the same call.
+pub const FINGERPRINT_IGNORE: [&str; 4] = [
+    "/id",
+    "/params/_meta",
+    "/params/inputResponses",
+    "/params/requestState",
+];
 
 /// How long a session's `DELETE` waits for its guarded calls before it is
 /// sent to the server all the same.
@@ -392,6 +400,10 @@ impl McpDoorState {
                     .await;
             }
         }
+        // A later round of a call that asked for input continues it.
+        if let Err(why) = rounds::continuing(&mut message, &mut parts.extensions) {
+            return asker.refused(&ApiError::InvalidRequest(why));
+        }
         let body = serde_json::to_vec(&message).unwrap_or_else(|_| bytes.to_vec());
         parts.headers.remove(http::header::CONTENT_LENGTH);
         parts.extensions.insert(CallId(id.clone()));
@@ -589,6 +601,11 @@ async fn answered(res: Response, asker: &Asker) -> Response {
         && (replayed || status != StatusCode::NOT_FOUND)
     {
         return error_status(res, asker, replayed).await;
+    }
+    if let Some(&HeldFor(held)) = res.extensions().get::<HeldFor>() {
+        // A question for the client: the round that answers it names the
+        // call it continues.
+        return rounds::naming_the_call(res, id, held).await;
     }
     if !replayed {
         return res;

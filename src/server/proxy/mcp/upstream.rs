@@ -29,7 +29,8 @@ use serde_json::Value;
 use tower::{Service, ServiceExt};
 
 use super::messages::{self, Form};
-use crate::layer::{NotExecuted, OutcomeUnknown};
+use super::rounds::{self, Declined};
+use crate::layer::{AwaitingInput, NotExecuted, OutcomeUnknown};
 use crate::problem::ApiError;
 use crate::server::proxy::ProxyClient;
 
@@ -142,17 +143,19 @@ impl Service<Request<Body>> for McpUpstream {
         let running = self.running.clone();
         Box::pin(async move {
             let id = req.extensions().get::<CallId>().map(|c| c.0.clone());
+            let declined = req.extensions().get::<Declined>().is_some();
             // Until the whole answer is read: the call runs on if its client
             // hangs up, in the layer's own task.
             let _running = id.as_ref().map(|id| running.start(req.headers(), id));
             let res = client.oneshot(req).await?;
-            Ok(told_apart(res, id).await)
+            Ok(told_apart(res, id, declined).await)
         })
     }
 }
 
-/// The upstream's answer, read whole and marked for the layer.
-async fn told_apart(res: Response, id: Option<Value>) -> Response {
+/// The upstream's answer, read whole and marked for the layer; `declined`:
+/// the call's round declined or cancelled the server's question.
+async fn told_apart(res: Response, id: Option<Value>, declined: bool) -> Response {
     let marked = |mut res: Response, unknown: bool| {
         if unknown {
             res.extensions_mut().insert(OutcomeUnknown);
@@ -208,6 +211,14 @@ async fn told_apart(res: Response, id: Option<Value>) -> Response {
                     marked(res, true)
                 }
                 None if response.get("error").is_some() => marked(res, true),
+                // A question for the client, not the call's outcome.
+                None if rounds::asks_for_input(response) => {
+                    let mut res = res;
+                    res.extensions_mut().insert(AwaitingInput);
+                    res
+                }
+                // The user said no, and the tool did not act.
+                None if declined && rounds::is_tool_error(response) => marked(res, false),
                 None => res,
             }
         }
