@@ -129,14 +129,15 @@ async def round_one(url: str, who: str, key: str) -> tuple[RawSession, dict[str,
     return raw, answer
 
 
-async def round_two(raw: RawSession, who: str, key: str, first: dict[str, Any], action: str = "accept") -> dict[str, Any]:
+async def round_two(raw: RawSession, who: str, key: str | None, first: dict[str, Any],
+                    action: str = "accept") -> dict[str, Any]:
     result = first["result"]
     [question] = result["inputRequests"]
     response = {"action": "accept", "content": {"confirm": True}} if action == "accept" else {"action": action}
     caps = {"io.modelcontextprotocol/clientCapabilities": {"elicitation": {"form": {}}}}
     params = raw.envelope({
         "name": "confirmed_charge", "arguments": {"customer": who, "amount": 7},
-        "_meta": {KEY_META: key, **caps},
+        "_meta": {**({KEY_META: key} if key else {}), **caps},
         "inputResponses": {question: response}, "requestState": result["requestState"],
     })
     body = {"jsonrpc": "2.0", "id": f"round-2-{uuid.uuid4().hex[:6]}", "method": "tools/call", "params": params}
@@ -165,13 +166,18 @@ async def test_the_question_passes_as_it_came_and_the_state_names_the_call(rig: 
         await raw.__aexit__()
 
 
-async def test_a_forged_state_is_refused_and_never_forwarded(rig: Rig) -> None:
+async def test_a_forged_state_or_a_round_without_its_key_is_refused_and_never_forwarded(rig: Rig) -> None:
     key = f"order-{uuid.uuid4()}"
     raw, first = await round_one(rig.url, rig.who or "", key)
     try:
+        state = first["result"]["requestState"]
         first["result"]["requestState"] = "idemgate.1.not-a-call.x"
         refused = await round_two(raw, rig.who or "", key, first)
         assert problem_type(refused["result"]) == "invalid-request", refused
+        # Nor a round that drops the key: unguarded, it would act outside its call.
+        first["result"]["requestState"] = state
+        keyless = await round_two(raw, rig.who or "", None, first)
+        assert problem_type(keyless["result"]) == "invalid-request", keyless
         assert rig.executions(CHARGED) == []
     finally:
         await raw.__aexit__()

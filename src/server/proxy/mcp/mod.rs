@@ -394,6 +394,15 @@ impl McpDoorState {
                 }
             },
             None if in_header || self.require_key => {}
+            None if rounds::names_a_call(&message) => {
+                // Unguarded, it would act outside the call its key holds.
+                let e = ApiError::InvalidRequest(
+                    "this round continues a call that was made with an idempotency key: send it \
+                     with the same key as the call's first round"
+                        .into(),
+                );
+                return asker.refused(&e);
+            }
             None => {
                 return self
                     .forward(Request::from_parts(parts, Body::from(bytes)))

@@ -87,6 +87,15 @@ pub(super) fn continuing(
     Ok(())
 }
 
+/// Whether `message` is a round of a call this door holds a key for (its
+/// `requestState` is one the door handed out).
+pub(super) fn names_a_call(message: &Value) -> bool {
+    message
+        .pointer("/params/requestState")
+        .and_then(Value::as_str)
+        .is_some_and(|state| state.starts_with(STATE_PREFIX))
+}
+
 /// Whether `responses` (a round's `inputResponses`) declines or cancels a
 /// question.
 fn declines(responses: Option<&Value>) -> bool {
