@@ -20,8 +20,8 @@ from typing import Any
 
 from typing import Annotated
 
-from mcp.server.mcpserver import Elicit, MCPServer, Resolve
-from mcp.types import ToolAnnotations
+from mcp.server.mcpserver import Elicit, ListRoots, MCPServer, Resolve, Sample
+from mcp.types import CreateMessageResult, ListRootsResult, SamplingMessage, TextContent, ToolAnnotations
 from pydantic import BaseModel
 
 server = MCPServer("payments")
@@ -75,6 +75,28 @@ def confirmed_charge(
     if not confirmation.confirm:
         return {"charge": None, "amount": amount}
     return {"charge": _record("confirmed_charge", customer=customer, amount=amount), "amount": amount}
+
+
+def _note(customer: str, amount: int) -> Sample:
+    question = TextContent(type="text", text=f"A one-line note for charging {customer} {amount}.")
+    return Sample([SamplingMessage(role="user", content=question)], max_tokens=50)
+
+
+def _roots() -> ListRoots:
+    return ListRoots()
+
+
+@server.tool(description="Charge, with a note the client's model writes (sampling) and the client's roots.")
+def noted_charge(
+    customer: str,
+    amount: int,
+    note: Annotated[CreateMessageResult, Resolve(_note)],
+    roots: Annotated[ListRootsResult, Resolve(_roots)],
+) -> dict[str, Any]:
+    text = note.content.text if isinstance(note.content, TextContent) else ""
+    where = [str(r.uri) for r in roots.roots]
+    return {"charge": _record("noted_charge", customer=customer, amount=amount, note=text, roots=where),
+            "amount": amount, "note": text, "roots": where}
 
 
 @server.tool(description="A customer's balance.", annotations=ToolAnnotations(readOnlyHint=True))
