@@ -1,7 +1,10 @@
 //! The service under the layer for guarded tool calls: the proxy's client,
-//! with the upstream's answer read whole and told apart for the layer. A
-//! tool call's event stream ends with its response, so nothing is held
-//! back that would come later; what the layer stores is the whole answer.
+//! with the upstream's answer read and told apart for the layer. A tool
+//! call's event stream ends with its response; what comes before it (the
+//! server's requests mid-call under 2025-11-25 — elicitation, sampling,
+//! roots — and its notifications, progress and logging) is passed to the
+//! door as it comes ([`Interim`]), and what the layer gets, and stores, is
+//! an event stream of the response alone. A JSON answer is read whole.
 //!
 //! * A JSON-RPC error that says the call never reached the tool (parse
 //!   error, invalid request, method not found, invalid params) or a `4xx`
@@ -20,13 +23,16 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::response::{IntoResponse, Response};
 use futures::future::BoxFuture;
 use http::Request;
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tower::{Service, ServiceExt};
+
+use futures::StreamExt;
+use tokio::sync::mpsc;
 
 use super::messages::{self, Form};
 use crate::layer::{NotExecuted, OutcomeUnknown};
@@ -42,6 +48,29 @@ const MOST: usize = 64 * 1024 * 1024;
 /// The JSON-RPC id of the tool call a request carries (an extension).
 #[derive(Debug, Clone)]
 pub(super) struct CallId(pub Value);
+
+/// Where the messages a guarded call's event stream carries before its
+/// response go as they come (an extension the door puts on the request):
+/// the response's head, then each message's event. Sent with
+/// backpressure, and never an error: a receiver that is gone (its client
+/// hung up) stops the passing, not the call.
+#[derive(Debug, Clone)]
+pub(super) struct Interim(pub mpsc::Sender<Passed>);
+
+/// What [`Interim`] carries.
+#[derive(Debug)]
+pub(super) enum Passed {
+    /// The head of the server's answer, before its first event.
+    Head(http::HeaderMap),
+    /// A message that is not the call's response, as one `message` event.
+    Event(Bytes),
+}
+
+/// An [`Interim`], and what receives from it.
+pub(super) fn interim() -> (Interim, mpsc::Receiver<Passed>) {
+    let (tx, rx) = mpsc::channel(16);
+    (Interim(tx), rx)
+}
 
 /// [`ProxyClient`] for guarded tool calls.
 #[derive(Clone)]
@@ -137,30 +166,113 @@ impl Service<Request<Body>> for McpUpstream {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
+    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
         let client = self.client.clone();
         let running = self.running.clone();
         Box::pin(async move {
             let id = req.extensions().get::<CallId>().map(|c| c.0.clone());
-            // Until the whole answer is read: the call runs on if its client
-            // hangs up, in the layer's own task.
+            // Not forwarded to the server: the sender lives as long as the
+            // reading of the answer.
+            let interim = req.extensions_mut().remove::<Interim>();
+            // Until the call's response is read: the call runs on if its
+            // client hangs up, in the layer's own task.
             let _running = id.as_ref().map(|id| running.start(req.headers(), id));
             let res = client.oneshot(req).await?;
-            Ok(told_apart(res, id).await)
+            Ok(told_apart(res, id, interim).await)
         })
     }
 }
 
-/// The upstream's answer, read whole and marked for the layer.
-async fn told_apart(res: Response, id: Option<Value>) -> Response {
-    let marked = |mut res: Response, unknown: bool| {
-        if unknown {
-            res.extensions_mut().insert(OutcomeUnknown);
-        } else {
-            res.extensions_mut().insert(NotExecuted);
+/// `res` marked for the layer: its outcome unknown, or not executed.
+fn marked(mut res: Response, unknown: bool) -> Response {
+    if unknown {
+        res.extensions_mut().insert(OutcomeUnknown);
+    } else {
+        res.extensions_mut().insert(NotExecuted);
+    }
+    res
+}
+
+/// The call's response found in the server's answer (`res` holds it),
+/// marked as its JSON-RPC error code says.
+fn responded(res: Response, response: &Value) -> Response {
+    let code = response.pointer("/error/code").and_then(Value::as_i64);
+    match code {
+        Some(code) if NOT_RUN.contains(&code) => marked(res, false),
+        Some(code) => {
+            tracing::warn!(
+                code,
+                "the MCP server answered a tool call with a JSON-RPC error, not its result; \
+                 whether the tool ran is unknown"
+            );
+            marked(res, true)
         }
-        res
-    };
+        None if response.get("error").is_some() => marked(res, true),
+        None => res,
+    }
+}
+
+/// The server's answer broke off, or ended without the call's response:
+/// whether the tool ran is unknown.
+fn broke_off(why: &str) -> Response {
+    let res = ApiError::UpstreamUnavailable(format!(
+        "the MCP server's answer {why}; whether the tool ran is unknown"
+    ))
+    .into_response();
+    marked(res, true)
+}
+
+/// A guarded call's event stream, read as it comes: each message before
+/// the call's response passed on through `interim` at once (an event
+/// without a JSON-RPC message is none: dropped), and the answer, for the
+/// layer, an event stream of the response alone. The stream is not read
+/// past the response, which ends the call.
+async fn event_stream(
+    mut parts: http::response::Parts,
+    body: Body,
+    id: &Value,
+    interim: Option<Interim>,
+) -> Response {
+    let mut passing = interim.map(|i| i.0);
+    let mut head = Some(parts.headers.clone());
+    let mut events = std::pin::pin!(messages::events(body, MOST));
+    while let Some(event) = events.next().await {
+        let data = match event {
+            Ok(data) => data,
+            Err(e) => {
+                tracing::warn!(error = %e, "the MCP server's answer to a tool call broke off");
+                return broke_off("broke off");
+            }
+        };
+        let Ok(message) = serde_json::from_str::<Value>(&data) else {
+            continue;
+        };
+        if messages::is_response_to(&message, id) {
+            parts.headers.remove(http::header::CONTENT_LENGTH);
+            let res = Response::from_parts(parts, Body::from(messages::event(&data)));
+            return responded(res, &message);
+        }
+        if let Some(tx) = &passing {
+            let mut sent = match head.take() {
+                Some(head) => tx.send(Passed::Head(head)).await.is_ok(),
+                None => true,
+            };
+            sent = sent && tx.send(Passed::Event(messages::event(&data))).await.is_ok();
+            if !sent {
+                // The client hung up: the call runs to its end all the same.
+                passing = None;
+            }
+        }
+    }
+    tracing::warn!(
+        "the MCP server's answer to a tool call ended without its response; whether the tool \
+         ran is unknown"
+    );
+    broke_off("ended without the call's response")
+}
+
+/// The upstream's answer, read and marked for the layer.
+async fn told_apart(res: Response, id: Option<Value>, interim: Option<Interim>) -> Response {
     if res.extensions().get::<NotExecuted>().is_some()
         || res.extensions().get::<OutcomeUnknown>().is_some()
     {
@@ -171,15 +283,18 @@ async fn told_apart(res: Response, id: Option<Value>) -> Response {
         return marked(res, false);
     }
     let (mut parts, body) = res.into_parts();
+    if let Some(id) = &id
+        && status.is_success()
+        && status != http::StatusCode::ACCEPTED
+        && Form::of(&parts.headers) == Some(Form::EventStream)
+    {
+        return event_stream(parts, body, id, interim).await;
+    }
     let bytes = match http_body_util::Limited::new(body, MOST).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) => {
             tracing::warn!(error = %e, "the MCP server's answer to a tool call broke off");
-            let res = ApiError::UpstreamUnavailable(
-                "the MCP server's answer broke off; whether the tool ran is unknown".into(),
-            )
-            .into_response();
-            return marked(res, true);
+            return broke_off("broke off");
         }
     };
     parts.headers.remove(http::header::CONTENT_LENGTH);
@@ -194,23 +309,7 @@ async fn told_apart(res: Response, id: Option<Value>) -> Response {
     };
     let messages = messages::read(form, &bytes).await;
     match messages::response_to(&messages, &id) {
-        Some(response) => {
-            let code = response.pointer("/error/code").and_then(Value::as_i64);
-            let res = whole(parts, bytes);
-            match code {
-                Some(code) if NOT_RUN.contains(&code) => marked(res, false),
-                Some(code) => {
-                    tracing::warn!(
-                        code,
-                        "the MCP server answered a tool call with a JSON-RPC error, not its \
-                         result; whether the tool ran is unknown"
-                    );
-                    marked(res, true)
-                }
-                None if response.get("error").is_some() => marked(res, true),
-                None => res,
-            }
-        }
+        Some(response) => responded(whole(parts, bytes), response),
         None if status.is_success() && status != http::StatusCode::ACCEPTED => {
             tracing::warn!(
                 "the MCP server's answer to a tool call ended without its response; whether the \
