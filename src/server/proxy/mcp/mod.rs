@@ -31,6 +31,12 @@
 //!   a store or upstream that is away as a JSON-RPC error. Every result the
 //!   door writes is valid under the protocol version the request names
 //!   (`protocol.rs`).
+//! * What a server sends on a guarded call's event stream before the call's
+//!   response (under 2025-11-25 its questions mid-call, elicitation,
+//!   sampling, roots, and its progress and logging notifications) reaches
+//!   the client as it comes (`asking`), and the client's answers, requests
+//!   of their own, are forwarded; only the response is the key's outcome
+//!   (`upstream.rs`).
 //! * A `notifications/cancelled` for a guarded call the server is running
 //!   is answered `202` and not forwarded: the call runs to its end and its
 //!   result is stored, as when an HTTP client hangs up. A session's `DELETE`

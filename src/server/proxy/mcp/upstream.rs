@@ -16,7 +16,8 @@
 //! * A release status (`IDEMGATE_RELEASE_STATUSES`) is released by the
 //!   layer; any other `5xx` is stored, as the HTTP door stores a `500`.
 //! * Anything else, a tool result with `isError` included, is stored: the
-//!   tool ran.
+//!   tool ran (the Python SDK answers a tool whose question the user
+//!   declined or cancelled so, having run nothing: that is its outcome).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
