@@ -20,6 +20,7 @@ released) and reports no progress.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -316,4 +317,52 @@ def test_a_client_gone_mid_question_charges_nothing_and_its_key_is_unknown(rig: 
     assert gone.questions() == ["elicitation/create"]
     assert problem_type(retried) == "outcome-unknown"
     assert rig.executions("confirmed_charge") == []
+    assert len(unknown_keys(rig)) == 1
+
+
+def test_a_server_killed_after_it_reported_progress_leaves_the_key_unknown(own_rig: Rig) -> None:
+    """A stream that breaks after messages passed on is no result: the
+    client gets a JSON-RPC error saying the outcome is unknown, and the key
+    is held outcome-unknown, never run again."""
+    rig = own_rig
+    if rig.json_response:
+        pytest.skip("a JSON answer carries no progress")
+    k = key()
+    args = {"customer": rig.who, "amount": 80, "steps": 8}
+    progress: list[float] = []
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        progress.append(done)
+
+    errors: list[str] = []
+
+    async def doomed() -> None:
+        async with legacy(rig.url, Client()) as s:
+            call_ = asyncio.create_task(call(s, "progress_charge", args, k, progress_callback=on_progress))
+            deadline = time.monotonic() + 5
+            while not progress and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert rig.server is not None
+            rig.server.send_signal(signal.SIGKILL)
+            rig.server.wait()
+            try:
+                await call_
+            except RpcError as e:
+                errors.append(str(e))
+
+    try:
+        asyncio.run(doomed())
+    except BaseException:  # noqa: BLE001 - the session's teardown against a dead server
+        pass
+    assert progress, "no progress reached the client before the kill"
+    # The door's answer once the stream broke: a JSON-RPC error that says so.
+    assert len(errors) == 1 and "unknown" in errors[0], errors
+    rig.start_server()
+
+    async def again() -> Any:
+        async with legacy(rig.url, Client()) as s:
+            return await call(s, "progress_charge", args, k)
+
+    assert problem_type(asyncio.run(again())) == "outcome-unknown"
+    assert rig.executions("progress_charge") == []
     assert len(unknown_keys(rig)) == 1
