@@ -44,6 +44,9 @@ from door_rig import Rig
 from official import KEY_META, RawSession, RpcError, problem_type
 
 LEGACY = "2025-11-25"
+# The tests of questions asked: only a server that answers with an event
+# stream can ask mid-call (the rig fixture's other form answers JSON).
+EVENT_STREAM = pytest.mark.parametrize("rig", ["event-stream"], indirect=True)
 MEMO = "Thanks for your order."
 
 
@@ -153,12 +156,11 @@ def test_an_accepted_question_reaches_the_client_once_and_the_call_charges_once(
     assert len(rig.executions("confirmed_charge")) == 1
 
 
+@EVENT_STREAM
 @pytest.mark.parametrize("action", ["decline", "cancel"])
 def test_a_declined_or_cancelled_question_charges_nothing_and_its_retry_replays_it(
     rig: Rig, action: str
 ) -> None:
-    if rig.json_response:
-        pytest.skip("the server cannot ask in its JSON mode (the accepted test covers it)")
     k, first, again = key(), Client(action=action), Client()
     args = {"customer": rig.who, "amount": 300}
 
@@ -185,9 +187,8 @@ def test_a_declined_or_cancelled_question_charges_nothing_and_its_retry_replays_
     assert unknown_keys(rig) == []
 
 
+@EVENT_STREAM
 def test_a_repeat_gets_the_result_alone_with_its_own_id(rig: Rig) -> None:
-    if rig.json_response:
-        pytest.skip("the server cannot ask in its JSON mode")
     k, first = key(), Client()
     args = {"customer": rig.who, "amount": 25}
 
@@ -211,9 +212,8 @@ def test_a_repeat_gets_the_result_alone_with_its_own_id(rig: Rig) -> None:
     assert len(rig.executions("confirmed_charge")) == 1
 
 
+@EVENT_STREAM
 def test_sampling_and_roots_requests_mid_call_reach_the_client(rig: Rig) -> None:
-    if rig.json_response:
-        pytest.skip("the server cannot ask in its JSON mode")
     k, first, again = key(), Client(), Client()
     args = {"customer": rig.who, "amount": 40}
 
@@ -265,9 +265,8 @@ def test_progress_reaches_the_client_during_the_call(rig: Rig) -> None:
     assert answered - progress[0][1] > 0.5, (answered, progress)
 
 
+@EVENT_STREAM
 def test_a_repeat_while_the_first_waits_for_its_answer_is_held_and_replayed(rig: Rig) -> None:
-    if rig.json_response:
-        pytest.skip("the server cannot ask in its JSON mode")
     k = key()
     args = {"customer": rig.who, "amount": 55}
     # The first client takes a second to answer; its answer reaches the
@@ -294,14 +293,13 @@ def test_a_repeat_while_the_first_waits_for_its_answer_is_held_and_replayed(rig:
     assert len(rig.executions("confirmed_charge")) == 1
 
 
+@EVENT_STREAM
 def test_a_client_gone_mid_question_charges_nothing_and_its_key_is_unknown(rig: Rig) -> None:
     """The official client, closing while a question is open, answers it with
     a JSON-RPC error (-32000 connection closed), and the SDK answers the call
     with that error. That is not the call's result, and the tool had started
     (it was asking): the key's outcome is unknown, never stored as a
     result and never run again — an operator settles it (docs/mcp.md)."""
-    if rig.json_response:
-        pytest.skip("the server cannot ask in its JSON mode")
     k = key()
     args = {"customer": rig.who, "amount": 65}
     gone = Client(delay=3600)
@@ -320,13 +318,12 @@ def test_a_client_gone_mid_question_charges_nothing_and_its_key_is_unknown(rig: 
     assert len(unknown_keys(rig)) == 1
 
 
+@pytest.mark.parametrize("own_rig", ["event-stream"], indirect=True)
 def test_a_server_killed_after_it_reported_progress_leaves_the_key_unknown(own_rig: Rig) -> None:
     """A stream that breaks after messages passed on is no result: the
     client gets a JSON-RPC error saying the outcome is unknown, and the key
     is held outcome-unknown, never run again."""
     rig = own_rig
-    if rig.json_response:
-        pytest.skip("a JSON answer carries no progress")
     k = key()
     args = {"customer": rig.who, "amount": 80, "steps": 8}
     progress: list[float] = []
