@@ -241,7 +241,7 @@ async def test_another_door_on_the_same_store_continues_the_call(tmp_path: Any, 
 
 
 async def test_sampling_and_roots_ride_the_same_rounds(rig: Rig) -> None:
-    """noted_charge asks the client's model for a note (sampling) and the
+    """memo_charge asks the client's model for a memo (sampling) and the
     client for its roots, both in one input_required round: charged once,
     with what the client answered, and the repeat replays without asking."""
     from mcp.types import CreateMessageResult, ListRootsResult, Root, TextContent
@@ -260,18 +260,18 @@ async def test_sampling_and_roots_ride_the_same_rounds(rig: Rig) -> None:
     async def noted(key: str) -> dict[str, Any]:
         async with Client(rig.url, sampling_callback=sampling, list_roots_callback=roots) as client:
             assert client.protocol_version == MODERN, client.protocol_version
-            result = await client.call_tool("noted_charge", {"customer": rig.who, "amount": 9},
+            result = await client.call_tool("memo_charge", {"customer": rig.who, "amount": 9},
                                             meta={KEY_META: key}, read_timeout_seconds=20)
             return dict(result.model_dump(by_alias=True, mode="json", exclude_none=True))
 
     key = f"order-{uuid.uuid4()}"
     first = await noted(key)
     assert first.get("isError") is not True, first
-    assert first["structuredContent"]["note"] == "for the blue order", first
+    assert first["structuredContent"]["memo"] == "for the blue order", first
     assert first["structuredContent"]["roots"] == ["file:///srv/orders"], first
     assert sorted(asked) == ["roots", "sampling"], asked
     asked.clear()
     repeat = await noted(key)
     assert repeat["structuredContent"] == first["structuredContent"], repeat
     assert asked == [], "a completed call is replayed, never asked again"
-    assert len(rig.executions("noted_charge")) == 1
+    assert len(rig.executions("memo_charge")) == 1

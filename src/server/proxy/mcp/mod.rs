@@ -31,6 +31,12 @@
 //!   a store or upstream that is away as a JSON-RPC error. Every result the
 //!   door writes is valid under the protocol version the request names
 //!   (`protocol.rs`).
+//! * What a server sends on a guarded call's event stream before the call's
+//!   response (under 2025-11-25 its questions mid-call, elicitation,
+//!   sampling, roots, and its progress and logging notifications) reaches
+//!   the client as it comes (`asking`), and the client's answers, requests
+//!   of their own, are forwarded; only the response is the key's outcome
+//!   (`upstream.rs`).
 //! * A `notifications/cancelled` for a guarded call the server is running
 //!   is answered `202` and not forwarded: the call runs to its end and its
 //!   result is stored, as when an HTTP client hangs up. A session's `DELETE`
@@ -61,7 +67,7 @@ use self::envelope::Envelope;
 use self::messages::Form;
 use self::protocol::Protocol;
 use self::tools::{Catalogue, KEY_ARGUMENT};
-use self::upstream::{CallId, McpUpstream, Running};
+use self::upstream::{CallId, McpUpstream, Passed, Running};
 use crate::key::ModelKey;
 use crate::layer::{HeldFor, Idempotency, IdempotencyLayer};
 use crate::problem::{ApiError, OwnProblem};
@@ -244,6 +250,14 @@ async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Re
             );
             StatusCode::ACCEPTED.into_response()
         }
+        (None, Some(_)) => {
+            // A client's answer to a question a guarded call asked it.
+            if let Some(message) = &message {
+                door.running.answered(&parts.headers, message);
+            }
+            door.forward(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
         (Some("tools/list"), Some(id)) => {
             let id = id.clone();
             door.list(Request::from_parts(parts, Body::from(bytes)), id)
@@ -416,17 +430,126 @@ impl McpDoorState {
         let body = serde_json::to_vec(&message).unwrap_or_else(|_| bytes.to_vec());
         parts.headers.remove(http::header::CONTENT_LENGTH);
         parts.extensions.insert(CallId(id.clone()));
-        let res = match self
+        // What the server asks mid-call reaches the client as it comes (`asking`).
+        let (interim, asked) = upstream::interim();
+        parts.extensions.insert(interim);
+        let call = self
             .guarded
             .clone()
-            .oneshot(Request::from_parts(parts, Body::from(body)))
-            .await
-        {
-            Ok(res) => res,
-            Err(never) => match never {},
-        };
-        answered(res, &asker).await
+            .oneshot(Request::from_parts(parts, Body::from(body)));
+        asking(call, asked, asker).await
     }
+}
+
+/// A guarded call's answer to its client: the layer's answer as
+/// [`answered`] makes it (a replay, a refusal, a JSON answer: the server
+/// asked nothing); or, once the server has sent a message on the call's
+/// event stream before its response (a question mid-call under 2025-11-25:
+/// elicitation, sampling, roots; a progress or logging notification), an
+/// event stream that passes each such message as it comes and ends with
+/// that answer. The client's answers to the questions come as requests of
+/// their own, forwarded. The layer runs the call in its own task: a client
+/// that hangs up stops only this stream.
+async fn asking(
+    call: impl Future<Output = Result<Response, std::convert::Infallible>> + Send + 'static,
+    mut asked: tokio::sync::mpsc::Receiver<Passed>,
+    asker: Asker,
+) -> Response {
+    let mut call = Box::pin(call);
+    let mut first = None;
+    while first.is_none() {
+        tokio::select! {
+            // What the server sent before its response comes first.
+            biased;
+            passed = asked.recv() => match passed {
+                Some(Passed::Head(head)) => first = Some(head),
+                Some(Passed::Event(_)) => {}
+                None => return answered(into_ok(call.await), &asker).await,
+            },
+            res = &mut call => return answered(into_ok(res), &asker).await,
+        }
+    }
+    let mut headers = first.unwrap_or_default();
+    headers.remove(http::header::CONTENT_LENGTH);
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    let (events, body) = tokio::sync::mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        let mut open = true;
+        let res = loop {
+            tokio::select! {
+                biased;
+                passed = asked.recv(), if open => match passed {
+                    Some(Passed::Event(event)) => {
+                        if events.send(event).await.is_err() {
+                            // The client hung up; the call runs on.
+                            return;
+                        }
+                    }
+                    Some(Passed::Head(_)) => {}
+                    None => open = false,
+                },
+                res = &mut call => break into_ok(res),
+            }
+        };
+        while let Ok(passed) = asked.try_recv() {
+            if let Passed::Event(event) = passed
+                && events.send(event).await.is_err()
+            {
+                return;
+            }
+        }
+        let last = as_event(answered(res, &asker).await, &asker).await;
+        let _ = events.send(last).await;
+    });
+    let body = futures::stream::unfold(body, |mut body| async move {
+        body.recv()
+            .await
+            .map(|event| (Ok::<_, std::convert::Infallible>(event), body))
+    });
+    let mut res = Response::new(Body::from_stream(body));
+    *res.headers_mut() = headers;
+    res
+}
+
+fn into_ok(res: Result<Response, std::convert::Infallible>) -> Response {
+    match res {
+        Ok(res) => res,
+        Err(never) => match never {},
+    }
+}
+
+/// An answer as the last event of a stream: its own events if it is an
+/// event stream, else its JSON-RPC message as one event (a JSON-RPC error
+/// where it holds none).
+async fn as_event(res: Response, asker: &Asker) -> Bytes {
+    let (parts, body) = res.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .unwrap_or_default();
+    match Form::of(&parts.headers) {
+        Some(Form::EventStream) => return bytes,
+        Some(Form::Json) => {
+            if let Ok(message) = serde_json::from_slice::<Value>(&bytes) {
+                return messages::event(&message.to_string());
+            }
+        }
+        None => {}
+    }
+    let message = messages::error(
+        &asker.id,
+        UNAVAILABLE,
+        &format!(
+            "idemgate: the answer to this call (HTTP {}) could not be passed on",
+            parts.status
+        ),
+        None,
+    );
+    messages::event(&message.to_string())
 }
 
 /// Who set a call's key.
