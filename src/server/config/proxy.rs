@@ -153,9 +153,8 @@ pub struct ProxyArgs {
     /// (params.arguments[NAME], set by a model: removed before the call is
     /// forwarded unless the tool declares it, its keys in a scope of their
     /// own; the first is the one tools/list offers). Runtime places come
-    /// first [default: meta:dev.idemgate/idempotency-key,
-    /// meta:idempotency-key,meta:idempotency_key,header,
-    /// argument:idempotency_key,argument:idempotencyKey].
+    /// first
+    /// [default: meta:dev.idemgate/idempotency-key,meta:idempotency-key,meta:idempotency_key,header,argument:idempotency_key,argument:idempotencyKey].
     #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_MCP_KEY_FROM",
           value_name = "PLACE,…", value_delimiter = ',', value_parser = KeyPlace::parse)]
     pub mcp_key_from: Option<Vec<KeyPlace>>,
