@@ -423,6 +423,23 @@ async fn a_task_augmented_call_runs_once(backend: Backend) {
     let untasked = json!({ "_meta": { "dev.idemgate/idempotency-key": "t-1" } });
     let answer = send(&door, &charge(6, 5, untasked), None).await;
     assert_eq!(refused_as(&answer), "key-reused");
+    // A task-augmented call's refusal is a JSON-RPC error (its client reads
+    // a task, and a tool result is none), the problem in its data.
+    let answer = send(&door, &charge(7, 9, tasked(60_000)), None).await;
+    assert_eq!(answer["id"], 7, "{answer}");
+    assert_eq!(answer["error"]["code"], -32000, "{answer}");
+    assert!(
+        answer["error"]["data"]["type"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("/key-reused")),
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("(key-reused)")),
+        "{answer}"
+    );
     assert_eq!(ran.count(), 1);
 }
 

@@ -537,6 +537,9 @@ struct Asker {
     headers: HeaderMap,
     protocol: Protocol,
     typed_output: bool,
+    /// A task-augmented call (`params.task`), whose client reads a task,
+    /// never a tool result.
+    tasked: bool,
 }
 
 impl Asker {
@@ -550,6 +553,9 @@ impl Asker {
             headers: accept,
             protocol: Protocol::of(headers, message),
             typed_output: false,
+            tasked: message
+                .pointer("/params/task")
+                .is_some_and(Value::is_object),
         }
     }
 
@@ -587,7 +593,11 @@ impl Asker {
     /// protocol before 2026-07-28: the TypeScript SDK of those versions
     /// checks an error result's `structuredContent` against that schema
     /// too, and would turn the refusal into a protocol error the model never
-    /// sees.
+    /// sees. A task-augmented call's refusal is a JSON-RPC error with the
+    /// same text and the problem as its `data`: its client reads the answer
+    /// as a `CreateTaskResult`, and a tool result would be a protocol error
+    /// there too (the TypeScript SDK's `-32603` listing what the schema
+    /// missed).
     fn problem_answer(&self, status: StatusCode, problem: Value) -> Response {
         let title = problem["title"].as_str().unwrap_or("Refused").to_owned();
         let detail = problem["detail"].as_str().unwrap_or_default().to_owned();
@@ -605,6 +615,10 @@ impl Asker {
                 text.push_str(&format!(
                     " Repeat the call with the same idempotency_key in {secs} s."
                 ));
+            }
+            if self.tasked {
+                let message = messages::error(&self.id, UNAVAILABLE, &text, Some(problem));
+                return messages::answer(self.form(Form::Json), &message, HeaderMap::new());
             }
             let structured: Map<String, Value> = problem.as_object().cloned().unwrap_or_default();
             let mut result = json!({
