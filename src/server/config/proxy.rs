@@ -137,9 +137,9 @@ pub struct ProxyArgs {
     )]
     pub mcp_tools: Option<Vec<String>>,
 
-    /// With --protocol mcp: add an optional `idempotency_key` argument to
-    /// each guarded tool's input schema in tools/list answers, for a model
-    /// to send. false leaves tools/list as the server wrote it, for a
+    /// With --protocol mcp: add an optional `idempotency_key` argument (the
+    /// first argument: place of IDEMGATE_MCP_KEY_FROM) to each guarded
+    /// tool's input schema in tools/list answers, for a model to send. false leaves tools/list as the server wrote it, for a
     /// runtime that sets the key itself (`_meta["dev.idemgate/idempotency-key"]`
     /// or the key header) and keeps it out of the model's view.
     #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_MCP_ADVERTISE_KEY", value_name = "true|false",
