@@ -757,7 +757,7 @@ impl Asker {
             }
             if let Some(secs) = problem["retry_after_seconds"].as_u64() {
                 text.push_str(&format!(
-                    " Repeat the call with the same idempotency_key in {secs} s."
+                    " Repeat the call with the same idempotency key in {secs} s."
                 ));
             }
             if self.tasked {
