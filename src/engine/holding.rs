@@ -136,7 +136,23 @@ impl Engine {
         id: Uuid,
         lease_seconds: u32,
     ) -> Result<Result<DateTime<Utc>, Refusal>, EngineError> {
-        match self.store.extend(tenant, id, lease_seconds, None).await? {
+        self.extend_as(tenant, id, lease_seconds, None).await
+    }
+
+    /// [`Engine::extend`], the lease's end meaning `on_lease_expiry` from
+    /// now on where it is given.
+    async fn extend_as(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        lease_seconds: u32,
+        on_lease_expiry: Option<LeaseExpiry>,
+    ) -> Result<Result<DateTime<Utc>, Refusal>, EngineError> {
+        match self
+            .store
+            .extend(tenant, id, lease_seconds, on_lease_expiry)
+            .await?
+        {
             Some(until) => Ok(Ok(until)),
             None => self.refusal(tenant, id).await.map(Err),
         }
@@ -154,14 +170,8 @@ impl Engine {
         id: Uuid,
         lease_seconds: u32,
     ) -> Result<Result<DateTime<Utc>, Refusal>, EngineError> {
-        match self
-            .store
-            .extend(tenant, id, lease_seconds, Some(LeaseExpiry::Takeover))
-            .await?
-        {
-            Some(until) => Ok(Ok(until)),
-            None => self.refusal(tenant, id).await.map(Err),
-        }
+        self.extend_as(tenant, id, lease_seconds, Some(LeaseExpiry::Takeover))
+            .await
     }
 
     /// Records a recovery point for reservation `id`; with a seal key, its
