@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::decide::refusal_for;
 use super::{Committed, Engine, EngineError, Lookup, Refusal};
 use crate::spans;
-use crate::store::{KeyState, Record, Recovery, StoredResponse};
+use crate::store::{KeyState, LeaseExpiry, Record, Recovery, StoredResponse};
 
 impl Engine {
     /// Stores the response of reservation `id` and completes its key, in a
@@ -136,10 +136,42 @@ impl Engine {
         id: Uuid,
         lease_seconds: u32,
     ) -> Result<Result<DateTime<Utc>, Refusal>, EngineError> {
-        match self.store.extend(tenant, id, lease_seconds).await? {
+        self.extend_as(tenant, id, lease_seconds, None).await
+    }
+
+    /// [`Engine::extend`], the lease's end meaning `on_lease_expiry` from
+    /// now on where it is given.
+    async fn extend_as(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        lease_seconds: u32,
+        on_lease_expiry: Option<LeaseExpiry>,
+    ) -> Result<Result<DateTime<Utc>, Refusal>, EngineError> {
+        match self
+            .store
+            .extend(tenant, id, lease_seconds, on_lease_expiry)
+            .await?
+        {
             Some(until) => Ok(Ok(until)),
             None => self.refusal(tenant, id).await.map(Err),
         }
+    }
+
+    /// Keeps reservation `id`'s key held while its call waits for its
+    /// client's input (an MCP `input_required` answer, which is not the
+    /// call's outcome): its lease extended by `lease_seconds`, at whose end
+    /// the key is released (taken over by the next request) rather than held
+    /// unknown, for the call has said it has not completed. A round that
+    /// continues the call ([`Engine::resume`]) holds it as before.
+    pub async fn await_input(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        lease_seconds: u32,
+    ) -> Result<Result<DateTime<Utc>, Refusal>, EngineError> {
+        self.extend_as(tenant, id, lease_seconds, Some(LeaseExpiry::Takeover))
+            .await
     }
 
     /// Records a recovery point for reservation `id`; with a seal key, its

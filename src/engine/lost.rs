@@ -181,7 +181,7 @@ async fn settle(
     let key_hash = record.key_hash.clone();
     let settled = match record.on_lease_expiry {
         LeaseExpiry::Takeover => store
-            .extend(tenant, id, 0)
+            .extend(tenant, id, 0, None)
             .await?
             .map(|_| LostClaimSettledAs::LeaseEnded),
         LeaseExpiry::Hold => store

@@ -39,6 +39,53 @@ impl Engine {
         self.reserve_named(&primary, &others).await
     }
 
+    /// The reservation of a call that a later round continues (an MCP call
+    /// that asked its client for input, `input_required`): `id`, if it still
+    /// holds `req`'s key in flight under `req`'s fingerprint, its lease
+    /// extended and its end meaning `req.on_lease_expiry` again (the round
+    /// may act). `None` if `id` holds the key no longer (its lease ended, or
+    /// the key was completed or taken by another call): the round is then
+    /// reserved as any request is.
+    pub async fn resume(
+        &self,
+        req: &ReserveRequest,
+        id: Uuid,
+    ) -> Result<Option<super::Reservation>, EngineError> {
+        let named = primary(self, req);
+        let Some(found) = self.store.find_by_reservation(&named.tenant, id).await? else {
+            return Ok(None);
+        };
+        let record = &found.record;
+        let held = record.state == crate::store::KeyState::InFlight
+            && record.reservation_id == id
+            && record.key_hash == named.key_hash
+            && record.fingerprint == named.fingerprint
+            && record.lease_expires_at.is_some_and(|end| end > found.now);
+        if !held {
+            return Ok(None);
+        }
+        let Some(lease_expires_at) = self
+            .store
+            .extend(
+                &named.tenant,
+                id,
+                req.lease_seconds,
+                Some(req.on_lease_expiry),
+            )
+            .await?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(super::Reservation {
+            reservation_id: id,
+            attempt: record.attempt,
+            lease_expires_at,
+            expires_at: record.expires_at,
+            recovery: None,
+            tenant: (named.tenant != req.tenant).then_some(named.tenant),
+        }))
+    }
+
     /// [`Engine::reserve`] with the request's names as the store keeps them;
     /// `others` are the same request under the other namings a record of
     /// its key may be kept under.
@@ -300,6 +347,21 @@ const MAX_GIVE_WAY: u8 = 3;
 
 /// `req` with its names as `sealer` gives them under `naming`: the key hash,
 /// the fingerprint and, if derived from a credential, the tenant.
+/// `req` under the naming new records are kept under.
+fn primary(engine: &Engine, req: &ReserveRequest) -> ReserveRequest {
+    match &engine.sealer {
+        None => req.clone(),
+        Some(sealer) => {
+            let naming = sealer
+                .namings(engine.plain_window())
+                .into_iter()
+                .next()
+                .expect("a sealer names records one way at least");
+            named(sealer, req, naming)
+        }
+    }
+}
+
 fn named(sealer: &Sealer, req: &ReserveRequest, naming: Naming) -> ReserveRequest {
     ReserveRequest {
         tenant: if req.tenant_from_credential {

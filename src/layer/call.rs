@@ -72,7 +72,16 @@ impl Call {
         decided: oneshot::Sender<Decided>,
     ) {
         let reserved_at = Instant::now();
-        let decision = self.shared.engine.reserve(&request).await;
+        let decision = match self.req.extensions().get::<super::Resumes>() {
+            // A later round of a call that asked its client for input holds
+            // the key as that call did, if it still can.
+            Some(&super::Resumes(id)) => match self.shared.engine.resume(&request, id).await {
+                Ok(Some(reservation)) => Ok(ReserveOutcome::Reserved(reservation)),
+                Ok(None) => self.shared.engine.reserve(&request).await,
+                Err(e) => Err(e),
+            },
+            None => self.shared.engine.reserve(&request).await,
+        };
         let elapsed = started.elapsed();
         let reservation = match decision {
             Ok(ReserveOutcome::Reserved(reservation)) => reservation,

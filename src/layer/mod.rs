@@ -175,3 +175,29 @@ pub struct NotExecuted;
 /// `Takeover` it stays in flight until its lease ends.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OutcomeUnknown;
+
+/// Response extension: the answer asks its client for input before the call
+/// can complete (an MCP `input_required` result, SPEC §12), so it is not the
+/// call's outcome. It goes to the client and is never stored; the key stays
+/// held by this call, its lease extended, and is released at the lease's end
+/// unless a later round continues the call ([`Resumes`]). The layer marks
+/// the answer [`HeldFor`] with the reservation a round must name.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AwaitingInput;
+
+/// Response extension the layer sets on an [`AwaitingInput`] answer whose key
+/// it kept: the reservation that holds the key, which the round that
+/// continues the call names in [`Resumes`]. It is a capability (whoever names
+/// it continues the call, within the key's tenant, key and fingerprint):
+/// hand it only to the client that made the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldFor(pub uuid::Uuid);
+
+/// Request extension: this request continues the call that reservation `0`
+/// holds (a later round of an [`AwaitingInput`] call). If that reservation
+/// still holds the request's key under the request's fingerprint, the
+/// request holds the key as that call did, with no new claim; otherwise it
+/// is reserved as any request is (the key was released at its lease's end,
+/// or completed, or another call holds it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resumes(pub uuid::Uuid);

@@ -10,7 +10,7 @@ use futures::FutureExt;
 use http_body_util::BodyExt;
 
 use super::shared::{Inner, Shared};
-use super::{NotExecuted, OutcomeUnknown};
+use super::{AwaitingInput, NotExecuted, OutcomeUnknown};
 
 /// What the inner service produced.
 pub(super) enum Produced {
@@ -20,6 +20,8 @@ pub(super) enum Produced {
     NotExecuted(Response),
     /// Marked [`OutcomeUnknown`].
     Unknown(Response),
+    /// Marked [`AwaitingInput`]: not the call's outcome.
+    AwaitingInput(Response),
     /// The response with its whole body, which was there at once and is
     /// within the limit: stored before the client gets it.
     Whole(http::response::Parts, Bytes),
@@ -50,6 +52,9 @@ pub(super) async fn produce(
     }
     if res.extensions().get::<OutcomeUnknown>().is_some() {
         return Produced::Unknown(res);
+    }
+    if res.extensions().get::<AwaitingInput>().is_some() {
+        return Produced::AwaitingInput(res);
     }
     if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
         // Whatever the switched connection does is out of the layer's

@@ -126,12 +126,15 @@ pub trait HotPath: Send + Sync + 'static {
     ) -> Result<Option<Record>>;
     /// Forgets an in-flight key: it is new again at once. Returns its key hash.
     async fn release(&self, tenant: &str, reservation_id: Uuid) -> Result<Option<Vec<u8>>>;
-    /// Moves the lease end to now + `lease_seconds`.
+    /// Moves the lease end to now + `lease_seconds`; with `on_lease_expiry`,
+    /// the lease's end means that from now on (a call waiting for its
+    /// client's input is released at it, [`LeaseExpiry::Takeover`]).
     async fn extend(
         &self,
         tenant: &str,
         reservation_id: Uuid,
         lease_seconds: u32,
+        on_lease_expiry: Option<LeaseExpiry>,
     ) -> Result<Option<DateTime<Utc>>>;
     /// Records a recovery point.
     async fn checkpoint(

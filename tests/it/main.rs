@@ -37,6 +37,8 @@ mod lifecycle;
 mod limits;
 mod mcp;
 mod mcp_attacks;
+mod mcp_key_places;
+mod mcp_rounds;
 mod metrics;
 mod openapi;
 mod outage;

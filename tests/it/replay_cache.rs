@@ -400,10 +400,11 @@ impl HotPath for AnHourAhead {
         tenant: &str,
         id: Uuid,
         lease_seconds: u32,
+        on_lease_expiry: Option<idemgate::store::LeaseExpiry>,
     ) -> Result<Option<DateTime<Utc>>, StoreError> {
         Ok(self
             .0
-            .extend(tenant, id, lease_seconds)
+            .extend(tenant, id, lease_seconds, on_lease_expiry)
             .await?
             .map(|t| t + SKEW))
     }

@@ -437,6 +437,121 @@ async fn extend_keeps_the_key_held_past_the_original_lease(backend: Backend) {
     ));
 }
 
+/// A call that asked its client for input (an MCP `input_required` round)
+/// keeps its key for the round that continues it, which holds it as the call
+/// did, and only with the same key and fingerprint; one that no round
+/// continues is released at its lease's end, never held unknown, though
+/// its key was claimed under `hold`.
+async fn a_key_awaiting_input_is_resumed_by_its_call_or_released_at_its_lease_end(
+    backend: Backend,
+) {
+    let engine = backend.engine().await;
+    let hold = |req: ReserveRequest| ReserveRequest {
+        on_lease_expiry: idemgate::store::LeaseExpiry::Hold,
+        ..req
+    };
+    let continued = hold(request(fresh_key(), Some("call")));
+    let asked = reserved(reserve(&engine, &continued).await);
+    engine
+        .await_input(TENANT, asked.reservation_id, 30)
+        .await
+        .unwrap()
+        .expect("kept for the next round");
+    // Another call with the key waits, as for any call in flight.
+    in_flight(reserve(&engine, &continued).await);
+    // Not with another fingerprint, nor for another key, nor another tenant.
+    let other_call = hold(request(continued.key_hash, Some("other call")));
+    assert!(
+        engine
+            .resume(&other_call, asked.reservation_id)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let other_key = hold(request(fresh_key(), Some("call")));
+    assert!(
+        engine
+            .resume(&other_key, asked.reservation_id)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let other_tenant = ReserveRequest {
+        tenant: "someone-else".into(),
+        ..continued.clone()
+    };
+    assert!(
+        engine
+            .resume(&other_tenant, asked.reservation_id)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // The round that continues the call holds the key as the call did.
+    let resumed = engine
+        .resume(&continued, asked.reservation_id)
+        .await
+        .unwrap()
+        .expect("the call's own round continues it");
+    assert_eq!(resumed.reservation_id, asked.reservation_id);
+    assert_eq!(resumed.attempt, 1);
+    assert!(matches!(
+        commit(&engine, resumed.reservation_id, &response("confirmed")).await,
+        Ok(Committed::Now(_))
+    ));
+    // Completed: a later round resumes nothing, and its reserve replays.
+    assert!(
+        engine
+            .resume(&continued, asked.reservation_id)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    completed(reserve(&engine, &continued).await);
+
+    // A round once more sent may act again: the lease's end means `hold`.
+    let acting = hold(with_lease(request(fresh_key(), Some("call")), 1));
+    let first = reserved(reserve(&engine, &acting).await);
+    engine
+        .await_input(TENANT, first.reservation_id, 1)
+        .await
+        .unwrap()
+        .expect("kept");
+    engine
+        .resume(&acting, first.reservation_id)
+        .await
+        .unwrap()
+        .expect("resumed");
+    tokio::time::sleep(PAST_ONE_SECOND).await;
+    assert!(
+        matches!(
+            reserve(&engine, &acting).await,
+            ReserveOutcome::Unknown { .. }
+        ),
+        "a resumed round that may have acted is held unknown at its lease's end"
+    );
+
+    // Nobody continues this one: at its lease's end it is released.
+    let abandoned = hold(with_lease(request(fresh_key(), Some("call")), 1));
+    let left = reserved(reserve(&engine, &abandoned).await);
+    engine
+        .await_input(TENANT, left.reservation_id, 1)
+        .await
+        .unwrap()
+        .expect("kept");
+    tokio::time::sleep(PAST_ONE_SECOND).await;
+    assert!(
+        engine
+            .resume(&abandoned, left.reservation_id)
+            .await
+            .unwrap()
+            .is_none(),
+        "past its lease the round is reserved afresh"
+    );
+    let again = reserved(reserve(&engine, &abandoned).await);
+    assert_eq!(again.attempt, 2, "taken over, never unknown");
+}
+
 async fn expired_keys_are_new_again_and_pruning_deletes_them(backend: Backend) {
     let engine = backend.engine().await;
     let (renewed, abandoned) = (fresh_key(), fresh_key());
@@ -808,6 +923,7 @@ both_stores! {
         release_makes_the_key_new_and_kills_the_id,
         takeover_after_the_lease_hands_on_recovery_and_fences_the_old_id,
         extend_keeps_the_key_held_past_the_original_lease,
+        a_key_awaiting_input_is_resumed_by_its_call_or_released_at_its_lease_end,
         the_stuck_count_follows_keys_as_they_stick_and_settle,
         expired_keys_are_new_again_and_pruning_deletes_them,
         unknown_ids_are_not_found,

@@ -21,8 +21,8 @@ from typing import Any
 
 from typing import Annotated
 
-from mcp.server.mcpserver import Elicit, MCPServer, Resolve
-from mcp.types import ToolAnnotations
+from mcp.server.mcpserver import Context, Elicit, ListRoots, MCPServer, Resolve, Sample
+from mcp.types import CreateMessageResult, ListRootsResult, SamplingMessage, TextContent, ToolAnnotations
 from pydantic import BaseModel
 
 server = MCPServer("payments")
@@ -83,6 +83,40 @@ def balance(customer: str) -> dict[str, Any]:
     with open(os.environ["CHARGES_LOG"], "a", encoding="utf-8") as log:
         log.write(json.dumps({"tool": "balance", "customer": customer}) + "\n")
     return {"customer": customer, "balance": 100}
+
+
+# Tools that tell or ask the client something mid-call (under 2025-11-25, on
+# the call's event stream; under 2026-07-28 a question is an input_required
+# round): progress notifications, a sampling request and a roots request.
+
+
+@server.tool(description="Charge, reporting progress `steps` times (a quarter second apart) first.")
+async def progress_charge(customer: str, amount: int, steps: int, ctx: Context) -> dict[str, Any]:
+    for step in range(steps):
+        await ctx.report_progress(step + 1, steps + 1, f"step {step + 1}")
+        await asyncio.sleep(0.25)
+    return {"charge": _record("progress_charge", customer=customer, amount=amount), "amount": amount}
+
+
+def _memo(customer: str, amount: int) -> Sample:
+    text = TextContent(type="text", text=f"A memo for charging {customer} {amount}.")
+    return Sample([SamplingMessage(role="user", content=text)], max_tokens=20)
+
+
+def _roots() -> ListRoots:
+    return ListRoots()
+
+
+@server.tool(description="Charge with a memo the client's model writes (sampling) and its roots (roots/list).")
+def memo_charge(
+    customer: str,
+    amount: int,
+    memo: Annotated[CreateMessageResult, Resolve(_memo)],
+    roots: Annotated[ListRootsResult, Resolve(_roots)],
+) -> dict[str, Any]:
+    text = memo.content.text if isinstance(memo.content, TextContent) else ""
+    charge = _record("memo_charge", customer=customer, amount=amount, memo=text, roots=len(roots.roots))
+    return {"charge": charge, "amount": amount, "memo": text, "roots": [str(r.uri) for r in roots.roots]}
 
 
 if __name__ == "__main__":

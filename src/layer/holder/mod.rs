@@ -63,6 +63,12 @@ pub(crate) enum SettledAs {
     /// The lease ended before the request was sent (this process was held
     /// up past it), and the key could not be kept: the request was not sent.
     NotSent,
+    /// The answer asks the client for input ([`AwaitingInput`]): nothing is
+    /// stored, and the key stays held for the round that continues the call
+    /// until its lease ends, then is released.
+    ///
+    /// [`AwaitingInput`]: crate::layer::AwaitingInput
+    AwaitingInput,
 }
 
 impl SettledAs {
@@ -79,6 +85,7 @@ impl SettledAs {
             SettledAs::Streaming => "streaming",
             SettledAs::NotStored => "not_stored",
             SettledAs::NotSent => "not_sent",
+            SettledAs::AwaitingInput => "awaiting_input",
         }
     }
 }
@@ -311,6 +318,14 @@ impl Holder {
                 self.release().await;
                 (SettledAs::Released, res)
             }
+            Produced::AwaitingInput(mut res) => {
+                let settled = self.await_input().await;
+                if settled == SettledAs::AwaitingInput {
+                    res.extensions_mut()
+                        .insert(crate::layer::HeldFor(self.reservation_id));
+                }
+                (settled, res)
+            }
             Produced::Unknown(res) => (
                 self.outcome_unknown("the inner service said its outcome is unknown")
                     .await,
@@ -345,6 +360,42 @@ impl Holder {
                 SettledAs::InFlight,
                 policy.problem(ApiError::Internal("a stream settled as a whole".into())),
             ),
+        }
+    }
+
+    /// Keeps the key held for the round that continues the call, until the
+    /// lease's end, when it is released. A store that cannot answer leaves
+    /// the key as the claim made it (its lease's end then means what the
+    /// claim said), and the round can still continue it until then.
+    async fn await_input(&self) -> SettledAs {
+        let seconds = u32::try_from(self.shared.policy.lease.as_secs())
+            .unwrap_or(u32::MAX)
+            .max(1);
+        match self
+            .shared
+            .engine
+            .await_input(&self.tenant, self.reservation_id, seconds)
+            .await
+        {
+            Ok(Ok(_)) => SettledAs::AwaitingInput,
+            Ok(Err(refusal)) => {
+                tracing::warn!(
+                    key.hash = %self.key_hash,
+                    reason = ?refusal,
+                    "the call asks its client for input, but its key has moved on: the next round \
+                     is reserved afresh"
+                );
+                SettledAs::NotStored
+            }
+            Err(e) => {
+                tracing::warn!(
+                    key.hash = %self.key_hash,
+                    error = %e,
+                    "the call asks its client for input, and the store could not extend its \
+                     lease; the next round can continue it until the lease ends"
+                );
+                SettledAs::AwaitingInput
+            }
         }
     }
 

@@ -11,6 +11,7 @@ use super::{
     AdminArgs, ConfigError, PolicyArgs, RunArgs, StoreArgs, boolean_style, heading, seconds,
 };
 use crate::layer::{TenantPart, TenantSource};
+use crate::server::proxy::mcp::places::{KeyFrom, KeyPlace};
 use crate::store::LeaseExpiry;
 
 /// Settings of `idemgate proxy`.
@@ -156,14 +157,27 @@ pub struct ProxyArgs {
     )]
     pub mcp_tools: Option<Vec<String>>,
 
-    /// With --protocol mcp: add an optional `idempotency_key` argument to
-    /// each guarded tool's input schema in tools/list answers, for a model
-    /// to send. false leaves tools/list as the server wrote it, for a
+    /// With --protocol mcp: add an optional `idempotency_key` argument (the
+    /// first argument: place of IDEMGATE_MCP_KEY_FROM) to each guarded
+    /// tool's input schema in tools/list answers, for a model to send. false leaves tools/list as the server wrote it, for a
     /// runtime that sets the key itself (`_meta["dev.idemgate/idempotency-key"]`
     /// or the key header) and keeps it out of the model's view.
     #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_MCP_ADVERTISE_KEY", value_name = "true|false",
           default_value_t = true, action = clap::ArgAction::Set)]
     pub mcp_advertise_key: bool,
+
+    /// With --protocol mcp: where a guarded tool call's key is read from,
+    /// comma-separated, first found wins: meta:NAME (params._meta[NAME]),
+    /// header (the key header), param:NAME (params[NAME], forwarded and
+    /// never fingerprinted), all set by a runtime; then argument:NAME
+    /// (params.arguments[NAME], set by a model: removed before the call is
+    /// forwarded unless the tool declares it, its keys in a scope of their
+    /// own; the first is the one tools/list offers). Runtime places come
+    /// first
+    /// [default: meta:dev.idemgate/idempotency-key,meta:idempotency-key,meta:idempotency_key,header,argument:idempotency_key,argument:idempotencyKey].
+    #[arg(help_heading = heading::MCP, long, env = "IDEMGATE_MCP_KEY_FROM",
+          value_name = "PLACE,…", value_delimiter = ',', value_parser = KeyPlace::parse)]
+    pub mcp_key_from: Option<Vec<KeyPlace>>,
 
     /// What a key's lease ending without news means (the proxy was killed,
     /// stalled or cut off from the database for longer than the lease):
@@ -362,6 +376,21 @@ impl ProxyArgs {
         }
     }
 
+    /// Where the MCP door reads a tool call's key: IDEMGATE_MCP_KEY_FROM,
+    /// or SPEC §12's default list.
+    ///
+    /// # Errors
+    /// A list the door must not start with ([`KeyFrom::new`]).
+    pub fn mcp_key_from(&self) -> Result<KeyFrom, ConfigError> {
+        match &self.mcp_key_from {
+            None => Ok(KeyFrom::default()),
+            Some(places) => KeyFrom::new(places.clone()).map_err(|problem| ConfigError {
+                setting: "mcp_key_from",
+                problem,
+            }),
+        }
+    }
+
     /// Refuses settings the proxy must not start with.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.tenant_from.is_some() && self.tenant_header.is_some() {
@@ -399,6 +428,17 @@ impl ProxyArgs {
                 ),
             });
         }
+        if self.mcp_key_from.is_some() && self.protocol != "mcp" {
+            return Err(ConfigError {
+                setting: "mcp_key_from",
+                problem: format!(
+                    "names where MCP tool calls carry their key, but the protocol is {:?}; set \
+                     IDEMGATE_PROTOCOL=mcp (--protocol mcp) for an MCP server's endpoint",
+                    self.protocol
+                ),
+            });
+        }
+        self.mcp_key_from()?;
         // The bound first: a timeout that follows a bound of 0 would be
         // refused in the bound's stead.
         if self.abandon_after().is_zero() {

@@ -106,7 +106,7 @@ impl Proxy {
             // client waits for a slow tool itself (its own timeout, an event
             // stream that stays open), so no 504 at the upstream timeout.
             policy.fingerprint_policy.ignore.extend(
-                mcp::FINGERPRINT_IGNORE
+                mcp::fingerprint_ignore(&args.mcp_key_from()?)
                     .iter()
                     .filter_map(|p| crate::fingerprint::JsonPointer::parse(p).ok()),
             );
@@ -125,8 +125,11 @@ impl Proxy {
                 &layer,
                 args.mcp_tools.clone(),
                 args.mcp_advertise_key,
-                key_header,
-                require_key,
+                mcp::Keys {
+                    from: args.mcp_key_from()?,
+                    header: key_header,
+                    require: require_key,
+                },
                 max_body_bytes,
             )
         } else {

@@ -132,8 +132,10 @@ pub(super) const MARK_UNKNOWN: &str = concat!(
     " RETURNING k.key_hash"
 );
 
+// $4: what the lease's end will mean from now on, else as it was (NULL).
 pub(super) const EXTEND: &str = concat!(
-    "UPDATE idempotency_keys k SET lease_expires_at = now() + make_interval(secs => $3) WHERE ",
+    "UPDATE idempotency_keys k SET lease_expires_at = now() + make_interval(secs => $3),
+            on_lease_expiry = COALESCE($4, k.on_lease_expiry) WHERE ",
     current_holder!("'in_flight'"),
     " RETURNING k.lease_expires_at"
 );

@@ -15,8 +15,8 @@ use super::sql::*;
 use super::write_batch::BATCH_WRITERS;
 use crate::store::{
     Claim, ClaimRequest, Found, HotPath, InFlightUsage, KeptRequest, KeyPage, KeyQuery,
-    Maintenance, PoolStats, PruneBatch, Queries, Record, Recovery, Resolve, ResolveAction, Result,
-    StoreError, StoredResponse, StoredUsage, Write, Written,
+    LeaseExpiry, Maintenance, PoolStats, PruneBatch, Queries, Record, Recovery, Resolve,
+    ResolveAction, Result, StoreError, StoredResponse, StoredUsage, Write, Written,
 };
 
 #[async_trait]
@@ -112,12 +112,14 @@ impl HotPath for PgStore {
         tenant: &str,
         reservation_id: Uuid,
         lease_seconds: u32,
+        on_lease_expiry: Option<LeaseExpiry>,
     ) -> Result<Option<DateTime<Utc>>> {
         self.fetch_scalar(
             sqlx::query_scalar(EXTEND)
                 .bind(tenant)
                 .bind(reservation_id)
-                .bind(f64::from(lease_seconds)),
+                .bind(f64::from(lease_seconds))
+                .bind(on_lease_expiry.map(LeaseExpiry::as_str)),
         )
         .await
     }

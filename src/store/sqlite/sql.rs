@@ -130,9 +130,11 @@ pub(super) const MARK_UNKNOWN: &str = concat!(
     " RETURNING key_hash"
 );
 
-// ?4 lease (ms).
+// ?4 lease (ms); ?5 what the lease's end will mean from now on, else as it
+// was (NULL).
 pub(super) const EXTEND: &str = concat!(
-    "UPDATE idempotency_keys SET lease_expires_at = ?3 + ?4 WHERE ",
+    "UPDATE idempotency_keys SET lease_expires_at = ?3 + ?4,
+            on_lease_expiry = COALESCE(?5, on_lease_expiry) WHERE ",
     current_holder!("'in_flight'"),
     " RETURNING lease_expires_at"
 );

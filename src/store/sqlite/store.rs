@@ -13,9 +13,9 @@ use super::tx::*;
 use rusqlite::params;
 
 use crate::store::{
-    Claim, ClaimRequest, Found, HotPath, InFlightUsage, KeyPage, KeyQuery, Maintenance, PoolStats,
-    PruneBatch, Queries, Record, Recovery, Resolve, ResolveAction, Result, StoreError,
-    StoredResponse, StoredUsage, Write, Written,
+    Claim, ClaimRequest, Found, HotPath, InFlightUsage, KeyPage, KeyQuery, LeaseExpiry,
+    Maintenance, PoolStats, PruneBatch, Queries, Record, Recovery, Resolve, ResolveAction, Result,
+    StoreError, StoredResponse, StoredUsage, Write, Written,
 };
 
 #[async_trait]
@@ -82,8 +82,10 @@ impl HotPath for SqliteStore {
         tenant: &str,
         reservation_id: Uuid,
         lease_seconds: u32,
+        on_lease_expiry: Option<LeaseExpiry>,
     ) -> Result<Option<DateTime<Utc>>> {
         let tenant = tenant.to_owned();
+        let on_lease_expiry = on_lease_expiry.map(LeaseExpiry::as_str);
         let until: Option<Option<i64>> = self
             .writer
             .write(move |conn| {
@@ -92,7 +94,13 @@ impl HotPath for SqliteStore {
                 value_row(
                     conn,
                     EXTEND,
-                    params![tenant, id, now_ms(), secs_ms(lease_seconds)],
+                    params![
+                        tenant,
+                        id,
+                        now_ms(),
+                        secs_ms(lease_seconds),
+                        on_lease_expiry
+                    ],
                 )
             })
             .await?;

@@ -90,6 +90,7 @@ impl HotPath for Faulty {
         tenant: &str,
         id: Uuid,
         lease_seconds: u32,
+        on_lease_expiry: Option<idemgate::store::LeaseExpiry>,
     ) -> Result<Option<DateTime<Utc>>, StoreError> {
         let refuse = self
             .refuse_extends
@@ -98,7 +99,9 @@ impl HotPath for Faulty {
         if refuse {
             return Err(StoreError::unavailable("the store is away"));
         }
-        self.inner.extend(tenant, id, lease_seconds).await
+        self.inner
+            .extend(tenant, id, lease_seconds, on_lease_expiry)
+            .await
     }
 
     async fn checkpoint(

@@ -1,6 +1,7 @@
 //! JSON-RPC messages as MCP's streamable HTTP carries them: one message as
 //! `application/json`, or server-sent events (`text/event-stream`) whose
-//! `data` are messages. Event streams are parsed by `eventsource-stream`.
+//! `data` are messages. Event streams are parsed by `eventsource-stream`,
+//! whole ([`read`]) or as they come ([`events`]).
 
 use axum::body::{Body, Bytes};
 use axum::response::Response;
@@ -85,12 +86,61 @@ pub(super) async fn read(form: Form, body: &Bytes) -> Vec<Value> {
     }
 }
 
+/// The events of an event stream's body as they come: each event's `data`
+/// (`\r\n`, multi-line data, comments, `id:` and `retry:` fields as the
+/// format has them; an event without data, such as the priming event a
+/// server sends for resumption, is no event here). An error when the body
+/// breaks off, is not UTF-8, or grows past `most` bytes.
+pub(super) fn events(
+    body: Body,
+    most: usize,
+) -> impl futures::Stream<Item = Result<String, String>> + Send {
+    use eventsource_stream::Eventsource;
+    let mut total = 0usize;
+    body.into_data_stream()
+        .map(move |chunk| {
+            let chunk = chunk.map_err(|e| e.to_string())?;
+            total += chunk.len();
+            if total > most {
+                return Err(format!("the event stream is over {most} bytes"));
+            }
+            Ok(chunk)
+        })
+        .eventsource()
+        .filter_map(|event| async move {
+            match event {
+                Ok(event) if event.data.is_empty() => None,
+                Ok(event) => Some(Ok(event.data)),
+                Err(e) => Some(Err(e.to_string())),
+            }
+        })
+}
+
+/// One `message` event whose `data` is `data` (a line of it for each of its
+/// lines), as a body or a part of one.
+pub(super) fn event(data: &str) -> Bytes {
+    let mut event = String::with_capacity(data.len() + 24);
+    event.push_str("event: message\n");
+    for line in data.split('\n') {
+        event.push_str("data: ");
+        event.push_str(line);
+        event.push('\n');
+    }
+    event.push('\n');
+    Bytes::from(event)
+}
+
+/// Whether `message` is the response to request `id` (a request of the
+/// server's own may have the same `id`: it has a `method`).
+pub(super) fn is_response_to(message: &Value, id: &Value) -> bool {
+    message.get("id") == Some(id)
+        && (message.get("result").is_some() || message.get("error").is_some())
+}
+
 /// The response to request `id` among `messages`: the last message with
 /// that id and a `result` or an `error`.
 pub(super) fn response_to<'a>(messages: &'a [Value], id: &Value) -> Option<&'a Value> {
-    messages.iter().rev().find(|m| {
-        m.get("id") == Some(id) && (m.get("result").is_some() || m.get("error").is_some())
-    })
+    messages.iter().rev().find(|m| is_response_to(m, id))
 }
 
 /// `message` as a `200` in `form`: the JSON itself, or one `message` event.
@@ -141,6 +191,56 @@ mod tests {
         let found = response_to(&messages, &json!(3)).unwrap();
         assert_eq!(found["result"]["x"], 1);
         assert!(response_to(&messages, &json!(4)).is_none());
+    }
+
+    #[tokio::test]
+    async fn an_event_stream_is_read_as_it_comes_however_it_is_cut() {
+        // The SDK's priming event (an id, empty data), a comment, a retry
+        // field, CRLF lines, data over two lines, a character of two bytes,
+        // and chunks cut anywhere.
+        let stream = "id: 0\r\ndata: \r\nretry: 3000\r\n\r\n: keep-alive\r\n\
+                      event: message\r\nid: 1\r\ndata: {\"jsonrpc\":\"2.0\",\r\n\
+                      data: \"method\":\"notifications/progress\"}\r\n\r\n\
+                      data: {\"jsonrpc\":\"2.0\",\"id\":3,\"result\":{\"x\":\"\u{e9}\"}}\n\n";
+        let bytes = stream.as_bytes();
+        for cut in 1..bytes.len() {
+            let (a, rest) = bytes.split_at(cut);
+            let (b, c) = rest.split_at(rest.len() / 2);
+            let chunks = [a, b, c].map(|p| Ok::<_, std::io::Error>(Bytes::copy_from_slice(p)));
+            let body = Body::from_stream(futures::stream::iter(chunks));
+            let got: Vec<String> = events(body, 1 << 20)
+                .map(|e| e.expect("an event"))
+                .collect()
+                .await;
+            assert_eq!(got.len(), 2, "cut at {cut}: {got:?}");
+            let first: Value = serde_json::from_str(&got[0]).expect("JSON");
+            assert_eq!(first["method"], "notifications/progress");
+            let second: Value = serde_json::from_str(&got[1]).expect("JSON");
+            assert!(is_response_to(&second, &json!(3)));
+            assert_eq!(second["result"]["x"], "\u{e9}");
+        }
+        // Past the limit, or broken off: an error, never an event.
+        let got: Vec<_> = events(Body::from(stream.to_owned()), 10).collect().await;
+        assert!(got.iter().any(Result::is_err), "{got:?}");
+        let broken = [
+            Ok(Bytes::from_static(b"data: {\"id\":3,")),
+            Err(std::io::Error::other("reset")),
+        ];
+        let body = Body::from_stream(futures::stream::iter(broken));
+        let got: Vec<_> = events(body, 1 << 20).collect().await;
+        assert!(matches!(got.as_slice(), [Err(_)]), "{got:?}");
+    }
+
+    #[tokio::test]
+    async fn an_event_is_one_message_event_however_many_lines_its_data_has() {
+        let data = "{\"a\":\n1}";
+        let event = event(data);
+        assert_eq!(&event[..], b"event: message\ndata: {\"a\":\ndata: 1}\n\n");
+        let messages = read(Form::EventStream, &event).await;
+        assert_eq!(messages, vec![json!({ "a": 1 })]);
+        // A server's request with the call's id is no response to it.
+        let request = json!({ "jsonrpc": "2.0", "id": 3, "method": "elicitation/create" });
+        assert!(!is_response_to(&request, &json!(3)));
     }
 
     #[test]

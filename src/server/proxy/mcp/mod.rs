@@ -7,11 +7,14 @@
 //!   protocol headers) but two messages: `tools/list` answers, whose guarded
 //!   tools gain an optional `idempotency_key` argument in their input schema
 //!   (`tools.rs`), and `tools/call` requests of guarded tools.
-//! * A guarded call's key is, first found, its
-//!   `params._meta["dev.idemgate/idempotency-key"]` or the key header (set
-//!   by a runtime, which mints keys from the attempt's identity), then its
-//!   `idempotency_key` argument (set by a model). The argument is removed
-//!   before the call is forwarded, unless the tool declares it. The call
+//! * A guarded call's key is the first found of the places
+//!   `IDEMGATE_MCP_KEY_FROM` names (`places.rs`): by default its
+//!   `params._meta["dev.idemgate/idempotency-key"]`, `_meta`'s
+//!   `idempotency-key` and `idempotency_key`, or the key header (set by a
+//!   runtime, which mints keys from the attempt's identity), then its
+//!   `idempotency_key` or `idempotencyKey` argument (set by a model). The
+//!   key arguments are removed before the call is forwarded, unless the
+//!   tool declares them. The call
 //!   then goes through the same layer as the HTTP door, with the key in the
 //!   header and a fingerprint over the tool's name and arguments (the
 //!   JSON-RPC `id` and `_meta` are ignored). A call without a key passes
@@ -31,6 +34,12 @@
 //!   a store or upstream that is away as a JSON-RPC error. Every result the
 //!   door writes is valid under the protocol version the request names
 //!   (`protocol.rs`).
+//! * What a server sends on a guarded call's event stream before the call's
+//!   response (under 2025-11-25 its questions mid-call, elicitation,
+//!   sampling, roots, and its progress and logging notifications) reaches
+//!   the client as it comes (`asking`), and the client's answers, requests
+//!   of their own, are forwarded; only the response is the key's outcome
+//!   (`upstream.rs`).
 //! * A `notifications/cancelled` for a guarded call the server is running
 //!   is answered `202` and not forwarded: the call runs to its end and its
 //!   result is stored, as when an HTTP client hangs up. A session's `DELETE`
@@ -41,7 +50,9 @@
 
 pub mod envelope;
 mod messages;
+pub mod places;
 mod protocol;
+mod rounds;
 mod tools;
 mod upstream;
 
@@ -58,16 +69,14 @@ use tower::{Layer, ServiceExt};
 
 use self::envelope::Envelope;
 use self::messages::Form;
+use self::places::{KeyFrom, KeyPlace};
 use self::protocol::Protocol;
-use self::tools::{Catalogue, KEY_ARGUMENT};
-use self::upstream::{CallId, McpUpstream, Running};
+use self::tools::Catalogue;
+use self::upstream::{CallId, McpUpstream, Passed, Running};
 use crate::key::ModelKey;
-use crate::layer::{Idempotency, IdempotencyLayer};
+use crate::layer::{HeldFor, Idempotency, IdempotencyLayer};
 use crate::problem::{ApiError, OwnProblem};
 use crate::server::proxy::ProxyClient;
-
-/// Where a call's `_meta` may carry the key.
-const META_KEY: &str = "dev.idemgate/idempotency-key";
 
 /// Where a refusal's `_meta` carries its problem.
 pub const PROBLEM_META: &str = "dev.idemgate/problem";
@@ -81,21 +90,33 @@ struct McpDoorState {
     guarded: Idempotency<McpUpstream>,
     running: Arc<Running>,
     catalogue: Catalogue,
+    key_from: KeyFrom,
     key_header: HeaderName,
     require_key: bool,
     max_body_bytes: usize,
 }
 
+/// Where the door finds a call's key, and what it does without one.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    /// The places, in order (`IDEMGATE_MCP_KEY_FROM`).
+    pub from: KeyFrom,
+    /// The key header (`IDEMGATE_KEY_HEADER`).
+    pub header: HeaderName,
+    /// Refuse a guarded call without a key (`IDEMGATE_REQUIRE_KEY`).
+    pub require: bool,
+}
+
 /// The router of the MCP door: `client` to the upstream, guarded calls
-/// through `layer`; `advertise_key` adds the key argument to guarded tools'
-/// schemas in `tools/list` answers.
+/// through `layer`; `advertise_key` adds the key argument (the first of
+/// `keys`' argument places) to guarded tools' schemas in `tools/list`
+/// answers.
 pub fn router(
     client: ProxyClient,
     layer: &IdempotencyLayer,
     guarded_tools: Option<Vec<String>>,
     advertise_key: bool,
-    key_header: HeaderName,
-    require_key: bool,
+    keys: Keys,
     max_body_bytes: usize,
 ) -> Router {
     let running = Arc::new(Running::default());
@@ -106,17 +127,47 @@ pub fn router(
         }),
         client,
         running,
-        catalogue: Catalogue::new(guarded_tools, advertise_key),
-        key_header,
-        require_key,
+        catalogue: Catalogue::new(
+            guarded_tools,
+            advertise_key,
+            keys.from.arguments().map(str::to_owned).collect(),
+        ),
+        key_from: keys.from,
+        key_header: keys.header,
+        require_key: keys.require,
         max_body_bytes,
     };
     Router::new().fallback(handle).with_state(Arc::new(door))
 }
 
 /// The JSON-Pointers a guarded call's fingerprint leaves out: the JSON-RPC
-/// id (new on every call) and `_meta` (progress tokens, the key).
-pub const FINGERPRINT_IGNORE: [&str; 2] = ["/id", "/params/_meta"];
+/// id (new on every call), `_meta` (progress tokens, the key), and what a
+/// later round of a call that asked for input adds to it (`rounds.rs`): every
+/// round of one call is the same call.
+pub const FINGERPRINT_IGNORE: [&str; 4] = [
+    "/id",
+    "/params/_meta",
+    "/params/inputResponses",
+    "/params/requestState",
+];
+
+/// What a task-augmented call (2025-11-25 Tasks) leaves out of its
+/// fingerprint: how long the server is asked to keep the task. Whether the
+/// call asks for a task at all stays in (`"task": {}`): a task and a tool
+/// result are two different answers.
+pub const TASK_TTL: &str = "/params/task/ttl";
+
+/// Every JSON-Pointer a guarded call's fingerprint leaves out, with keys
+/// read `from` those places: [`FINGERPRINT_IGNORE`], [`TASK_TTL`], and the
+/// `param:` places (forwarded, as servers that take them read them there).
+pub fn fingerprint_ignore(from: &KeyFrom) -> Vec<String> {
+    FINGERPRINT_IGNORE
+        .iter()
+        .map(|p| (*p).to_owned())
+        .chain([TASK_TTL.to_owned()])
+        .chain(from.unfingerprinted())
+        .collect()
+}
 
 /// How long a session's `DELETE` waits for its guarded calls before it is
 /// sent to the server all the same.
@@ -235,6 +286,14 @@ async fn handle(State(door): State<Arc<McpDoorState>>, req: Request<Body>) -> Re
                  its end, and its result is kept for the retry"
             );
             StatusCode::ACCEPTED.into_response()
+        }
+        (None, Some(_)) => {
+            // A client's answer to a question a guarded call asked it.
+            if let Some(message) = &message {
+                door.running.answered(&parts.headers, message);
+            }
+            door.forward(Request::from_parts(parts, Body::from(bytes)))
+                .await
         }
         (Some("tools/list"), Some(id)) => {
             let id = id.clone();
@@ -363,8 +422,10 @@ impl McpDoorState {
         }
         let tool = self.catalogue.tool(&name);
         let asker = asker.with_typed_output(tool.typed_output);
-        let in_header = parts.headers.contains_key(&self.key_header);
-        let key = match take_key(&mut message, !tool.declares_key, in_header) {
+        let reads_header = self.key_from.reads_header();
+        let in_header = reads_header && parts.headers.contains_key(&self.key_header);
+        let declares = |argument: &str| tool.declares(argument);
+        let key = match take_key(&mut message, &self.key_from, &declares, in_header) {
             Ok(key) => key,
             Err(why) => return asker.refused(&ApiError::KeyInvalid(why)),
         };
@@ -385,72 +446,222 @@ impl McpDoorState {
                     return asker.refused(&e);
                 }
             },
-            None if in_header || self.require_key => {}
+            None if in_header => {}
+            None if self.require_key => {
+                if !reads_header {
+                    // Not a place this door reads: the layer must not
+                    // read it either.
+                    parts.headers.remove(&self.key_header);
+                }
+            }
+            None if rounds::names_a_call(&message) => {
+                // Unguarded, it would act outside the call its key holds.
+                let e = ApiError::InvalidRequest(
+                    "this round continues a call that was made with an idempotency key: send it \
+                     with the same key as the call's first round"
+                        .into(),
+                );
+                return asker.refused(&e);
+            }
             None => {
                 return self
                     .forward(Request::from_parts(parts, Body::from(bytes)))
                     .await;
             }
         }
+        // A later round of a call that asked for input continues it.
+        if let Err(why) = rounds::continuing(&mut message, &mut parts.extensions) {
+            return asker.refused(&ApiError::InvalidRequest(why));
+        }
         let body = serde_json::to_vec(&message).unwrap_or_else(|_| bytes.to_vec());
         parts.headers.remove(http::header::CONTENT_LENGTH);
         parts.extensions.insert(CallId(id.clone()));
-        let res = match self
+        // What the server asks mid-call reaches the client as it comes (`asking`).
+        let (interim, asked) = upstream::interim();
+        parts.extensions.insert(interim);
+        let call = self
             .guarded
             .clone()
-            .oneshot(Request::from_parts(parts, Body::from(body)))
-            .await
-        {
-            Ok(res) => res,
-            Err(never) => match never {},
-        };
-        answered(res, &asker).await
+            .oneshot(Request::from_parts(parts, Body::from(body)));
+        asking(call, asked, asker).await
     }
+}
+
+/// A guarded call's answer to its client: the layer's answer as
+/// [`answered`] makes it (a replay, a refusal, a JSON answer: the server
+/// asked nothing); or, once the server has sent a message on the call's
+/// event stream before its response (a question mid-call under 2025-11-25:
+/// elicitation, sampling, roots; a progress or logging notification), an
+/// event stream that passes each such message as it comes and ends with
+/// that answer. The client's answers to the questions come as requests of
+/// their own, forwarded. The layer runs the call in its own task: a client
+/// that hangs up stops only this stream.
+async fn asking(
+    call: impl Future<Output = Result<Response, std::convert::Infallible>> + Send + 'static,
+    mut asked: tokio::sync::mpsc::Receiver<Passed>,
+    asker: Asker,
+) -> Response {
+    let mut call = Box::pin(call);
+    let mut first = None;
+    while first.is_none() {
+        tokio::select! {
+            // What the server sent before its response comes first.
+            biased;
+            passed = asked.recv() => match passed {
+                Some(Passed::Head(head)) => first = Some(head),
+                Some(Passed::Event(_)) => {}
+                None => return answered(into_ok(call.await), &asker).await,
+            },
+            res = &mut call => return answered(into_ok(res), &asker).await,
+        }
+    }
+    let mut headers = first.unwrap_or_default();
+    headers.remove(http::header::CONTENT_LENGTH);
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    let (events, body) = tokio::sync::mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        let mut open = true;
+        let res = loop {
+            tokio::select! {
+                biased;
+                passed = asked.recv(), if open => match passed {
+                    Some(Passed::Event(event)) => {
+                        if events.send(event).await.is_err() {
+                            // The client hung up; the call runs on.
+                            return;
+                        }
+                    }
+                    Some(Passed::Head(_)) => {}
+                    None => open = false,
+                },
+                res = &mut call => break into_ok(res),
+            }
+        };
+        while let Ok(passed) = asked.try_recv() {
+            if let Passed::Event(event) = passed
+                && events.send(event).await.is_err()
+            {
+                return;
+            }
+        }
+        let last = as_event(answered(res, &asker).await, &asker).await;
+        let _ = events.send(last).await;
+    });
+    let body = futures::stream::unfold(body, |mut body| async move {
+        body.recv()
+            .await
+            .map(|event| (Ok::<_, std::convert::Infallible>(event), body))
+    });
+    let mut res = Response::new(Body::from_stream(body));
+    *res.headers_mut() = headers;
+    res
+}
+
+fn into_ok(res: Result<Response, std::convert::Infallible>) -> Response {
+    match res {
+        Ok(res) => res,
+        Err(never) => match never {},
+    }
+}
+
+/// An answer as the last event of a stream: its own events if it is an
+/// event stream, else its JSON-RPC message as one event (a JSON-RPC error
+/// where it holds none).
+async fn as_event(res: Response, asker: &Asker) -> Bytes {
+    let (parts, body) = res.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .unwrap_or_default();
+    match Form::of(&parts.headers) {
+        Some(Form::EventStream) => return bytes,
+        Some(Form::Json) => {
+            if let Ok(message) = serde_json::from_slice::<Value>(&bytes) {
+                return messages::event(&message.to_string());
+            }
+        }
+        None => {}
+    }
+    let message = messages::error(
+        &asker.id,
+        UNAVAILABLE,
+        &format!(
+            "idemgate: the answer to this call (HTTP {}) could not be passed on",
+            parts.status
+        ),
+        None,
+    );
+    messages::event(&message.to_string())
 }
 
 /// Who set a call's key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SetBy {
-    /// `_meta` or the key header: a runtime.
+    /// A runtime place (`_meta`, the key header, a `param:`).
     Runtime,
-    /// The `idempotency_key` argument: a model, whose keys live in a scope
-    /// of their own (`ModelKey`).
+    /// An `argument:` place: a model, whose keys live in a scope of their
+    /// own (`ModelKey`).
     Model,
 }
 
-/// The call's key, first found: its `_meta["dev.idemgate/idempotency-key"]`
-/// and the key header (`in_header`: then `None`, the layer reads it), set
-/// by a runtime; then its `idempotency_key` argument, set by a model. The
-/// argument is taken out of the call either way (`strip`: unless the tool
-/// declares it), so the server never sees a key the runtime's overrode.
+/// The call's key, first found of the places `from` names (`in_header`:
+/// the key header is there; if it is found first, `None`: the layer reads
+/// it). A `null` is no key. Every argument that is a key place is taken out
+/// of the call either way, unless the tool declares it (`declares`), so the
+/// server never sees a key the runtime's overrode.
 fn take_key(
     message: &mut Value,
-    strip: bool,
+    from: &KeyFrom,
+    declares: &dyn Fn(&str) -> bool,
     in_header: bool,
 ) -> Result<Option<(String, SetBy)>, String> {
-    let argument = message
+    let mut arguments: Vec<(&str, Value)> = Vec::new();
+    if let Some(given) = message
         .pointer_mut("/params/arguments")
         .and_then(Value::as_object_mut)
-        .and_then(|arguments| {
-            if strip {
-                arguments.remove(KEY_ARGUMENT)
+    {
+        for name in from.arguments() {
+            let value = if declares(name) {
+                given.get(name).cloned()
             } else {
-                arguments.get(KEY_ARGUMENT).cloned()
+                given.remove(name)
+            };
+            if let Some(value) = value {
+                arguments.push((name, value));
             }
-        });
-    match message.pointer(&format!("/params/_meta/{}", META_KEY.replace('/', "~1"))) {
-        Some(Value::String(key)) => return Ok(Some((key.clone(), SetBy::Runtime))),
-        Some(_) => return Err(format!("_meta[\"{META_KEY}\"] must be a string")),
-        None => {}
+        }
     }
-    if in_header {
-        return Ok(None);
+    let params = message.get("params");
+    for place in from.places() {
+        let found = match place {
+            KeyPlace::Meta(name) => params
+                .and_then(|p| p.get("_meta"))
+                .and_then(|m| m.get(name))
+                .cloned(),
+            KeyPlace::Header if in_header => return Ok(None),
+            KeyPlace::Header => None,
+            KeyPlace::Param(name) => params.and_then(|p| p.get(name)).cloned(),
+            KeyPlace::Argument(name) => arguments
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone()),
+        };
+        let set_by = if place.is_models() {
+            SetBy::Model
+        } else {
+            SetBy::Runtime
+        };
+        match found {
+            None | Some(Value::Null) => {}
+            Some(Value::String(key)) => return Ok(Some((key, set_by))),
+            Some(_) => return Err(format!("{} must be a string", place.described())),
+        }
     }
-    match argument {
-        Some(Value::String(key)) => Ok(Some((key, SetBy::Model))),
-        Some(_) => Err(format!("the {KEY_ARGUMENT} argument must be a string")),
-        None => Ok(None),
-    }
+    Ok(None)
 }
 
 /// `key` as the header's sf-string, if it can be one.
@@ -470,6 +681,9 @@ struct Asker {
     headers: HeaderMap,
     protocol: Protocol,
     typed_output: bool,
+    /// A task-augmented call (`params.task`), whose client reads a task,
+    /// never a tool result.
+    tasked: bool,
 }
 
 impl Asker {
@@ -483,6 +697,9 @@ impl Asker {
             headers: accept,
             protocol: Protocol::of(headers, message),
             typed_output: false,
+            tasked: message
+                .pointer("/params/task")
+                .is_some_and(Value::is_object),
         }
     }
 
@@ -520,7 +737,11 @@ impl Asker {
     /// protocol before 2026-07-28: the TypeScript SDK of those versions
     /// checks an error result's `structuredContent` against that schema
     /// too, and would turn the refusal into a protocol error the model never
-    /// sees.
+    /// sees. A task-augmented call's refusal is a JSON-RPC error with the
+    /// same text and the problem as its `data`: its client reads the answer
+    /// as a `CreateTaskResult`, and a tool result would be a protocol error
+    /// there too (the TypeScript SDK's `-32603` listing what the schema
+    /// missed).
     fn problem_answer(&self, status: StatusCode, problem: Value) -> Response {
         let title = problem["title"].as_str().unwrap_or("Refused").to_owned();
         let detail = problem["detail"].as_str().unwrap_or_default().to_owned();
@@ -536,8 +757,12 @@ impl Asker {
             }
             if let Some(secs) = problem["retry_after_seconds"].as_u64() {
                 text.push_str(&format!(
-                    " Repeat the call with the same idempotency_key in {secs} s."
+                    " Repeat the call with the same idempotency key in {secs} s."
                 ));
+            }
+            if self.tasked {
+                let message = messages::error(&self.id, UNAVAILABLE, &text, Some(problem));
+                return messages::answer(self.form(Form::Json), &message, HeaderMap::new());
             }
             let structured: Map<String, Value> = problem.as_object().cloned().unwrap_or_default();
             let mut result = json!({
@@ -589,6 +814,11 @@ async fn answered(res: Response, asker: &Asker) -> Response {
         && (replayed || status != StatusCode::NOT_FOUND)
     {
         return error_status(res, asker, replayed).await;
+    }
+    if let Some(&HeldFor(held)) = res.extensions().get::<HeldFor>() {
+        // A question for the client: the round that answers it names the
+        // call it continues.
+        return rounds::naming_the_call(res, id, held).await;
     }
     if !replayed {
         return res;
@@ -715,47 +945,181 @@ async fn error_status(res: Response, asker: &Asker, replayed: bool) -> Response 
 mod tests {
     use super::*;
 
+    /// `take_key` with the default places, the tool declaring nothing
+    /// (`strip`) or `idempotency_key`.
+    fn take(
+        message: &mut Value,
+        strip: bool,
+        in_header: bool,
+    ) -> Result<Option<(String, SetBy)>, String> {
+        let declares = |name: &str| !strip && name == "idempotency_key";
+        take_key(message, &KeyFrom::default(), &declares, in_header)
+    }
+
+    fn key_from(list: &str) -> KeyFrom {
+        KeyFrom::new(
+            list.split(',')
+                .map(|p| KeyPlace::parse(p).unwrap())
+                .collect(),
+        )
+        .unwrap()
+    }
+
     #[test]
     fn the_runtimes_key_comes_first_and_the_argument_is_removed_all_the_same() {
         let mut call = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
             "params": { "name": "charge", "arguments": { "amount": 5, "idempotency_key": "k1" } } });
         assert_eq!(
-            take_key(&mut call, true, false),
+            take(&mut call, true, false),
             Ok(Some(("k1".into(), SetBy::Model)))
         );
         assert_eq!(call["params"]["arguments"], json!({ "amount": 5 }));
         let mut own = json!({ "params": { "arguments": { "idempotency_key": "k2" } } });
         assert_eq!(
-            take_key(&mut own, false, false),
+            take(&mut own, false, false),
             Ok(Some(("k2".into(), SetBy::Model)))
         );
         assert_eq!(own["params"]["arguments"]["idempotency_key"], "k2");
         let mut meta = json!({ "params": { "arguments": {},
             "_meta": { "dev.idemgate/idempotency-key": "k3" } } });
         assert_eq!(
-            take_key(&mut meta, true, false),
+            take(&mut meta, true, false),
             Ok(Some(("k3".into(), SetBy::Runtime)))
         );
         let mut bad = json!({ "params": { "arguments": { "idempotency_key": 7 } } });
-        assert!(take_key(&mut bad, true, false).is_err());
         assert_eq!(
-            take_key(&mut json!({ "params": {} }), true, false),
-            Ok(None)
+            take(&mut bad, true, false),
+            Err("the idempotency_key argument must be a string".into())
         );
+        assert_eq!(take(&mut json!({ "params": {} }), true, false), Ok(None));
 
         // The runtime's key beats the model's, which the server never sees.
         let mut both = json!({ "params": {
             "arguments": { "amount": 5, "idempotency_key": "invented" },
             "_meta": { "dev.idemgate/idempotency-key": "runtime" } } });
         assert_eq!(
-            take_key(&mut both, true, false),
+            take(&mut both, true, false),
             Ok(Some(("runtime".into(), SetBy::Runtime)))
         );
         assert_eq!(both["params"]["arguments"], json!({ "amount": 5 }));
         let mut header = json!({ "params": {
             "arguments": { "amount": 5, "idempotency_key": 7 } } });
-        assert_eq!(take_key(&mut header, true, true), Ok(None));
+        assert_eq!(take(&mut header, true, true), Ok(None));
         assert_eq!(header["params"]["arguments"], json!({ "amount": 5 }));
+    }
+
+    #[test]
+    fn the_default_places_are_read_in_their_order() {
+        // The commerce protocols' _meta keys, UCP's and ACP's.
+        for name in ["idempotency-key", "idempotency_key"] {
+            let mut call = json!({ "params": { "arguments": { "amount": 5 },
+                "_meta": { name: "k" } } });
+            assert_eq!(
+                take(&mut call, true, false),
+                Ok(Some(("k".into(), SetBy::Runtime))),
+                "{name}"
+            );
+        }
+        // A camelCase argument: a model's, removed.
+        let mut camel =
+            json!({ "params": { "arguments": { "amount": 5, "idempotencyKey": "c" } } });
+        assert_eq!(
+            take(&mut camel, true, false),
+            Ok(Some(("c".into(), SetBy::Model)))
+        );
+        assert_eq!(camel["params"]["arguments"], json!({ "amount": 5 }));
+        // Both arguments: the first place's wins, and neither is forwarded.
+        let mut two = json!({ "params": { "arguments": {
+            "idempotencyKey": "second", "idempotency_key": "first" } } });
+        assert_eq!(
+            take(&mut two, true, false),
+            Ok(Some(("first".into(), SetBy::Model)))
+        );
+        assert_eq!(two["params"]["arguments"], json!({}));
+        // idemgate's own _meta key before the commerce protocols'.
+        let mut metas = json!({ "params": { "_meta": {
+            "idempotency_key": "acp", "dev.idemgate/idempotency-key": "own" } } });
+        assert_eq!(
+            take(&mut metas, true, false),
+            Ok(Some(("own".into(), SetBy::Runtime)))
+        );
+        // The header comes after the _meta places, before the arguments.
+        let mut header = json!({ "params": { "_meta": { "idempotency-key": "m" },
+            "arguments": { "idempotencyKey": "a" } } });
+        assert_eq!(
+            take(&mut header, true, true),
+            Ok(Some(("m".into(), SetBy::Runtime)))
+        );
+        assert_eq!(header["params"]["arguments"], json!({}));
+        // First found wins: a bad value later on is never looked at; a bad
+        // value found first is key-invalid.
+        let mut later = json!({ "params": { "_meta": { "idempotency-key": "m" },
+            "arguments": { "idempotencyKey": 7 } } });
+        assert_eq!(
+            take(&mut later, true, false),
+            Ok(Some(("m".into(), SetBy::Runtime)))
+        );
+        let mut first = json!({ "params": { "_meta": { "idempotency-key": ["m"] },
+            "arguments": { "idempotencyKey": "a" } } });
+        assert_eq!(
+            take(&mut first, true, false),
+            Err("_meta[\"idempotency-key\"] must be a string".into())
+        );
+        // null is no key: the next place is read.
+        let mut null = json!({ "params": { "_meta": { "idempotency-key": null },
+            "arguments": { "idempotency_key": null, "idempotencyKey": "a" } } });
+        assert_eq!(
+            take(&mut null, true, false),
+            Ok(Some(("a".into(), SetBy::Model)))
+        );
+        // Not a default place: ignored, and left where it is.
+        let mut other = json!({ "params": { "idempotencyKey": "p",
+            "_meta": { "Idempotency-Key": "m" }, "arguments": { "key": "a" } } });
+        assert_eq!(take(&mut other, true, false), Ok(None));
+        assert_eq!(other["params"]["arguments"], json!({ "key": "a" }));
+    }
+
+    #[test]
+    fn a_list_of_its_own_is_read_as_it_says() {
+        let from = key_from("param:idempotencyKey,meta:k,argument:key");
+        let none = |_: &str| false;
+        let mut param = json!({ "params": { "idempotencyKey": "p", "_meta": { "k": "m" },
+            "arguments": { "key": "a", "idempotency_key": "x" } } });
+        assert_eq!(
+            take_key(&mut param, &from, &none, false),
+            Ok(Some(("p".into(), SetBy::Runtime)))
+        );
+        // The param stays (forwarded); the key argument goes; an argument
+        // that is no place of this list stays.
+        assert_eq!(param["params"]["idempotencyKey"], "p");
+        assert_eq!(
+            param["params"]["arguments"],
+            json!({ "idempotency_key": "x" })
+        );
+        // Without the header among the places, a key in it is not read.
+        let mut header = json!({ "params": { "arguments": { "key": "a" } } });
+        assert_eq!(
+            take_key(&mut header, &from, &none, false),
+            Ok(Some(("a".into(), SetBy::Model)))
+        );
+        // Without an argument among the places, every argument stays.
+        let runtime_only = key_from("header,meta:k");
+        let mut call = json!({ "params": { "arguments": { "idempotency_key": "a" } } });
+        assert_eq!(take_key(&mut call, &runtime_only, &none, false), Ok(None));
+        assert_eq!(call["params"]["arguments"]["idempotency_key"], "a");
+        assert_eq!(take_key(&mut call, &runtime_only, &none, true), Ok(None));
+    }
+
+    #[test]
+    fn the_fingerprint_leaves_out_the_task_ttl_and_param_places() {
+        assert_eq!(
+            fingerprint_ignore(&KeyFrom::default()),
+            ["/id", "/params/_meta", "/params/task/ttl"]
+        );
+        assert_eq!(
+            fingerprint_ignore(&key_from("param:idempotencyKey"))[3..],
+            ["/params/idempotencyKey"]
+        );
     }
 
     #[test]

@@ -1,14 +1,12 @@
 //! Which tools are guarded, learnt from the server's `tools/list` answers,
 //! and those answers as clients get them: each guarded tool's input schema
-//! with an optional `idempotency_key`.
+//! with an optional `idempotency_key` (the first `argument:` place of
+//! `IDEMGATE_MCP_KEY_FROM`).
 
 use std::collections::HashMap;
 use std::sync::RwLock;
 
 use serde_json::{Value, json};
-
-/// The argument that carries the key.
-pub(super) const KEY_ARGUMENT: &str = "idempotency_key";
 
 /// What the key argument is described as in a guarded tool's schema.
 const KEY_DESCRIPTION: &str = "Idempotency key: the same string for every repeat of this call \
@@ -16,13 +14,13 @@ const KEY_DESCRIPTION: &str = "Idempotency key: the same string for every repeat
     arguments gets the first call's result and does not run the tool again.";
 
 /// What the door knows of a tool.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(super) struct Tool {
     /// Annotated `readOnlyHint: true`.
     pub read_only: bool,
-    /// Its input schema declares `idempotency_key` itself: the argument is
-    /// the tool's, and is forwarded.
-    pub declares_key: bool,
+    /// The key arguments (`argument:` places) its input schema declares
+    /// itself: those are the tool's, and are forwarded.
+    pub declared_keys: Vec<String>,
     /// It declares an `outputSchema` that a problem document would not
     /// satisfy: clients check a result's `structuredContent` against it (the
     /// TypeScript SDK, error results included), so a refusal must not carry
@@ -39,11 +37,25 @@ pub(super) struct Catalogue {
     /// `IDEMGATE_MCP_ADVERTISE_KEY`: add the key argument to guarded tools'
     /// input schemas.
     advertise: bool,
+    /// The arguments that are key places (`IDEMGATE_MCP_KEY_FROM`), in
+    /// order: the first is the one advertised.
+    key_arguments: Vec<String>,
     tools: RwLock<HashMap<String, Tool>>,
 }
 
+impl Tool {
+    /// Whether the tool declares the key argument `name` itself.
+    pub(super) fn declares(&self, name: &str) -> bool {
+        self.declared_keys.iter().any(|n| n == name)
+    }
+}
+
 impl Catalogue {
-    pub(super) fn new(named: Option<Vec<String>>, advertise: bool) -> Catalogue {
+    pub(super) fn new(
+        named: Option<Vec<String>>,
+        advertise: bool,
+        key_arguments: Vec<String>,
+    ) -> Catalogue {
         let named = named.map(|names| {
             names
                 .into_iter()
@@ -54,6 +66,7 @@ impl Catalogue {
         Catalogue {
             named,
             advertise,
+            key_arguments,
             tools: RwLock::default(),
         }
     }
@@ -61,7 +74,7 @@ impl Catalogue {
     /// What is known of tool `name` (nothing: a tool never listed).
     pub(super) fn tool(&self, name: &str) -> Tool {
         let tools = self.tools.read().unwrap_or_else(|e| e.into_inner());
-        tools.get(name).copied().unwrap_or_default()
+        tools.get(name).cloned().unwrap_or_default()
     }
 
     /// Whether calls of tool `name` are guarded: named by the operator, or,
@@ -75,7 +88,9 @@ impl Catalogue {
     }
 
     /// Learns the tools of a `tools/list` result and adds the key argument
-    /// to each guarded one's input schema (unless told not to advertise it).
+    /// to each guarded one's input schema (unless told not to advertise it,
+    /// or no key place is an argument, or the tool declares a key argument
+    /// itself).
     pub(super) fn list(&self, result: &mut Value) {
         let Some(tools) = result.get_mut("tools").and_then(Value::as_array_mut) else {
             return;
@@ -89,10 +104,17 @@ impl Catalogue {
                 .pointer("/annotations/readOnlyHint")
                 .and_then(Value::as_bool)
                 .unwrap_or(false);
-            let declares_key = tool
+            let declared_keys = tool
                 .pointer("/inputSchema/properties")
                 .and_then(Value::as_object)
-                .is_some_and(|p| p.contains_key(KEY_ARGUMENT));
+                .map(|p| {
+                    self.key_arguments
+                        .iter()
+                        .filter(|k| p.contains_key(k.as_str()))
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
             let typed_output = tool
                 .get("outputSchema")
                 .is_some_and(|schema| !takes_a_problem(schema));
@@ -100,7 +122,7 @@ impl Catalogue {
                 name.to_owned(),
                 Tool {
                     read_only,
-                    declares_key,
+                    declared_keys,
                     typed_output,
                 },
             ));
@@ -109,15 +131,15 @@ impl Catalogue {
             let mut known = self.tools.write().unwrap_or_else(|e| e.into_inner());
             known.extend(learnt.iter().cloned());
         }
-        if !self.advertise {
+        let Some(advertised) = self.key_arguments.first().filter(|_| self.advertise) else {
             return;
-        }
+        };
         for (tool, (name, known)) in tools
             .iter_mut()
             .filter(|t| t.get("name").and_then(Value::as_str).is_some())
             .zip(learnt)
         {
-            if known.declares_key || !self.guarded(&name) {
+            if !known.declared_keys.is_empty() || !self.guarded(&name) {
                 continue;
             }
             let Some(schema) = tool.get_mut("inputSchema").and_then(Value::as_object_mut) else {
@@ -126,7 +148,7 @@ impl Catalogue {
             let properties = schema.entry("properties").or_insert_with(|| json!({}));
             if let Some(properties) = properties.as_object_mut() {
                 properties.insert(
-                    KEY_ARGUMENT.to_owned(),
+                    advertised.clone(),
                     json!({ "type": "string", "description": KEY_DESCRIPTION }),
                 );
             }
@@ -177,6 +199,13 @@ fn takes_a_problem(schema: &Value) -> bool {
 mod tests {
     use super::*;
 
+    const KEY_ARGUMENT: &str = "idempotency_key";
+
+    /// The default list's key arguments.
+    fn keys() -> Vec<String> {
+        vec!["idempotency_key".into(), "idempotencyKey".into()]
+    }
+
     fn listed() -> Value {
         json!({ "tools": [
             { "name": "charge", "inputSchema": { "type": "object",
@@ -191,7 +220,7 @@ mod tests {
 
     #[test]
     fn guarded_tools_gain_the_key_argument_and_read_only_ones_do_not() {
-        let catalogue = Catalogue::new(None, true);
+        let catalogue = Catalogue::new(None, true, keys());
         assert!(catalogue.guarded("never_listed"));
         let mut result = listed();
         catalogue.list(&mut result);
@@ -205,14 +234,15 @@ mod tests {
         assert_eq!(props(2)[KEY_ARGUMENT], json!({ "type": "string" }));
         assert!(catalogue.guarded("charge"));
         assert!(!catalogue.guarded("balance"));
-        assert!(catalogue.tool("own_key").declares_key);
+        assert!(catalogue.tool("own_key").declares(KEY_ARGUMENT));
+        assert!(!catalogue.tool("charge").declares(KEY_ARGUMENT));
         assert!(catalogue.tool("own_key").typed_output);
         assert!(!catalogue.tool("charge").typed_output);
     }
 
     #[test]
     fn without_advertising_the_answer_stays_as_the_server_wrote_it() {
-        let catalogue = Catalogue::new(None, false);
+        let catalogue = Catalogue::new(None, false, keys());
         let mut result = listed();
         catalogue.list(&mut result);
         assert_eq!(result, listed());
@@ -240,7 +270,7 @@ mod tests {
 
     #[test]
     fn named_tools_are_the_only_guarded_ones() {
-        let catalogue = Catalogue::new(Some(vec!["balance".into()]), true);
+        let catalogue = Catalogue::new(Some(vec!["balance".into()]), true, keys());
         let mut result = listed();
         catalogue.list(&mut result);
         assert!(catalogue.guarded("balance"));
@@ -250,6 +280,28 @@ mod tests {
                 .get(KEY_ARGUMENT)
                 .is_none()
         );
-        assert!(Catalogue::new(Some(vec!["*".into()]), true).guarded("anything"));
+        assert!(Catalogue::new(Some(vec!["*".into()]), true, keys()).guarded("anything"));
+    }
+
+    #[test]
+    fn the_first_key_argument_is_advertised_and_a_tool_with_its_own_keeps_it() {
+        let catalogue = Catalogue::new(None, true, vec!["idempotencyKey".into(), "key".into()]);
+        let mut result = json!({ "tools": [
+            { "name": "charge", "inputSchema": { "type": "object", "properties": {} } },
+            { "name": "own", "inputSchema": { "type": "object",
+                "properties": { "key": { "type": "string" } } } },
+        ]});
+        catalogue.list(&mut result);
+        let props = |i: usize| result["tools"][i]["inputSchema"]["properties"].clone();
+        assert_eq!(props(0)["idempotencyKey"]["type"], "string");
+        assert!(props(0).get(KEY_ARGUMENT).is_none());
+        assert_eq!(props(1), json!({ "key": { "type": "string" } }));
+        assert_eq!(catalogue.tool("own").declared_keys, ["key"]);
+
+        // No argument among the places: nothing is advertised.
+        let catalogue = Catalogue::new(None, true, Vec::new());
+        let mut result = listed();
+        catalogue.list(&mut result);
+        assert_eq!(result, listed());
     }
 }
