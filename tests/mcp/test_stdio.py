@@ -3,7 +3,8 @@ docs/mcp.md "stdio servers"): idemgate started as an MCP host starts a local
 server, by the official Python client's stdio transport (in each of its ways
 to connect), with tests/mcp/server.py on the SDK's stdio server as the
 command. A repeated call runs once and replays, a changed one is refused as a
-tool result, a tool that asks mid-call (2025-11-25) completes once, a server
+tool result, a tool that asks before it acts completes once (mid-call under
+2025-11-25, over two rounds under 2026-07-28), a server
 killed mid-call leaves its key unknown and never runs it again; stdout carries
 nothing but JSON-RPC; the keys land in the user's data directory by default.
 """
@@ -151,15 +152,18 @@ def test_a_repeat_replays_and_a_changed_call_is_refused(tmp_path: Path, mode: st
     assert files[0].name.startswith("stdio-python"), files[0].name
 
 
-@pytest.mark.skipif(MAJOR < 2, reason="mcp 2.x's legacy session")
-def test_a_tool_that_asks_mid_call_completes_once(tmp_path: Path) -> None:
+@pytest.mark.skipif(MAJOR < 2, reason="mcp 2.x's elicitation through Resolve")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tool_that_asks_before_it_acts_completes_once(tmp_path: Path, mode: str) -> None:
     """Under 2025-11-25 the server asks for a confirmation while the call
-    runs: the question reaches the client, its answer the server."""
+    runs: the question reaches the client, its answer the server. Under
+    2026-07-28 the call's first round answers input_required, and the
+    client's second round, with its answer, completes it."""
     door = Stdio(tmp_path)
     args = {"customer": "c-2", "amount": 7, "idempotency_key": key()}
 
     async def go() -> tuple[dict[str, Any], dict[str, Any]]:
-        async with connect(door, "legacy", elicitation_callback=accept) as s:
+        async with connect(door, mode, elicitation_callback=accept) as s:
             first = await s.call("confirmed_charge", args, timeout=20)
             again = await s.call("confirmed_charge", args, timeout=20)
             return first, again
@@ -169,7 +173,9 @@ def test_a_tool_that_asks_mid_call_completes_once(tmp_path: Path) -> None:
     assert first["structuredContent"]["charge"], first
     assert again == first
     assert len(door.executions("confirmed_charge")) == 1
-    assert len(door.executions("confirmed_charge.asked")) == 1
+    # Asked once per round the server saw (2026-07-28: the question's
+    # round, then the answer's), and never for the replay.
+    assert len(door.executions("confirmed_charge.asked")) == (1 if mode == "legacy" else 2)
 
 
 @pytest.mark.parametrize("mode", MODES)
