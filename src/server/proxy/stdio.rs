@@ -236,8 +236,13 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
                 tracing::info!(
                     pending,
                     within_seconds = grace.as_secs(),
-                    "idemgate's stdin ended: waiting for the calls in flight, whose results are \
-                     kept for their retries"
+                    why = if matches!(ended, Ended::Input) {
+                        "stdin ended"
+                    } else {
+                        "signal"
+                    },
+                    "idemgate's stdio door is stopping: waiting for the calls in flight, whose \
+                     results are kept for their retries"
                 );
             }
             finish(&mut calls, grace).await;
