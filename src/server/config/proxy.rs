@@ -167,10 +167,10 @@ pub struct ProxyArgs {
     pub mcp_advertise_key: bool,
 
     /// With --protocol mcp: where a guarded tool call's key is read from,
-    /// comma-separated, first found wins: meta:NAME (params._meta[NAME]),
-    /// header (the key header), param:NAME (params[NAME], forwarded and
+    /// comma-separated, first found wins: meta:NAME (params._meta.NAME),
+    /// header (the key header), param:NAME (params.NAME, forwarded and
     /// never fingerprinted), all set by a runtime; then argument:NAME
-    /// (params.arguments[NAME], set by a model: removed before the call is
+    /// (params.arguments.NAME, set by a model: removed before the call is
     /// forwarded unless the tool declares it, its keys in a scope of their
     /// own; the first is the one tools/list offers). Runtime places come
     /// first

@@ -14,7 +14,7 @@
 //!   or an event stream, are written to stdout as lines; a request the door
 //!   answers with no JSON-RPC response (an HTTP error of its own) gets a
 //!   JSON-RPC error, so that no request is left unanswered.
-//! * **The server's side** ([`Bridge`]): the door's upstream is the child,
+//! * **The server's side** (`Bridge`): the door's upstream is the child,
 //!   as a streamable-HTTP server that answers every POST as
 //!   `application/json`. A POSTed request is written to the child's stdin
 //!   and answered with the child's response of the same id; a POSTed
