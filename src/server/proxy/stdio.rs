@@ -114,8 +114,10 @@ pub fn default_database_url(command: &[OsString]) -> anyhow::Result<String> {
     Ok(format!("sqlite://{path}"))
 }
 
-/// `stdio-SLUG-HASH.db`: the command line's letters and digits, shortened,
-/// and the start of its SHA-256.
+/// `stdio-SLUG-HASH.db`: the program's name and its first argument that is
+/// not an option (the script or the package: never the rest of the command
+/// line, which may hold a token), shortened, and the start of the whole
+/// command line's SHA-256.
 fn database_file_name(command: &[OsString]) -> String {
     use sha2::Digest as _;
     let mut hash = sha2::Sha256::new();
@@ -124,8 +126,14 @@ fn database_file_name(command: &[OsString]) -> String {
         hash.update([0]);
     }
     let hash = hex::encode(&hash.finalize()[..6]);
+    let named = command.iter().take(1).chain(
+        command
+            .iter()
+            .skip(1)
+            .find(|arg| !arg.to_string_lossy().starts_with('-')),
+    );
     let mut slug = String::new();
-    for arg in command {
+    for arg in named {
         let arg = arg.to_string_lossy();
         // A path (the program's, a script's, a package's scope) by its
         // last part.
@@ -820,10 +828,14 @@ mod tests {
     fn a_command_names_its_own_file() {
         let cmd = |args: &[&str]| -> Vec<OsString> { args.iter().map(OsString::from).collect() };
         let a = database_file_name(&cmd(&["npx", "-y", "@example/payments-mcp"]));
-        assert!(a.starts_with("stdio-npx-y-payments-mcp-"), "{a}");
+        assert!(a.starts_with("stdio-npx-payments-mcp-"), "{a}");
         assert!(a.ends_with(".db"));
         let b = database_file_name(&cmd(&["/usr/bin/python3", "server.py", "--stdio"]));
-        assert!(b.starts_with("stdio-python3-server.py-stdio-"), "{b}");
+        assert!(b.starts_with("stdio-python3-server.py-"), "{b}");
+        // Nothing past the script or package: an option's value may be a token.
+        let c = database_file_name(&cmd(&["npx", "-y", "pay-mcp", "--api-key", "sk_live_1"]));
+        assert!(c.starts_with("stdio-npx-pay-mcp-"), "{c}");
+        assert!(!c.contains("sk_live"), "{c}");
         assert_ne!(
             database_file_name(&cmd(&["npx", "a"])),
             database_file_name(&cmd(&["npx", "b"]))
