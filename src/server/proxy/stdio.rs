@@ -59,6 +59,7 @@ use tokio::process::{ChildStdin, ChildStdout};
 use tokio::sync::{mpsc, oneshot};
 use tower::{Service, ServiceExt as _};
 
+use super::mcp::messages::Form;
 use super::{Proxy, ProxyClient, routes};
 use crate::layer::{NotExecuted, OutcomeUnknown};
 use crate::problem::ApiError;
@@ -457,20 +458,10 @@ impl Door {
         };
         let mut answered: Vec<Value> = Vec::new();
         let status = res.status();
-        let form = res
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .map(|v| {
-                v.split(';')
-                    .next()
-                    .unwrap_or_default()
-                    .trim()
-                    .to_ascii_lowercase()
-            });
+        let form = Form::of(res.headers());
         let mut text = String::new();
-        match form.as_deref() {
-            Some("text/event-stream") => {
+        match form {
+            Some(Form::EventStream) => {
                 use eventsource_stream::Eventsource as _;
                 let mut events = res.into_body().into_data_stream().eventsource();
                 while let Some(event) = events.next().await {

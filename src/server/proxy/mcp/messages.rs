@@ -11,14 +11,14 @@ use serde_json::{Value, json};
 
 /// How a response carried its messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Form {
+pub(in crate::server::proxy) enum Form {
     Json,
     EventStream,
 }
 
 impl Form {
     /// The form of a response with these headers, if it is one of the two.
-    pub(super) fn of(headers: &HeaderMap) -> Option<Form> {
+    pub(in crate::server::proxy) fn of(headers: &HeaderMap) -> Option<Form> {
         let ct = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
         let essence = ct.split(';').next()?.trim().to_ascii_lowercase();
         match essence.as_str() {

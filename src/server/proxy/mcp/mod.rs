@@ -49,7 +49,7 @@
 //!   broken stream) is never stored (`upstream.rs`).
 
 pub mod envelope;
-mod messages;
+pub(in crate::server::proxy) mod messages;
 pub mod places;
 mod protocol;
 mod rounds;
