@@ -227,6 +227,7 @@ class Raw:
         self.proc = subprocess.Popen([BIN, *DOOR], env=door.env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr.open("wb"))
         self.lines: list[str] = []
+        self.unclaimed: dict[Any, dict[str, Any]] = {}
 
     def send(self, message: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -234,14 +235,22 @@ class Raw:
         self.proc.stdin.flush()
 
     def response(self, id: int) -> dict[str, Any]:
+        """The response to request `id`, whenever it came: responses come in
+        the order the door has them (a held repeat may answer before the
+        first), so one read past is kept for its own turn."""
         assert self.proc.stdout is not None
+        if id in self.unclaimed:
+            return self.unclaimed.pop(id)
         while True:
             line = self.proc.stdout.readline().decode()
             assert line, f"stdout ended before the response to {id}; stderr: {self.stderr.read_text()}"
             self.lines.append(line)
             message = json.loads(line)
-            if message.get("id") == id and "method" not in message:
+            if "method" in message or "id" not in message:
+                continue
+            if message["id"] == id:
                 return dict(message)
+            self.unclaimed[message["id"]] = dict(message)
 
     def end(self, within: float = 30) -> int:
         """Closes idemgate's stdin; its exit status, the rest of stdout read."""
