@@ -17,8 +17,8 @@ import { REQUEST, Rig } from "./rig.js";
 const KEY_META = "dev.idemgate/idempotency-key";
 type Action = "accept" | "decline" | "cancel";
 
-/** One call of confirmed_charge through a new v2 client on 2026-07-28 whose user answers `action`. */
-async function confirmedCharge(url: string, who: string, key: string, action: Action) {
+/** One call of confirmed_charge through a new v2 client on 2026-07-28 whose user answers `action` (after `delayMs`). */
+async function confirmedCharge(url: string, who: string, key: string, action: Action, delayMs = 0) {
   const questions: string[] = [];
   const client = new Client(
     { name: "idemgate-door-test-ask", version: "0.0.0" },
@@ -26,6 +26,7 @@ async function confirmedCharge(url: string, who: string, key: string, action: Ac
   );
   client.setRequestHandler("elicitation/create", async (request) => {
     questions.push(String(request.params.message));
+    if (delayMs > 0) await new Promise((r) => setTimeout(r, delayMs));
     return action === "accept" ? { action, content: { confirm: true } } : { action };
   });
   await client.connect(new StreamableHTTPClientTransport(new URL(url)), REQUEST);
@@ -69,6 +70,27 @@ for (const form of ["event-stream", "json"] as const) describe(`v2 client on 202
     assert.equal(chargeOf(repeat.result), charge);
     assert.deepEqual(repeat.questions, [], "a completed call is replayed, never asked again");
     assert.deepEqual(rig.executions("confirmed_charge", who).map((e) => e.charge), [charge]);
+  });
+
+  test("two clients racing one key: charged once", async () => {
+    const who = `ask-${randomUUID().slice(0, 8)}`;
+    const key = `order-${randomUUID()}`;
+    const both = await Promise.all([
+      confirmedCharge(url, who, key, "accept", 300),
+      confirmedCharge(url, who, key, "accept", 300),
+    ]);
+    const charged = rig.executions("confirmed_charge", who).map((e) => e.charge);
+    assert.equal(charged.length, 1, JSON.stringify(charged));
+    for (const { result } of both) {
+      if (result["isError"] === true) {
+        // Held past the door's wait while the other waited for its user.
+        const meta = result["_meta"] as Record<string, Record<string, unknown>>;
+        assert.match(String(meta["dev.idemgate/problem"]?.["type"]), /request-in-flight$/, JSON.stringify(result));
+      } else {
+        assert.equal(chargeOf(result), charged[0]);
+      }
+    }
+    assert.ok(both.some(({ result }) => result["isError"] !== true), JSON.stringify(both));
   });
 
   for (const action of ["decline", "cancel"] as const) {
