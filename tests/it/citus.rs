@@ -243,7 +243,7 @@ fn bound<'q>(
         "release" | "find" => query.bind(id),
         "mark_unknown" => query.bind(id).bind("the provider timed out after sending"),
         "find_key" => query.bind(vec![7_u8; 32]),
-        "extend" => query.bind(id).bind(30.0_f64),
+        "extend" => query.bind(id).bind(30.0_f64).bind(Some("takeover")),
         "checkpoint" => query.bind(id).bind("step").bind(serde_json::json!({})),
         "in_flight_usage" => query.bind(10_i64),
         "stored_usage" => query,

@@ -313,7 +313,8 @@ pub fn complete() -> &'static str {
 /// Every per-request statement, by name, for tests that check how a
 /// distributed database plans each. Binds, after tenant (text): `reserve`
 /// and `complete` as above; `release`, `mark_unknown`: reservation id;
-/// `extend`: reservation id, lease seconds (float8); `checkpoint`:
+/// `extend`: reservation id, lease seconds (float8), what the lease's end
+/// means from now on (text, or NULL for as it was); `checkpoint`:
 /// reservation id, recovery point (text), data (jsonb); `find`: reservation
 /// id; `find_key`: key hash (bytea); `in_flight_usage`: limit (int8);
 /// `stored_usage`: nothing.
