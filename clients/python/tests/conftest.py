@@ -75,8 +75,8 @@ def _drop(url: str) -> None:
                    capture_output=True, timeout=30)
 
 
-def _serve(binary: str, database_url: str, work: Path) -> Server:
-    port = _free_port()
+def _serve(binary: str, database_url: str, work: Path, port: int | None = None) -> Server:
+    port = port or _free_port()
     log = work / "server.log"
     env = {
         **os.environ,
@@ -95,14 +95,15 @@ def _serve(binary: str, database_url: str, work: Path) -> Server:
     return Server(base_url, process, log)
 
 
-def start_server(database_url: str, work: Path) -> Server:
+def start_server(database_url: str, work: Path, port: int | None = None) -> Server:
     """An `idemgate serve` of a test's own on ``database_url`` (a test that
-    stops it and starts another on the same store); the caller terminates it."""
+    stops it and starts another on the same store, on the same ``port`` if
+    given); the caller terminates it."""
     binary = os.environ.get("IDEMGATE_BIN")
     if not binary:
         raise RuntimeError("set IDEMGATE_BIN to an idemgate binary (cargo build)")
     work.mkdir(parents=True, exist_ok=True)
-    return _serve(binary, database_url, work)
+    return _serve(binary, database_url, work, port)
 
 
 def settle(base_url: str, key: str, body: dict[str, object], tenant: str = TENANT) -> dict[str, object]:

@@ -282,7 +282,7 @@ def test_when_the_mark_fails_the_caller_gets_the_effects_exception_and_the_key_s
     assert raised.value is lost
     notes = getattr(raised.value, "__notes__", None)
     if notes is not None:  # Python 3.11+
-        assert any("marking the key unknown failed too (httpx.ConnectError)" in note for note in notes)
+        assert any("marking the key unknown failed too (idemgate_client.errors.StoreUnavailable)" in note for note in notes)
     second = start_server(database_url, tmp_path / "second")
     try:
         with Client(second.base_url, token=TOKEN) as c:

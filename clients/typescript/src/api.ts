@@ -9,8 +9,12 @@
  * const result = await charge(body);                           // "reserved": run the effect once
  * await idem.commit(answer.reservationId, { status: 201, body: JSON.stringify(result) });
  * ```
+ *
+ * A call that gets no answer (refused, reset, timed out) throws
+ * `StoreUnavailable` (`answered` false) with the `fetch` error as its
+ * `cause`, never the raw `fetch` error.
  */
-import { problemFrom } from "./errors.js";
+import { problemFrom, StoreUnavailable } from "./errors.js";
 
 /** How far an earlier holder of the key got (`checkpoint`). */
 export interface RecoveryPoint {
@@ -197,7 +201,13 @@ export class Client {
       signal: AbortSignal.timeout(this.#timeoutMs),
     };
     if (body !== undefined) init.body = JSON.stringify(body);
-    const response = await this.#fetch(`${this.#base}${path}`, init);
+    let response: Response;
+    try {
+      response = await this.#fetch(`${this.#base}${path}`, init);
+    } catch (e) {
+      // No answer (refused, reset, timed out): idemgate's error, the fetch one its cause.
+      throw StoreUnavailable.unreachable(method, path, e);
+    }
     if (!response.ok) throw await problemFrom(response);
     return response;
   }

@@ -73,20 +73,36 @@
  * run the effect either: it throws `OutcomeUnknown` and leaves the key to end
  * its lease under `hold`, unknown, for an operator.
  *
- * Both dead-letter errors, `InFlight` and `OutcomeUnknown`, carry
- * `deadLetterReason` (`idempotency_in_flight`, `outcome_unknown`):
+ * The commit after the effect is retried while idemgate is away (no answer,
+ * or a 502/503/504), with exponential backoff and jitter, for
+ * `commitBudgetMs` (default: the lease, `leaseSeconds` or the server's
+ * default 30 s; a holder's late commit is accepted while its reservation is
+ * current, and committing the same response twice is fine), so a server
+ * back within the budget gets the result and the call resolves to it. Past
+ * the budget the call rejects with `ResultNotCommitted` (a
+ * `StoreUnavailable`) carrying the effect's `result`: the effect acted, so
+ * it is never run again; the step is dead-lettered with the result, and the
+ * key (in flight, then unknown under `hold`) is completed by an operator or
+ * a late commit. Every other call that gets no answer (the reserve, a
+ * release, an unknown mark) throws `StoreUnavailable` with the `fetch` error
+ * as its `cause`, never a raw `fetch` error.
+ *
+ * The three dead-letter errors, `InFlight`, `OutcomeUnknown` and
+ * `ResultNotCommitted`, carry `deadLetterReason` (`idempotency_in_flight`,
+ * `outcome_unknown`, `result_not_committed`):
  *
  * ```ts
  * try {
  *   await guard(idem, key, charge, { request });
  * } catch (e) {
  *   if (e instanceof InFlight || e instanceof OutcomeUnknown) deadLetter(step, e.deadLetterReason);
+ *   else if (e instanceof ResultNotCommitted) deadLetter(step, e.deadLetterReason, e.result);
  *   else throw e;
  * }
  * ```
  */
 import type { Client, LeaseExpiry, RecoveryPoint, RequestDescription, Reserved, Completed } from "./api.js";
-import { IdemgateError, OutcomeUnknown, RequestInFlight } from "./errors.js";
+import { errorToJSON, IdemgateError, OutcomeUnknown, Problem, registerError, RequestInFlight, ResultNotCommitted, StoreUnavailable } from "./errors.js";
 
 /** The longest single `Prefer: wait` asked for; the server caps it too. */
 export const MAX_WAIT_SECONDS = 10;
@@ -95,7 +111,9 @@ export const MAX_WAIT_SECONDS = 10;
 export class InFlight extends IdemgateError {
   override name = "InFlight";
   /** The reason the step is put in the dead-letter queue with. */
-  readonly deadLetterReason = "idempotency_in_flight";
+  get deadLetterReason(): "idempotency_in_flight" {
+    return "idempotency_in_flight";
+  }
   constructor(
     readonly key: string,
     readonly waitedMs: number,
@@ -111,7 +129,15 @@ export class InFlight extends IdemgateError {
 /** Thrown by an effect that failed before it acted: the key is released. */
 export class NotExecuted extends Error {
   override name = "NotExecuted";
+
+  /** Its class (`name`) and message, for `JSON.stringify` or a `structuredClone` (see `reviveError`). */
+  toJSON(): Record<string, unknown> {
+    return errorToJSON(this);
+  }
 }
+
+registerError(InFlight, "InFlight", ["leaseExpiresAt"]);
+registerError(NotExecuted);
 
 /**
  * What an error thrown by a guarded effect says about the effect:
@@ -261,12 +287,53 @@ export interface GuardOptions<T> {
    * `NotExecuted` releases without asking it.
    */
   classifyFailure?: (error: unknown) => Failure;
+  /**
+   * How long the commit is retried while idemgate is away (default: the
+   * lease, `leaseSeconds` or the server's default 30 s). Past it, the call
+   * rejects with `ResultNotCommitted`, which carries the effect's result.
+   */
+  commitBudgetMs?: number;
   /** How a result is stored and read back (default JSON). */
   encode?: (result: T) => string;
   decode?: (stored: string) => T;
 }
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+/** The server's default lease (SPEC §5): the default commit budget without `leaseSeconds`. */
+const DEFAULT_LEASE_SECONDS = 30;
+/** The commit's first and longest pause between tries (before jitter). */
+const COMMIT_FIRST_PAUSE_MS = 200;
+const COMMIT_LONGEST_PAUSE_MS = 2000;
+
+/** A commit that may succeed later: no answer, or the store (or a proxy before it) away. */
+function commitRetryable(error: unknown): error is Problem {
+  return error instanceof StoreUnavailable || (error instanceof Problem && [502, 503, 504].includes(error.status));
+}
+
+/**
+ * Commits `result`, retried while idemgate is away with exponential backoff
+ * and full jitter (half to all of the step) within `budgetMs`; past it,
+ * `ResultNotCommitted` with the result.
+ */
+async function commitResult(client: Client, reservationId: string, result: unknown, body: string, budgetMs: number): Promise<void> {
+  const started = Date.now();
+  let step = COMMIT_FIRST_PAUSE_MS;
+  for (;;) {
+    try {
+      await client.commit(reservationId, { status: 200, body });
+      return;
+    } catch (e) {
+      if (!commitRetryable(e)) throw e;
+      const left = budgetMs - (Date.now() - started);
+      if (left <= 0) throw ResultNotCommitted.of(reservationId, result, body, Date.now() - started, e);
+      let pause = step / 2 + Math.random() * (step / 2);
+      if (e.retryAfter) pause = Math.max(pause, Math.min(e.retryAfter * 1000, COMMIT_LONGEST_PAUSE_MS));
+      step = Math.min(step * 2, COMMIT_LONGEST_PAUSE_MS);
+      await sleep(Math.min(pause, left));
+    }
+  }
+}
 
 /** The `on_lease_expiry` a call reserves with: its own, or `takeover` with a `reconcile` and `hold` without. */
 function leaseExpiry<T>(options: GuardOptions<T>): LeaseExpiry {
@@ -361,6 +428,7 @@ export async function guard<T>(
   } finally {
     clearInterval(heartbeat);
   }
-  await client.commit(answer.reservationId, { status: 200, body: encode(result) });
+  const budgetMs = options.commitBudgetMs ?? (options.leaseSeconds ?? DEFAULT_LEASE_SECONDS) * 1000;
+  await commitResult(client, answer.reservationId, result, encode(result), budgetMs);
   return result;
 }

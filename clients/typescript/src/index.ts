@@ -14,6 +14,6 @@ export type {
 } from "./api.js";
 export {
   IdemgateError, Internal, InvalidRequest, KeyInvalid, KeyMissing, KeyReused, LeaseLost, MisdirectedRequest,
-  NotFound, OutcomeUnknown, PayloadTooLarge, Problem, RequestInFlight, ReservationGone, StoreUnavailable,
-  TenantLimit, Unauthorized,
+  NotFound, OutcomeUnknown, PayloadTooLarge, Problem, RequestInFlight, ReservationGone, ResultNotCommitted,
+  StoreUnavailable, TenantLimit, Unauthorized, errorToJSON, registerError, reviveError,
 } from "./errors.js";

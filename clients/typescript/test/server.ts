@@ -71,19 +71,16 @@ async function waitHealthy(child: ChildProcess, url: string, log: () => string, 
   }
 }
 
-export async function startServer(store: Store = "sqlite"): Promise<Server> {
+function binaryPath(): string {
   const binary = process.env["IDEMGATE_BIN"];
   if (!binary) {
     throw new Error("set IDEMGATE_BIN to an idemgate binary (cargo build; IDEMGATE_BIN=target/debug/idemgate)");
   }
-  const dir = mkdtempSync(join(tmpdir(), "idemgate-ts-"));
-  const port = await freePort();
-  let databaseUrl = `sqlite://${join(dir, "keys.db")}`;
-  if (store === "postgres") {
-    const made = createDatabase();
-    if (made === undefined) throw new Error(`no PostgreSQL to test on (psql on ${ADMIN})`);
-    databaseUrl = made;
-  }
+  return binary;
+}
+
+/** `idemgate serve` on `databaseUrl` and `port`, once it answers. */
+async function serve(databaseUrl: string, port: number): Promise<ChildProcess> {
   const env: NodeJS.ProcessEnv = {
     ...process.env,
     DATABASE_URL: databaseUrl,
@@ -95,17 +92,73 @@ export async function startServer(store: Store = "sqlite"): Promise<Server> {
   };
   delete env["IDEMGATE_CONFIG"];
   let log = "";
-  const child: ChildProcess = spawn(binary, ["serve"], { env, stdio: ["ignore", "pipe", "pipe"] });
+  const child: ChildProcess = spawn(binaryPath(), ["serve"], { env, stdio: ["ignore", "pipe", "pipe"] });
   child.stdout?.on("data", (d: Buffer) => (log += d.toString()));
   child.stderr?.on("data", (d: Buffer) => (log += d.toString()));
+  await waitHealthy(child, `http://127.0.0.1:${port}/healthz`, () => log, "idemgate serve");
+  return child;
+}
+
+/** A store of a test's own: a SQLite file in `dir`, or a fresh PostgreSQL database. */
+function makeStore(store: Store, dir: string): string {
+  if (store === "postgres") {
+    const made = createDatabase();
+    if (made === undefined) throw new Error(`no PostgreSQL to test on (psql on ${ADMIN})`);
+    return made;
+  }
+  return `sqlite://${join(dir, "keys.db")}`;
+}
+
+export async function startServer(store: Store = "sqlite"): Promise<Server> {
+  binaryPath();
+  const dir = mkdtempSync(join(tmpdir(), "idemgate-ts-"));
+  const port = await freePort();
+  const databaseUrl = makeStore(store, dir);
+  const child = await serve(databaseUrl, port);
   const baseUrl = `http://127.0.0.1:${port}`;
-  await waitHealthy(child, `${baseUrl}/healthz`, () => log, "idemgate serve");
   return {
     baseUrl,
     stop: async () => {
       const exited = new Promise((r) => child.once("exit", r));
       child.kill("SIGTERM");
       await exited;
+      rmSync(dir, { recursive: true, force: true });
+      if (store === "postgres") dropDatabase(databaseUrl);
+    },
+  };
+}
+
+/**
+ * A server that a test kills (SIGKILL) and starts again on the same store
+ * and port, as an outage and the server's return.
+ */
+export interface KillableServer extends Server {
+  kill(): Promise<void>;
+  startAgain(): Promise<void>;
+}
+
+export async function startKillableServer(store: Store = "sqlite"): Promise<KillableServer> {
+  binaryPath();
+  const dir = mkdtempSync(join(tmpdir(), "idemgate-ts-"));
+  const port = await freePort();
+  const databaseUrl = makeStore(store, dir);
+  let child: ChildProcess | undefined = await serve(databaseUrl, port);
+  const end = async (signal: NodeJS.Signals) => {
+    const running = child;
+    child = undefined;
+    if (running === undefined || running.exitCode !== null || running.signalCode !== null) return;
+    const exited = new Promise((r) => running.once("exit", r));
+    running.kill(signal);
+    await exited;
+  };
+  return {
+    baseUrl: `http://127.0.0.1:${port}`,
+    kill: () => end("SIGKILL"),
+    startAgain: async () => {
+      child = await serve(databaseUrl, port);
+    },
+    stop: async () => {
+      await end("SIGTERM");
       rmSync(dir, { recursive: true, force: true });
       if (store === "postgres") dropDatabase(databaseUrl);
     },

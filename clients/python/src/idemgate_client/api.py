@@ -11,7 +11,10 @@ response after it::
         idem.commit(answer.reservation_id, status=201, body=json.dumps(result))
 
 Errors are the exceptions of :mod:`idemgate_client.errors` (``KeyReused``,
-``RequestInFlight``, ``OutcomeUnknown``, …); the HTTP is httpx's.
+``RequestInFlight``, ``OutcomeUnknown``, …); the HTTP is httpx's, and a
+call that gets no answer (refused, reset, timed out) raises
+``StoreUnavailable`` (``answered`` false) with httpx's exception as its
+``__cause__``, never the raw httpx exception.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from uuid import UUID
 
 import httpx
 
-from .errors import problem_from
+from .errors import TRANSPORT_ERRORS, StoreUnavailable, problem_from
 
 __all__ = [
     "Client",
@@ -348,7 +351,11 @@ class Client:
         kwargs: dict[str, Any] = {"headers": {**self._auth, **call.headers}}
         if call.json is not None:
             kwargs["json"] = call.json
-        return call.parse(self._http.request(call.method, call.path, **kwargs))
+        try:
+            response = self._http.request(call.method, call.path, **kwargs)
+        except TRANSPORT_ERRORS as error:
+            raise StoreUnavailable.unreachable(call.method, call.path, error) from error
+        return call.parse(response)
 
     def reserve(
         self,
@@ -445,7 +452,11 @@ class AsyncClient:
         kwargs: dict[str, Any] = {"headers": {**self._auth, **call.headers}}
         if call.json is not None:
             kwargs["json"] = call.json
-        return call.parse(await self._http.request(call.method, call.path, **kwargs))
+        try:
+            response = await self._http.request(call.method, call.path, **kwargs)
+        except TRANSPORT_ERRORS as error:
+            raise StoreUnavailable.unreachable(call.method, call.path, error) from error
+        return call.parse(response)
 
     async def reserve(
         self,

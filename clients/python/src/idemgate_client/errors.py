@@ -5,6 +5,17 @@ last segment of its ``type``), ``title`` and ``detail``, and, where the
 server sent them, ``retry_after`` (seconds) and ``lease_expires_at``.
 :class:`OutcomeUnknown` also says why the step belongs in the caller's
 dead-letter queue (``dead_letter_reason``).
+
+A transport failure (no answer: refused, reset, timed out) is raised as
+:class:`StoreUnavailable` too, with ``answered`` false and the httpx
+exception as its ``__cause__``; :class:`ResultNotCommitted`, a
+``StoreUnavailable``, is a guard's commit that found no server for its whole
+budget, and carries the effect's ``result``.
+
+Every exception here survives ``pickle`` and ``copy.deepcopy`` with its
+class, message and fields (Celery and ``multiprocessing`` move exceptions by
+pickle); the ``__cause__`` and the traceback do not travel, as for any
+exception.
 """
 
 from __future__ import annotations
@@ -31,13 +42,29 @@ __all__ = [
     "KeyReused",
     "TenantLimit",
     "StoreUnavailable",
+    "ResultNotCommitted",
     "Internal",
     "problem_from",
 ]
 
 
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """An exception of ``cls`` with ``args`` and ``state``, without calling its
+    ``__init__`` (whose parameters need not be its ``args``): unpickling."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class IdemgateError(Exception):
     """Anything this package raises about idemgate's answers."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's own pickling calls ``cls(*self.args)``, which fails for
+        # a class whose ``__init__`` takes other arguments than its message
+        # (Problem, InFlight): rebuild from the message and every field.
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class Problem(IdemgateError):
@@ -127,7 +154,71 @@ class TenantLimit(Problem):
 
 
 class StoreUnavailable(Problem):
+    """503: idemgate's database is away (the server said so), or idemgate did
+    not answer at all (``answered`` false: refused, reset, timed out; the
+    httpx exception is the ``__cause__``). Retry later, the same key."""
+
     slug = "store-unavailable"
+
+    @property
+    def answered(self) -> bool:
+        """False when no answer came (a transport failure), not a 503."""
+        return bool(self.body.get("answered", True))
+
+    @classmethod
+    def unreachable(cls, method: str, path: str, error: BaseException) -> "StoreUnavailable":
+        """The error for a call that got no answer; raise it ``from error``."""
+        return cls(503, _unreachable_body(method, path, error), None)
+
+
+def _unreachable_body(method: str, path: str, error: BaseException) -> dict[str, Any]:
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
+    return {
+        "type": "store-unavailable",
+        "title": "idemgate did not answer",
+        # The exception's type only: its message could name a URL's secrets.
+        "detail": f"no answer from idemgate to {method} {path} ({name})",
+        "answered": False,
+    }
+
+
+class ResultNotCommitted(StoreUnavailable):
+    """A guard's effect acted and returned ``result``, but its commit found no
+    idemgate for the guard's whole ``commit_budget``. The key is still in
+    flight under ``reservation_id``: under ``hold`` it turns unknown when its
+    lease ends, and an operator completes it with this result
+    (``encoded_result``, the body the guard tried to commit); a late commit
+    by this holder is accepted as well. Not retried: the effect acted."""
+
+    #: The reason the step is put in the dead-letter queue with.
+    dead_letter_reason = "result_not_committed"
+
+    @classmethod
+    def of(
+        cls, reservation_id: Any, result: Any, encoded_result: str | bytes, waited: float, last: Problem
+    ) -> "ResultNotCommitted":
+        error = cls(
+            last.status,
+            {
+                "type": "store-unavailable",
+                "title": "The result was not committed",
+                "detail": f"the effect acted, but its result could not be committed for {waited:.1f} s "
+                f"({last.detail or last.title}); it is kept in this error",
+                "answered": last.answered if isinstance(last, StoreUnavailable) else True,
+            },
+            last.retry_after,
+        )
+        error.reservation_id = reservation_id
+        error.result = result
+        error.encoded_result = encoded_result
+        error.waited = waited
+        return error
+
+    reservation_id: Any
+    result: Any
+    encoded_result: str | bytes
+    waited: float
 
 
 class Internal(Problem):
@@ -158,6 +249,10 @@ _BY_SLUG = {
 
 def _datetime(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+#: A call that got no answer (refused, reset, timed out, an unreadable answer).
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.RequestError,)
 
 
 def problem_from(response: httpx.Response) -> Problem:

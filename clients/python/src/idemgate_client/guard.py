@@ -77,14 +77,32 @@ not run the effect either: it raises
 :class:`~idemgate_client.OutcomeUnknown` and leaves the key to end its lease
 under ``hold``, unknown, for an operator.
 
-Both dead-letter errors, :class:`InFlight` and
-:class:`~idemgate_client.OutcomeUnknown`, carry ``dead_letter_reason``
-(``idempotency_in_flight``, ``outcome_unknown``)::
+The commit after the effect is retried while idemgate is away (no answer,
+or a 503/502/504), with exponential backoff and jitter, for the guard's
+``commit_budget`` seconds (default: the lease, ``lease_seconds`` or the
+server's default 30 s; a holder's late commit is accepted while its
+reservation is current, and committing the same response twice is fine), so
+a server back within the budget gets the result and the caller gets it too.
+Past the budget the guard raises
+:class:`~idemgate_client.ResultNotCommitted` (a ``StoreUnavailable``) with
+the effect's ``result``: the effect acted, so it is never run again; the
+step is dead-lettered with the result, and the key (in flight, then unknown
+under ``hold``) is completed by an operator or a late commit. Every other
+call that gets no answer (the reserve, a release, an unknown mark) raises
+:class:`~idemgate_client.StoreUnavailable` with httpx's exception as its
+``__cause__``, never a raw httpx exception.
+
+The three dead-letter errors, :class:`InFlight`,
+:class:`~idemgate_client.OutcomeUnknown` and
+:class:`~idemgate_client.ResultNotCommitted`, carry ``dead_letter_reason``
+(``idempotency_in_flight``, ``outcome_unknown``, ``result_not_committed``)::
 
     try:
         result = guard.run(key, charge, request=...)
     except (InFlight, OutcomeUnknown) as stuck:
         dead_letter(step, reason=stuck.dead_letter_reason)
+    except ResultNotCommitted as unsaved:
+        dead_letter(step, reason=unsaved.dead_letter_reason, result=unsaved.result)
 """
 
 from __future__ import annotations
@@ -92,6 +110,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import random
 import socket
 import threading
 import time
@@ -103,7 +122,7 @@ from uuid import UUID
 import httpx
 
 from .api import AsyncClient, Client, Completed, LeaseExpiry, RecoveryPoint, Reserved
-from .errors import IdemgateError, OutcomeUnknown, RequestInFlight
+from .errors import IdemgateError, OutcomeUnknown, Problem, RequestInFlight, ResultNotCommitted, StoreUnavailable
 
 __all__ = [
     "AsyncGuard",
@@ -121,6 +140,48 @@ T = TypeVar("T")
 
 #: The longest single ``Prefer: wait`` asked for; the server caps it too.
 MAX_WAIT_SECONDS = 10
+
+#: The server's default lease (SPEC §5): a guard's default commit budget
+#: when it does not choose ``lease_seconds``.
+DEFAULT_LEASE_SECONDS = 30
+
+#: The commit's first and longest pause between tries (before jitter).
+_COMMIT_FIRST_PAUSE = 0.2
+_COMMIT_LONGEST_PAUSE = 2.0
+
+
+def _commit_retryable(error: Exception) -> bool:
+    """A commit that may succeed later: no answer, or the store (or a proxy
+    before it) away."""
+    return isinstance(error, StoreUnavailable) or (isinstance(error, Problem) and error.status in (502, 503, 504))
+
+
+class _CommitTries:
+    """The commit's retry schedule: exponential backoff with full jitter
+    (half to all of the step), within a budget of its own."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.started = time.monotonic()
+        self._step = _COMMIT_FIRST_PAUSE
+
+    def waited(self) -> float:
+        return time.monotonic() - self.started
+
+    def pause(self, error: Problem) -> float | None:
+        """How long to sleep before the next try; None once the budget is spent."""
+        left = self.budget - self.waited()
+        if left <= 0:
+            return None
+        pause = random.uniform(self._step / 2, self._step)
+        if error.retry_after:
+            pause = max(pause, min(error.retry_after, _COMMIT_LONGEST_PAUSE))
+        self._step = min(self._step * 2, _COMMIT_LONGEST_PAUSE)
+        return min(pause, left)
+
+
+def _commit_budget(chosen: float | None, lease_seconds: int | None) -> float:
+    return float(chosen) if chosen is not None else float(lease_seconds or DEFAULT_LEASE_SECONDS)
 
 
 class InFlight(IdemgateError):
@@ -359,6 +420,11 @@ class Guard:
     ``"unknown"`` marks it unknown at once under ``hold`` (under
     ``takeover`` it is left in flight for the next run to reconcile). The
     effect's exception is raised to the caller either way.
+
+    ``commit_budget`` (seconds) is how long the commit is retried while
+    idemgate is away; unset, the lease (``lease_seconds``, or the server's
+    default 30 s). Past it, :class:`~idemgate_client.ResultNotCommitted`
+    carries the effect's result.
     """
 
     def __init__(
@@ -371,8 +437,10 @@ class Guard:
         encode: Callable[[Any], str] = json.dumps,
         decode: Callable[[str], Any] = json.loads,
         classify_failure: Callable[[Exception], Failure] = classify_failure,
+        commit_budget: float | None = None,
     ) -> None:
         self.client = client
+        self.commit_budget = commit_budget
         self.wait_budget = wait_budget
         self.lease_seconds = lease_seconds
         self.on_lease_expiry: LeaseExpiry | None = on_lease_expiry
@@ -419,8 +487,25 @@ class Guard:
             # the key stays in flight until its lease ends.)
             self._failed(reserved.reservation_id, expiry, error)
             raise
-        self.client.commit(reserved.reservation_id, status=200, body=self.encode(result))
+        self._commit(reserved.reservation_id, result)
         return result
+
+    def _commit(self, reservation_id: UUID, result: Any) -> None:
+        """Commits ``result``, retried while idemgate is away (see the
+        module's doc); past ``commit_budget``, :class:`ResultNotCommitted`."""
+        body = self.encode(result)
+        tries = _CommitTries(_commit_budget(self.commit_budget, self.lease_seconds))
+        while True:
+            try:
+                self.client.commit(reservation_id, status=200, body=body)
+                return
+            except Problem as error:
+                if not _commit_retryable(error):
+                    raise
+                pause = tries.pause(error)
+                if pause is None:
+                    raise ResultNotCommitted.of(reservation_id, result, body, tries.waited(), error) from error
+                time.sleep(pause)
 
     def _failed(self, reservation_id: UUID, expiry: LeaseExpiry, error: Exception) -> None:
         """Releases the key or marks it unknown, as ``classify_failure`` judges
@@ -521,7 +606,8 @@ class AsyncGuard:
     """As :class:`Guard`, over an :class:`AsyncClient`, for async effects
     (and an async ``reconcile``). ``on_lease_expiry`` unset: ``"hold"``, or
     ``"takeover"`` for a run given a ``reconcile``; ``classify_failure`` as
-    in :class:`Guard` (a plain function, not awaited)."""
+    in :class:`Guard` (a plain function, not awaited); ``commit_budget`` as
+    in :class:`Guard`."""
 
     def __init__(
         self,
@@ -533,8 +619,10 @@ class AsyncGuard:
         encode: Callable[[Any], str] = json.dumps,
         decode: Callable[[str], Any] = json.loads,
         classify_failure: Callable[[Exception], Failure] = classify_failure,
+        commit_budget: float | None = None,
     ) -> None:
         self.client = client
+        self.commit_budget = commit_budget
         self.wait_budget = wait_budget
         self.lease_seconds = lease_seconds
         self.on_lease_expiry: LeaseExpiry | None = on_lease_expiry
@@ -588,8 +676,24 @@ class AsyncGuard:
             raise
         finally:
             heartbeat.cancel()
-        await self.client.commit(reserved.reservation_id, status=200, body=self.encode(result))
+        await self._commit(reserved.reservation_id, result)
         return result
+
+    async def _commit(self, reservation_id: UUID, result: Any) -> None:
+        """As :meth:`Guard._commit`."""
+        body = self.encode(result)
+        tries = _CommitTries(_commit_budget(self.commit_budget, self.lease_seconds))
+        while True:
+            try:
+                await self.client.commit(reservation_id, status=200, body=body)
+                return
+            except Problem as error:
+                if not _commit_retryable(error):
+                    raise
+                pause = tries.pause(error)
+                if pause is None:
+                    raise ResultNotCommitted.of(reservation_id, result, body, tries.waited(), error) from error
+                await asyncio.sleep(pause)
 
     async def _failed(self, reservation_id: UUID, expiry: LeaseExpiry, error: Exception) -> None:
         """As :meth:`Guard._failed`."""

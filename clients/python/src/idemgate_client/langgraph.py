@@ -75,7 +75,15 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, TypeVar
 import httpx
 
 from ._inflight import shielded, slot
-from .errors import IdemgateError, KeyReused, LeaseLost, OutcomeUnknown, RequestInFlight, StoreUnavailable
+from .errors import (
+    IdemgateError,
+    KeyReused,
+    LeaseLost,
+    OutcomeUnknown,
+    RequestInFlight,
+    ResultNotCommitted,
+    StoreUnavailable,
+)
 from .guard import AsyncGuard, AsyncHolding, Guard, Holding, InFlight, NotExecuted, Reconciled
 from .keys import derive_key
 from .retry import Decision, classify
@@ -280,7 +288,9 @@ def retry_on(error: BaseException) -> bool:
       key; an effect that may have acted is never run again by the guard;
     - 409 ``request-in-flight`` (``RequestInFlight``, or the guard's
       ``InFlight`` after its wait budget): yes, to wait again on the same key;
-    - 409 ``outcome-unknown``, 422 ``key-reused``, ``lease-lost``: never;
+    - 409 ``outcome-unknown``, 422 ``key-reused``, ``lease-lost``, and
+      ``ResultNotCommitted`` (the effect acted; its result is in the error):
+      never;
     - ``NotExecuted`` (the effect failed before acting; the key was released):
       as its cause (``raise NotExecuted(...) from error``), no cause no;
     - anything else: no.
@@ -289,7 +299,7 @@ def retry_on(error: BaseException) -> bool:
     ``httpx.HTTPStatusError`` (only 5xx), and retries ``OutcomeUnknown`` and
     ``KeyReused`` (any exception it does not know), pointlessly.
     """
-    if isinstance(error, (OutcomeUnknown, KeyReused, LeaseLost)):
+    if isinstance(error, (OutcomeUnknown, KeyReused, LeaseLost, ResultNotCommitted)):
         return False
     if isinstance(error, (InFlight, RequestInFlight, StoreUnavailable)):
         return True
