@@ -200,6 +200,11 @@ pub struct SchemaStatus {
     pub can_bridge: bool,
     /// The compatibility write is in place now.
     pub bridge_on: bool,
+    /// The role this status was read as, where it may not read other
+    /// roles' sessions whole (not a member of `pg_read_all_stats`): their
+    /// names are seen, not their addresses nor statements, and a session
+    /// without a name is taken for an idemgate process before 0.2.0.
+    pub sessions_hidden_from: Option<String>,
 }
 
 impl SchemaStatus {
@@ -265,6 +270,7 @@ impl SchemaStatus {
             blocked,
             can_bridge: false,
             bridge_on: false,
+            sessions_hidden_from: None,
         }
     }
 
@@ -374,6 +380,14 @@ impl SchemaStatus {
             for process in &self.connected {
                 out.push(format!("  {}", process.describe()));
             }
+        }
+        if let Some(role) = &self.sessions_hidden_from {
+            out.push(format!(
+                "note: the role {role} may not read other roles' sessions whole (it is not a \
+                 member of pg_read_all_stats): their names are listed, not where they connect \
+                 from, and a session without a name counts as idemgate before 0.2.0, which \
+                 holds back a contract step. To see them: GRANT pg_read_all_stats TO {role};"
+            ));
         }
         if self.bridge_on {
             out.push(format!(

@@ -167,3 +167,112 @@ async fn every_command_but_migrate_works_with_a_role_that_owns_nothing() {
         std::panic::resume_unwind(panic);
     }
 }
+
+/// `migrate --status` run as the schema's owner, a role that is no
+/// superuser, beside `serve` running as the application's role with the
+/// grants above: PostgreSQL shows the owner another role's sessions with
+/// their names only, and the status lists the process by its name and says
+/// what it cannot see and the GRANT that shows it; granted
+/// `pg_read_all_stats`, it lists where the process connects from, and the
+/// note is gone.
+#[tokio::test]
+async fn the_owner_sees_the_application_roles_processes() {
+    let db = TestDb::new().await;
+    let suffix = db.name.trim_start_matches("idemgate_test_").to_owned();
+    let (owner, app) = (
+        format!("idemgate_own_{suffix}"),
+        format!("idemgate_app_{suffix}"),
+    );
+    let mut admin = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE ROLE {owner} LOGIN; CREATE ROLE {app} LOGIN;
+         ALTER SCHEMA {schema} OWNER TO {owner};"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    let owner_url = as_role(&db.url, &owner);
+    let app_url = as_role(&db.url, &app);
+
+    let result = async {
+        let migrated = run(&owner_url, &["migrate"]);
+        assert!(
+            migrated.status.success(),
+            "migrate as {owner}: {}",
+            String::from_utf8_lossy(&migrated.stderr)
+        );
+        let mut as_owner = sqlx::PgConnection::connect(&owner_url).await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "GRANT USAGE ON SCHEMA {schema} TO {app};
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {app};
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {app};"
+        )))
+        .execute(&mut as_owner)
+        .await
+        .unwrap();
+        let _ = as_owner.close().await;
+
+        let served = Served::spawn(idemgate_at(&app_url), &["--no-migrate"]).await;
+        let name = format!("idemgate/{}", env!("CARGO_PKG_VERSION"));
+        let status = |url: &str| {
+            let out = run(url, &["migrate", "--status"]);
+            let said = String::from_utf8_lossy(&out.stdout).into_owned();
+            assert!(
+                out.status.success(),
+                "{said}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            said
+        };
+        // The process is seen once it ran a statement (its first pruning
+        // pass, at start).
+        let mut said = String::new();
+        for _ in 0..50 {
+            said = status(&owner_url);
+            if said.contains(&name) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+        assert!(
+            said.contains(&format!("  {name} (pid")),
+            "the application role's process is listed: {said}"
+        );
+        assert!(!said.contains("no idemgate process"), "{said}");
+        assert!(
+            said.contains(&format!("GRANT pg_read_all_stats TO {owner};")),
+            "{said}"
+        );
+
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "GRANT pg_read_all_stats TO {owner};"
+        )))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+        let said = status(&owner_url);
+        assert!(
+            said.contains(&format!("  {name} (pid")) && said.contains("from 127.0.0.1"),
+            "granted, where it connects from: {said}"
+        );
+        assert!(!said.contains("pg_read_all_stats"), "{said}");
+        drop(served);
+    };
+    let outcome = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(result)).await;
+    // Roles are the cluster's, not the database's: dropped whatever happened.
+    let _ = common::pg::end_other_sessions(&mut admin).await;
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER SCHEMA {schema} OWNER TO CURRENT_USER; REASSIGN OWNED BY {owner} TO CURRENT_USER;
+         DROP OWNED BY {owner}; DROP OWNED BY {app}; DROP ROLE {owner}; DROP ROLE {app};"
+    )))
+    .execute(&mut admin)
+    .await;
+    let _ = admin.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}

@@ -205,3 +205,50 @@ async fn the_statement_timeout_holds_without_a_session() {
         .expect("rollback");
     assert_eq!(app.reserve(&key, "{}").await.status, 201);
 }
+
+/// `keys show` and `keys list` (and `prune`) through the pooler, in any
+/// order, again and again: none leaves a named prepared statement on the
+/// pooled server connection for the next to trip over (`prepared statement
+/// "sqlx_s_1" already exists`), the schema check at their start included.
+#[tokio::test]
+async fn keys_and_prune_keep_no_session_state_through_the_pooler() {
+    let db = TestDb::new().await;
+    migrate(&db);
+    let app = TestApp::new(&db.url, &[]).await;
+    let key = fresh_key();
+    let body = r#"{"fingerprint":"fp","label":"order 1042","lease_seconds":60}"#;
+    assert_eq!(app.reserve(&key, body).await.status, 201);
+    drop(app);
+    use sha2::Digest as _;
+    let hash = hex::encode(sha2::Sha256::digest(key.as_bytes()));
+    let url = through_pooler(&db.url).unwrap_or_else(|| db.url.clone());
+    let show = ["keys", "show", "default", &hash[..12]];
+    let list = ["keys", "list", "--state", "in_flight"];
+    let prune = ["prune"];
+    let rounds: [[&[&str]; 3]; 4] = [
+        [&show, &list, &prune],
+        [&list, &show, &show],
+        [&show, &show, &list],
+        [&prune, &list, &list],
+    ];
+    for (round, commands) in rounds.iter().enumerate() {
+        for args in commands {
+            let out = idemgate_at(&url)
+                .args(*args)
+                .args(POOLER)
+                .output()
+                .expect("idemgate runs");
+            let (stdout, stderr) = (
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+            );
+            assert!(
+                out.status.success(),
+                "round {round}, {args:?}: {stdout}{stderr}"
+            );
+            if args[0] == "keys" {
+                assert!(stdout.contains("order 1042"), "{args:?}: {stdout}");
+            }
+        }
+    }
+}

@@ -388,23 +388,30 @@ impl PgStore {
                 return Err(connect_failed(e, target));
             }
         };
-        // Once per process: not kept prepared (a pooler in transaction mode
-        // could not keep them).
+        // Once per process: not kept prepared, and in a transaction of its
+        // own: a pooler in transaction mode keeps no prepared statement,
+        // and may send an unnamed one's execution to another server
+        // connection than its parse once the parse's sync found no
+        // transaction open.
+        let mut tx = sqlx::Connection::begin(&mut *conn)
+            .await
+            .map_err(|e| classify(e, target))?;
         let table: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
             .persistent(false)
-            .fetch_one(&mut *conn)
+            .fetch_one(&mut *tx)
             .await
             .map_err(|e| classify(e, target))?;
         let why = if table {
             let applied: Result<Vec<i64>, sqlx::Error> =
                 sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
                     .persistent(false)
-                    .fetch_all(&mut *conn)
+                    .fetch_all(&mut *tx)
                     .await;
             match applied {
                 Ok(applied) => match super::missing_migrations(&MIGRATOR, &applied) {
                     Some(why) => Some(why),
                     None => {
+                        tx.rollback().await.map_err(|e| classify(e, target))?;
                         drop(conn);
                         return Ok(self.schema_status(&MIGRATOR).await?.refusal());
                     }

@@ -24,20 +24,33 @@ use crate::store::{Result, StoreError};
 
 /// The client connections to this database that belong to idemgate
 /// processes, oldest first.
+///
+/// A role without `pg_read_all_stats` sees another role's session with its
+/// name (`application_name`) but not its type, address, start or
+/// statement (NULL, and `<insufficient privilege>`): such a session is
+/// counted too — idemgate's processes run as the application's role, not
+/// as the owner that migrates — with its address shown as unknown.
 const CONNECTED: &str = r#"
 SELECT pid, application_name,
-       COALESCE(host(client_addr), 'local') AS client,
+       CASE WHEN query = '<insufficient privilege>' THEN 'an address this role may not read'
+            ELSE COALESCE(host(client_addr), 'local') END AS client,
        backend_start,
        query = '<insufficient privilege>' AS unreadable
   FROM pg_stat_activity
  WHERE datname = current_database()
    AND pid <> pg_backend_pid()
-   AND backend_type = 'client backend'
+   AND (backend_type = 'client backend'
+        OR (backend_type IS NULL AND query = '<insufficient privilege>'))
    AND (application_name LIKE 'idemgate/%'
         OR (application_name = ''
             AND (query ~ '(idempotency_keys|idempotency_reservations|idemgate_|_sqlx_migrations)'
                  OR query = '<insufficient privilege>')))
- ORDER BY backend_start, pid"#;
+ ORDER BY backend_start NULLS LAST, pid"#;
+
+/// Whether the role reads every session's type, address and statement in
+/// `pg_stat_activity` (a superuser, or a member of `pg_read_all_stats`,
+/// which `pg_monitor` includes).
+const READS_EVERY_SESSION: &str = "SELECT pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')";
 
 /// The compatibility write for processes before 0.2.0 across
 /// `20261207000001_one_table` ([`crate::store::schema::BRIDGED`]): every
@@ -99,7 +112,14 @@ impl PgStore {
     pub async fn schema_status(&self, migrator: &Migrator) -> Result<SchemaStatus> {
         let target = &self.conns.target;
         let mut conn = self.pool.acquire().await.map_err(|e| classify(e, target))?;
+        // Read in one transaction: behind a pooler in transaction mode, an
+        // unnamed statement's parse and execution then reach one server
+        // connection, and nothing is left prepared on it.
+        let mut conn = sqlx::Connection::begin(&mut *conn)
+            .await
+            .map_err(|e| classify(e, target))?;
         let table: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+            .persistent(false)
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| classify(e, target))?;
@@ -108,6 +128,7 @@ impl PgStore {
                 "SELECT version, description, installed_on FROM _sqlx_migrations \
                  WHERE success ORDER BY version",
             )
+            .persistent(false)
             .fetch_all(&mut *conn)
             .await
             .map_err(|e| classify(e, target))?
@@ -115,6 +136,7 @@ impl PgStore {
             Vec::new()
         };
         let rows: Vec<ConnectedRow> = sqlx::query_as(CONNECTED)
+            .persistent(false)
             .fetch_all(&mut *conn)
             .await
             .map_err(|e| classify(e, target))?;
@@ -153,13 +175,21 @@ impl PgStore {
         let citus: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')",
         )
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await
         .map_err(|e| classify(e, target))?;
-        let bridge_on: bool = sqlx::query_scalar(BRIDGE_IS_ON)
+        let reads_every_session: bool = sqlx::query_scalar(READS_EVERY_SESSION)
+            .persistent(false)
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| classify(e, target))?;
+        let bridge_on: bool = sqlx::query_scalar(BRIDGE_IS_ON)
+            .persistent(false)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| classify(e, target))?;
+        conn.rollback().await.map_err(|e| classify(e, target))?;
         let mut status = SchemaStatus::new(
             format!(
                 "the PostgreSQL database {} on {}",
@@ -173,6 +203,9 @@ impl PgStore {
         );
         status.can_bridge = !citus;
         status.bridge_on = bridge_on;
+        if !reads_every_session {
+            status.sessions_hidden_from = Some(target.user.clone());
+        }
         Ok(status)
     }
 
