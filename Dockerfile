@@ -13,6 +13,9 @@ COPY migrations ./migrations
 COPY examples ./examples
 # The reference pages of docs/ are built into the binary (/docs/{page}).
 COPY docs ./docs
+# A pre-release names its commit in `idemgate --version`; the build context
+# has no .git: `docker build --build-arg IDEMGATE_COMMIT=$(git rev-parse HEAD) .`
+ARG IDEMGATE_COMMIT=
 RUN cargo build --release --locked --bin idemgate --bin idemgate-demo-origin
 
 # Runtime stage: a small image, run as an unprivileged user. The SQLite store
@@ -21,7 +24,7 @@ RUN cargo build --release --locked --bin idemgate --bin idemgate-demo-origin
 FROM debian:bookworm-slim
 # The release, as Cargo.toml, the client packages and CHANGELOG.md name it.
 LABEL org.opencontainers.image.title="idemgate" \
-      org.opencontainers.image.version="0.3.0" \
+      org.opencontainers.image.version="0.4.0-dev" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \

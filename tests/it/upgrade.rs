@@ -123,10 +123,94 @@ async fn version_names_the_release_and_the_schema_each_store_ends_at() {
     } else {
         format!("schema {pg} on PostgreSQL, {sqlite} on SQLite")
     };
+    let version = env!("CARGO_PKG_VERSION");
+    let printed = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    if version.contains('-') {
+        // A pre-release names the commit it was built from.
+        let commit = printed
+            .strip_prefix(&format!("idemgate {version} (commit "))
+            .and_then(|rest| rest.split_once(", "))
+            .map(|(commit, _)| commit.to_owned())
+            .unwrap_or_else(|| panic!("no commit in {printed:?}"));
+        assert!(
+            commit == "unknown"
+                || (commit.len() == 12 && commit.bytes().all(|b| b.is_ascii_hexdigit())),
+            "{printed}"
+        );
+        assert_eq!(
+            printed,
+            format!("idemgate {version} (commit {commit}, {schema})")
+        );
+    } else {
+        assert_eq!(printed, format!("idemgate {version} ({schema})"));
+    }
+
+    // docs/configuration.md shows the line as it is (its commit aside).
+    let page = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md"),
+    )
+    .expect("docs/configuration.md");
+    let shown = page
+        .split('`')
+        .find(|s| s.starts_with("idemgate ") && s.contains("schema "))
+        .expect("docs/configuration.md shows an `idemgate --version` line");
+    let shown_commit = |line: &str| {
+        line.split_once("(commit ")
+            .and_then(|(_, rest)| rest.split_once(','))
+            .map(|(c, _)| c.to_owned())
+    };
+    let mut expected = printed.clone();
+    if let (Some(ours), Some(theirs)) = (shown_commit(&printed), shown_commit(shown)) {
+        expected = expected.replace(&format!("commit {ours},"), &format!("commit {theirs},"));
+    }
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        format!("idemgate {} ({schema})", env!("CARGO_PKG_VERSION"))
+        shown, expected,
+        "docs/configuration.md's `idemgate --version` line is not this build's"
     );
+}
+
+/// A build with a migration that no release has is a pre-release of the
+/// next version (SPEC §14): never the last release's number. A release is
+/// listed in `RELEASES` with the newest migration it has.
+#[test]
+fn a_build_whose_schema_no_release_has_is_a_pre_release() {
+    use idemgate::store::schema::{RELEASES, VERSION};
+    let newest =
+        std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres"))
+            .expect("migrations")
+            .filter_map(|e| {
+                e.ok()?
+                    .file_name()
+                    .into_string()
+                    .ok()?
+                    .split('_')
+                    .next()?
+                    .parse::<i64>()
+                    .ok()
+            })
+            .max()
+            .expect("a migration");
+    let numbers = |v: &str| -> Vec<u64> {
+        v.split(['-', '+'])
+            .next()
+            .unwrap_or_default()
+            .split('.')
+            .map(|p| p.parse().unwrap())
+            .collect()
+    };
+    let (last, last_schema) = *RELEASES.last().expect("a release");
+    if newest > last_schema {
+        assert!(
+            VERSION.contains('-') && numbers(VERSION) > numbers(last),
+            "migration {newest} is in no release (the last, {last}, ends at {last_schema}): \
+             this build is a pre-release of the next version (e.g. 0.4.0-dev), not {VERSION}"
+        );
+    } else {
+        assert!(
+            RELEASES.iter().any(|(name, _)| *name == VERSION),
+            "{VERSION} has the schema of a release, and is not listed in RELEASES"
+        );
+    }
 }
 
 #[tokio::test]

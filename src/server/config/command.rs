@@ -19,7 +19,7 @@ use super::{LogFormat, ProxyArgs, ServeArgs, StoreArgs};
 #[derive(Debug, Parser)]
 #[command(
     name = "idemgate",
-    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IDEMGATE_SCHEMA"), ")"),
+    version = env!("IDEMGATE_LONG_VERSION"),
     propagate_version = true
 )]
 pub struct Cli {
