@@ -1,6 +1,7 @@
-"""The Celery app of tests/test_celery.py: one guarded task, ``orders.charge``,
+"""The Celery app of tests/test_celery.py: a guarded task, ``orders.charge``,
 whose effect appends a row to a SQLite ledger (one row per execution, written
-by the effect itself), run by real workers (``celery -A celery_orders
+by the effect itself), and ``orders.refuse``, whose effect never acts, run
+by real workers (``celery -A celery_orders
 worker``) on RabbitMQ.
 
 Its settings come from the environment the test starts the workers with:
@@ -64,7 +65,7 @@ if "ORDERS_QUEUE" in os.environ:
     from celery import Celery
     from celery.signals import task_failure, task_retry, task_success
 
-    from idemgate_client import Client
+    from idemgate_client import Client, NotExecuted
     from idemgate_client.celery import DeadLetter, guarded_task
 
     QUEUE = os.environ["ORDERS_QUEUE"]
@@ -113,6 +114,18 @@ if "ORDERS_QUEUE" in os.environ:
         time.sleep(random.uniform(0.0, 0.3))
         return {"charge": made, "order": order_id, "amount": amount}
 
+    @guarded_task(
+        app,
+        client=lambda: Client(os.environ["ORDERS_IDEMGATE_URL"], token=os.environ["ORDERS_IDEMGATE_TOKEN"], timeout=5),
+        tenant="acme",
+        business_id="order_id",
+        on_dead_letter=record_dead_letter,
+        name="orders.refuse",
+    )
+    def refuse(order_id: str) -> None:
+        """The provider refused before anything happened: the key is released."""
+        raise NotExecuted("card declined")
+
     @task_success.connect
     def _succeeded(sender: Any = None, result: Any = None, **_: Any) -> None:
         request = sender.request
@@ -120,7 +133,8 @@ if "ORDERS_QUEUE" in os.environ:
 
     @task_retry.connect
     def _retried(sender: Any = None, request: Any = None, reason: Any = None, **_: Any) -> None:
-        _event(request.id, (request.args or [None])[0], "retry", type(reason).__name__)
+        # reason: Celery's Retry, whose exc is what the task retried for.
+        _event(request.id, (request.args or [None])[0], "retry", type(getattr(reason, "exc", reason)).__name__)
 
     @task_failure.connect
     def _failed(sender: Any = None, task_id: str | None = None, exception: Any = None, args: Any = None, **_: Any) -> None:

@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from conftest import TOKEN, Server, admin_view, closed_port, start_server
+from conftest import TOKEN, admin_view, closed_port, start_server
 
 pytestmark = pytest.mark.celery
 
@@ -48,7 +48,7 @@ celery = pytest.importorskip("celery")
 from kombu import Connection  # noqa: E402
 
 import celery_orders  # noqa: E402
-from idemgate_client import Client, Completed  # noqa: E402
+from idemgate_client import Client, Completed, Reserved  # noqa: E402
 from idemgate_client.celery import task_key  # noqa: E402
 
 TESTS = Path(__file__).parent
@@ -67,14 +67,6 @@ def _broker_answers(url: str) -> bool:
         return False
 
 
-@pytest.fixture
-def broker() -> Iterator[str]:
-    url = celery_orders.broker_url()
-    if not _broker_answers(url):
-        if os.environ.get("CI"):
-            pytest.fail(f"RabbitMQ does not answer at {urlparse(url).hostname}:{urlparse(url).port} (CI requires it)")
-        pytest.skip("no RabbitMQ on 127.0.0.1:5672 (ORDERS_BROKER); CI requires it")
-    yield url
 
 
 class Worker:
@@ -133,17 +125,6 @@ class Worker:
         self.process.wait()
 
 
-def _sigkill_server(server: Server) -> None:
-    server.process.send_signal(signal.SIGKILL)
-    server.process.wait()
-
-
-def _enqueue(producer: Any, queue: str, order: str, amount: int) -> str:
-    task_id = str(uuid.uuid4())
-    producer.send_task(TASK, args=[order, amount], task_id=task_id, queue=queue)
-    return task_id
-
-
 def _settled(db: sqlite3.Connection, task_ids: set[str]) -> set[str]:
     """The task ids that came to an end: a success, a failure (a rejection
     included) or a dead letter recorded."""
@@ -181,130 +162,222 @@ def _drop_queues(broker: str, queue: str) -> None:
             channel.exchange_delete(name)
 
 
-def test_killed_workers_and_server_never_charge_an_order_twice(broker: str, tmp_path: Path) -> None:
-    started = time.monotonic()
-    rng = random.Random()
-    queue = f"idemgate-test-orders-{uuid.uuid4().hex[:10]}"
-    ledger_path = tmp_path / "ledger.db"
-    celery_orders.create_ledger(str(ledger_path))
-    port = closed_port()
-    database = f"sqlite://{tmp_path / 'keys.db'}"
-    server = start_server(database, tmp_path / "serve-1", port=port)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)]),
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "ORDERS_QUEUE": queue,
-        "ORDERS_LEDGER": str(ledger_path),
-        "ORDERS_IDEMGATE_URL": server.base_url,
-        "ORDERS_IDEMGATE_TOKEN": TOKEN,
-        "ORDERS_BROKER": broker,
-        "ORDERS_LEASE": "5",
-    }
-    producer = celery.Celery("orders-producer", broker=broker)
-    producer.conf.update(task_queues=celery_orders.task_queues(queue), task_default_queue=queue)
-    workers: list[Worker] = []
-    try:
+class Orders:
+    """A test's own world: idemgate serve on a SQLite file, a queue (with its
+    dead-letter exchange and queue), the ledger, a producer, the workers."""
+
+    def __init__(self, broker: str, work: Path) -> None:
+        self.broker = broker
+        self.work = work
+        self.queue = f"idemgate-test-orders-{uuid.uuid4().hex[:10]}"
+        self.ledger_path = work / "ledger.db"
+        celery_orders.create_ledger(str(self.ledger_path))
+        self.port = closed_port()
+        self.database = f"sqlite://{work / 'keys.db'}"
+        self.server = start_server(self.database, work / "serve-1", port=self.port)
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)]),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "ORDERS_QUEUE": self.queue,
+            "ORDERS_LEDGER": str(self.ledger_path),
+            "ORDERS_IDEMGATE_URL": self.server.base_url,
+            "ORDERS_IDEMGATE_TOKEN": TOKEN,
+            "ORDERS_BROKER": broker,
+            "ORDERS_LEASE": "5",
+        }
+        self.producer = celery.Celery("orders-producer", broker=broker)
+        self.producer.conf.update(task_queues=celery_orders.task_queues(self.queue), task_default_queue=self.queue)
         with Connection(broker) as conn:
-            celery_orders.dead_letter_queue(queue)(conn.default_channel).declare()
-            for declared in celery_orders.task_queues(queue):
+            celery_orders.dead_letter_queue(self.queue)(conn.default_channel).declare()
+            for declared in celery_orders.task_queues(self.queue):
                 declared(conn.default_channel).declare()
-        amounts = {f"order-{n:04d}": 100 + n for n in range(ORDERS)}
-        tasks: dict[str, str] = {}  # task id -> order
-        for order, amount in amounts.items():
-            tasks[_enqueue(producer, queue, order, amount)] = order
-        workers = [Worker(f"w{n}-{queue[-10:]}", env, tmp_path) for n in range(2)]
+        self.workers: list[Worker] = []
+        self.db = celery_orders.ledger(str(self.ledger_path))
 
-        kills = Counter[str]()
-        twice = rng.sample(sorted(amounts), TWICE)
-        for k in range(KILLS):
-            time.sleep(rng.uniform(0.8, 2.2))
-            if k == 2:
-                for order in twice:  # a second enqueue of the same order: a new task id
-                    tasks[_enqueue(producer, queue, order, amounts[order])] = order
-            if k == KILLS // 2:
-                _sigkill_server(server)
-                kills["idemgate server"] += 1
-                time.sleep(rng.uniform(0.2, 1.0))
-                server = start_server(database, tmp_path / "serve-2", port=port)
-            worker = rng.choice(workers)
-            if rng.random() < 0.5 and worker.kill_pool_process():
-                kills["pool process"] += 1
-            else:
-                worker.kill()
-                kills["worker"] += 1
-                time.sleep(rng.uniform(0.1, 0.8))
-                worker.start()
+    def worker(self, n: int) -> Worker:
+        started = Worker(f"w{n}-{self.queue[-10:]}", self.env, self.work)
+        self.workers.append(started)
+        return started
 
-        db = celery_orders.ledger(str(ledger_path))
-        deadline = time.monotonic() + 120
+    def enqueue(self, task: str, *args: Any) -> str:
+        task_id = str(uuid.uuid4())
+        self.producer.send_task(task, args=list(args), task_id=task_id, queue=self.queue)
+        return task_id
+
+    def restart_server(self) -> None:
+        """idemgate killed with SIGKILL, then started again on its database and port."""
+        self.server.process.send_signal(signal.SIGKILL)
+        self.server.process.wait()
+        time.sleep(random.uniform(0.2, 1.0))
+        self.server = start_server(self.database, self.work / "serve-2", port=self.port)
+
+    def wait_settled(self, task_ids: set[str], within: float) -> None:
+        """Until every task id came to an end and the queue has nothing ready."""
+        deadline = time.monotonic() + within
         while True:
-            settled = _settled(db, set(tasks))
-            if len(settled) == len(tasks) and _ready(broker, queue) == 0:
-                break
+            settled = _settled(self.db, task_ids)
+            if len(settled) == len(task_ids) and _ready(self.broker, self.queue) == 0:
+                return
             assert time.monotonic() < deadline, (
-                f"{len(tasks) - len(settled)} of {len(tasks)} messages never came to an end (lost?): "
-                f"{sorted(tasks[t] for t in set(tasks) - settled)[:20]}"
+                f"{len(task_ids) - len(settled)} of {len(task_ids)} messages never came to an end (lost?)"
             )
             time.sleep(0.5)
-        # A message redelivered after its end (a worker killed before the
-        # ack) runs once more: a replay or another dead letter. Let the
-        # workers finish those, then stop them.
-        time.sleep(3)
-        for worker in workers:
+
+    def close(self) -> None:
+        for worker in self.workers:
             worker.kill()
+        self.server.process.kill()
+        self.server.process.wait()
+        self.db.close()
+        _drop_queues(self.broker, self.queue)
 
-        effects = Counter(row[0] for row in db.execute("SELECT order_id FROM effects"))
-        charges = {row[0]: row[1] for row in db.execute("SELECT order_id, charge FROM effects")}
-        reasons: dict[str, set[str]] = {}
-        for order, reason in db.execute("SELECT order_id, reason FROM dead_letters"):
-            reasons.setdefault(order, set()).add(reason)
-        events = Counter(row[0] for row in db.execute("SELECT event FROM events"))
-        letters = _dead_lettered(broker, queue)
-        in_dlq = Counter(letter["order"] for letter in letters)
 
-        twice_run = sorted(order for order, n in effects.items() if n > 1)
-        ran_once: list[str] = []
-        dead: list[str] = []
-        lost: list[str] = []
-        unexplained = [letter for letter in letters if letter["order"] not in reasons]
-        silently_acked = sorted(order for order in reasons if order not in in_dlq)
-        not_rejected = [letter for letter in letters
-                        if not letter["x-death"] or letter["x-death"][0].get("reason") != "rejected"]
-        with Client(server.base_url, token=TOKEN) as client:
-            for order, amount in amounts.items():
-                key = task_key(tenant="acme", task=TASK, business_id=order)
-                if order in in_dlq:
-                    dead.append(order)
-                    continue
-                request = {"method": "POST", "path": f"/tasks/{TASK}",
-                           "body": {"order_id": order, "amount": amount}}
-                answer = client.reserve(key, request=request)
-                if (isinstance(answer, Completed) and effects[order] == 1
-                        and json.loads(answer.response.text())["charge"] == charges[order]):
-                    ran_once.append(order)
-                else:
-                    lost.append(order)
-            labelled = admin_view(server.base_url, task_key(tenant="acme", task=TASK, business_id="order-0000"))
-
-        by_reason = Counter(reason for order in dead for reason in reasons.get(order, ()))
-        print(
-            f"\ncelery: {ORDERS} orders ({len(tasks)} messages, {TWICE} orders enqueued twice); "
-            f"kills: {dict(kills)}; ran once: {len(ran_once)}; dead-lettered: {len(dead)} "
-            f"(reasons {dict(by_reason)}; {len(letters)} messages in the DLQ); effect ran twice: {len(twice_run)}; "
-            f"lost: {len(lost)}; task events: {dict(events)}; {time.monotonic() - started:.0f} s"
-        )
-        assert twice_run == [], f"orders whose effect ran twice: {twice_run}"
-        assert lost == [], f"orders neither committed once nor dead-lettered: {lost}"
-        assert silently_acked == [], f"orders dead-lettered by the task but not in the DLQ: {silently_acked}"
-        assert unexplained == [], f"DLQ messages without a recorded reason: {unexplained}"
-        assert not_rejected == [], f"DLQ messages not rejected by the task: {not_rejected}"
-        assert len(ran_once) + len(dead) == ORDERS
-        assert sum(kills.values()) == KILLS + 1
-        assert labelled.get("label") == f"{TASK} order-0000", labelled
+@pytest.fixture
+def orders(tmp_path: Path) -> Iterator[Orders]:
+    url = celery_orders.broker_url()
+    if not _broker_answers(url):
+        if os.environ.get("CI"):
+            pytest.fail(f"RabbitMQ does not answer at {urlparse(url).hostname}:{urlparse(url).port} (CI requires it)")
+        pytest.skip("no RabbitMQ on 127.0.0.1:5672 (ORDERS_BROKER); CI requires it")
+    world = Orders(url, tmp_path)
+    try:
+        yield world
     finally:
-        for worker in workers:
+        world.close()
+
+
+def test_killed_workers_and_server_never_charge_an_order_twice(orders: Orders) -> None:
+    started = time.monotonic()
+    rng = random.Random()
+    amounts = {f"order-{n:04d}": 100 + n for n in range(ORDERS)}
+    tasks: dict[str, str] = {}  # task id -> order
+    for order, amount in amounts.items():
+        tasks[orders.enqueue(TASK, order, amount)] = order
+    workers = [orders.worker(n) for n in range(2)]
+
+    kills = Counter[str]()
+    twice = rng.sample(sorted(amounts), TWICE)
+    for k in range(KILLS):
+        time.sleep(rng.uniform(0.8, 2.2))
+        if k == 2:
+            for order in twice:  # a second enqueue of the same order: a new task id
+                tasks[orders.enqueue(TASK, order, amounts[order])] = order
+        if k == KILLS // 2:
+            orders.restart_server()
+            kills["idemgate server"] += 1
+        worker = rng.choice(workers)
+        if rng.random() < 0.5 and worker.kill_pool_process():
+            kills["pool process"] += 1
+        else:
             worker.kill()
-        server.process.kill()
-        server.process.wait()
-        _drop_queues(broker, queue)
+            kills["worker"] += 1
+            time.sleep(rng.uniform(0.1, 0.8))
+            worker.start()
+
+    orders.wait_settled(set(tasks), within=120)
+    # A message redelivered after its end (a worker killed before the ack)
+    # runs once more: a replay or another dead letter. Let the workers
+    # finish those, then stop them.
+    time.sleep(3)
+    for worker in workers:
+        worker.kill()
+
+    db, broker, queue, server = orders.db, orders.broker, orders.queue, orders.server
+
+    effects = Counter(row[0] for row in db.execute("SELECT order_id FROM effects"))
+    charges = {row[0]: row[1] for row in db.execute("SELECT order_id, charge FROM effects")}
+    reasons: dict[str, set[str]] = {}
+    for order, reason in db.execute("SELECT order_id, reason FROM dead_letters"):
+        reasons.setdefault(order, set()).add(reason)
+    events = Counter(row[0] for row in db.execute("SELECT event FROM events"))
+    letters = _dead_lettered(broker, queue)
+    in_dlq = Counter(letter["order"] for letter in letters)
+
+    twice_run = sorted(order for order, n in effects.items() if n > 1)
+    ran_once: list[str] = []
+    dead: list[str] = []
+    lost: list[str] = []
+    unexplained = [letter for letter in letters if letter["order"] not in reasons]
+    silently_acked = sorted(order for order in reasons if order not in in_dlq)
+    not_rejected = [letter for letter in letters
+                    if not letter["x-death"] or letter["x-death"][0].get("reason") != "rejected"]
+    with Client(server.base_url, token=TOKEN) as client:
+        for order, amount in amounts.items():
+            key = task_key(tenant="acme", task=TASK, business_id=order)
+            if order in in_dlq:
+                dead.append(order)
+                continue
+            request = {"method": "POST", "path": f"/tasks/{TASK}",
+                       "body": {"order_id": order, "amount": amount}}
+            answer = client.reserve(key, request=request)
+            if (isinstance(answer, Completed) and effects[order] == 1
+                    and json.loads(answer.response.text())["charge"] == charges[order]):
+                ran_once.append(order)
+            else:
+                lost.append(order)
+        labelled = admin_view(server.base_url, task_key(tenant="acme", task=TASK, business_id="order-0000"))
+
+    by_reason = Counter(reason for order in dead for reason in reasons.get(order, ()))
+    print(
+        f"\ncelery: {ORDERS} orders ({len(tasks)} messages, {TWICE} orders enqueued twice); "
+        f"kills: {dict(kills)}; ran once: {len(ran_once)}; dead-lettered: {len(dead)} "
+        f"(reasons {dict(by_reason)}; {len(letters)} messages in the DLQ); effect ran twice: {len(twice_run)}; "
+        f"lost: {len(lost)}; task events: {dict(events)}; {time.monotonic() - started:.0f} s"
+    )
+    assert twice_run == [], f"orders whose effect ran twice: {twice_run}"
+    assert lost == [], f"orders neither committed once nor dead-lettered: {lost}"
+    assert silently_acked == [], f"orders dead-lettered by the task but not in the DLQ: {silently_acked}"
+    assert unexplained == [], f"DLQ messages without a recorded reason: {unexplained}"
+    assert not_rejected == [], f"DLQ messages not rejected by the task: {not_rejected}"
+    assert len(ran_once) + len(dead) == ORDERS
+    assert sum(kills.values()) == KILLS + 1
+    assert labelled.get("label") == f"{TASK} order-0000", labelled
+
+
+def _events(db: sqlite3.Connection, task_id: str) -> list[tuple[str, str]]:
+    return [(row[0], row[1]) for row in db.execute("SELECT event, detail FROM events WHERE task_id = ? ORDER BY at", (task_id,))]
+
+
+def test_in_flight_is_retried_another_payload_dead_lettered_a_refusal_released(orders: Orders) -> None:
+    """No kills: a key another holder keeps is a retry with a countdown (the
+    worker is not held), and the holder's result is the task's; the same
+    order with another amount is dead-lettered as key_reused, never charged
+    again; an effect that proves it never acted releases its key."""
+    request = {"method": "POST", "path": f"/tasks/{TASK}", "body": {"order_id": "order-held", "amount": 7}}
+    with Client(orders.server.base_url, token=TOKEN) as client:
+        held = client.reserve(task_key(tenant="acme", task=TASK, business_id="order-held"), request=request,
+                              lease_seconds=20, on_lease_expiry="hold")
+        assert isinstance(held, Reserved)
+        first = orders.enqueue(TASK, "order-same", 5)
+        held_task = orders.enqueue(TASK, "order-held", 7)
+        orders.worker(0)
+        orders.wait_settled({first}, within=60)
+        other = orders.enqueue(TASK, "order-same", 6)
+        refused = orders.enqueue("orders.refuse", "order-refused")
+        deadline = time.monotonic() + 30
+        while ("retry", "InFlight") not in _events(orders.db, held_task):
+            assert time.monotonic() < deadline, _events(orders.db, held_task)
+            time.sleep(0.2)
+        client.commit(held.reservation_id, status=200, body=json.dumps({"charge": "ch_held"}))
+        orders.wait_settled({first, held_task, other, refused}, within=60)
+
+        effects = Counter(row[0] for row in orders.db.execute("SELECT order_id FROM effects"))
+        assert effects == {"order-same": 1}, effects
+        assert _events(orders.db, held_task)[-1] == ("success", "ch_held")
+        letters = {(row[0], row[1], row[2])
+                   for row in orders.db.execute("SELECT order_id, reason, task_id FROM dead_letters")}
+        assert letters == {("order-same", "key_reused", other)}, letters
+        time.sleep(1)
+        in_dlq = {letter["task_id"]: letter["order"] for letter in _dead_lettered(orders.broker, orders.queue)}
+        # The refusal failed (NotExecuted) and, with acks_on_failure_or_timeout
+        # off, was rejected to the dead-letter queue too, without a dead letter.
+        assert in_dlq == {other: "order-same", refused: "order-refused"}, in_dlq
+        assert _events(orders.db, refused)[-1][0] == "failure"
+        # Released: the next reserve of its key is a new reservation.
+        again = client.reserve(task_key(tenant="acme", task="orders.refuse", business_id="order-refused"),
+                               request={"method": "POST", "path": "/tasks/orders.refuse",
+                                        "body": {"order_id": "order-refused"}})
+        assert isinstance(again, Reserved) and again.attempt == 1
+        assert admin_view(orders.server.base_url, task_key(tenant="acme", task=TASK, business_id="order-same"))[
+            "state"] == "completed"
