@@ -146,7 +146,8 @@ class World:
             m.marked_unknown("acme", "the payment provider timed out after the request was sent",
                              checkpoint="card-authorized",
                              request={"method": "POST", "path": "/v1/charges",
-                                      "body": {"amount": 4200, "currency": "eur"}}),
+                                      "body": {"amount": 4200, "currency": "eur"}},
+                             label="order 1042"),
             m.lapsed("globex", lease=1,
                      request={"method": "POST", "path": "/v1/refunds?charge=ch_3Pq",
                               "body": {"amount": 1500}}),
@@ -711,6 +712,9 @@ def case_screenshots(w: World) -> None:
     _, h = w.shots[0]
     t = w.console(w.main.base, "serve (SQLite)", token=w.ops_token)
     row = t.wait_row(h, 15)
+    c.that("POST /v1/charges" in row.get("text", "") and "order 1042" in row.get("text", ""),
+           "the queue's row shows the caller's label beside the request: POST /v1/charges order 1042",
+           f"row {row}")
     wait_until(lambda: len(t.rows()) >= 3 and count_waiting(t.counts()), 10,
                what="three keys in the queue and the counts")
     t.quiet()
@@ -720,6 +724,8 @@ def case_screenshots(w: World) -> None:
     c.ok(f"wrote {queue_png} (the queue, {len(t.rows())} stuck keys, 1280×800)")
     open_key_page(t, row)
     t.settle_form().wait_for(timeout=10000)
+    shown = t.wait_text(r"order 1042", 10, "#key-request")
+    c.that("order 1042" in shown, 'the key\'s page shows its label: "order 1042"', f"{shown!r}")
     t.page.locator("#timeline li").first.wait_for(timeout=10000)
     t.quiet()
     key_png = os.path.join(w.args.docs, "console-key.png")

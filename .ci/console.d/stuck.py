@@ -15,6 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from harness import Failed, Idemgate, Origin, bearer, call, key_hash
 
 
+def described(request: dict | None, label: str | None) -> dict:
+    """The reserve body's `request` and `label`, where given."""
+    extra: dict = {"request": request} if request else {}
+    if label is not None:
+        extra["label"] = label
+    return extra
+
+
 def new_key(label: str = "order") -> str:
     return f"{label}-{secrets.token_hex(8)}"
 
@@ -50,11 +58,12 @@ class Serve:
         return call("POST", f"{self.base}{path}", body, headers, conn=conn)
 
     def lapsed(self, tenant: str, key: str | None = None, lease: int = 1,
-               checkpoint: str | None = None, request: dict | None = None) -> tuple[str, str]:
+               checkpoint: str | None = None, request: dict | None = None,
+               label: str | None = None) -> tuple[str, str]:
         """A key reserved under `hold` with a short lease and never settled:
         once the lease is over it is unknown. Returns (key, hash)."""
         key = key or new_key()
-        extra = {"request": request} if request else {}
+        extra = described(request, label)
         res = self.reserve(tenant, key, lease_seconds=lease, on_lease_expiry="hold", **extra)
         if checkpoint:
             r = self.post(tenant, f"/v1/reservations/{res['reservation_id']}/checkpoint",
@@ -65,10 +74,10 @@ class Serve:
 
     def marked_unknown(self, tenant: str, reason: str, key: str | None = None,
                        conn=None, checkpoint: str | None = None,
-                       request: dict | None = None) -> tuple[str, str]:
+                       request: dict | None = None, label: str | None = None) -> tuple[str, str]:
         """A key whose holder said it cannot tell whether its effect happened."""
         key = key or new_key()
-        extra = {"request": request} if request else {}
+        extra = described(request, label)
         res = self.reserve(tenant, key, conn=conn, **extra)
         rid = res["reservation_id"]
         if checkpoint:

@@ -41,6 +41,13 @@ pub struct ReserveBody {
     /// every reserve of the key is `409 outcome-unknown` until this
     /// reservation's late commit or release, or an operator, settles it).
     pub on_lease_expiry: Option<LeaseExpiry>,
+    /// What the key is, told for a person (an order id, a job name): at
+    /// most 200 characters, no control characters. Kept with the key and
+    /// shown to operators beside its request (sealed at rest with it when
+    /// sealing is on); never part of the fingerprint. An empty label is no
+    /// label.
+    #[schema(max_length = 200)]
+    pub label: Option<String>,
 }
 
 /// A request to fingerprint.

@@ -224,18 +224,27 @@ pub struct Recovery {
 
 /// What a key was for: the request that claimed it, kept with its record so
 /// that an operator settling it can find that call in the provider's books
-/// (its method and path) and in the traces (its trace id). Never its body
-/// or headers.
+/// (its method and path), in the traces (its trace id) and in the caller's
+/// own words (its label). Never its body or headers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClaimedRequest {
-    /// The request's method, as sent.
+    /// The request's method, as sent; empty where the caller described no
+    /// request (a reservation that gave only a label).
+    #[serde(default)]
     pub method: String,
-    /// Its path with its query, as sent.
+    /// Its path with its query, as sent; empty with the method.
+    #[serde(default)]
     pub path: String,
     /// The W3C trace id of the request that claimed the key (32 lowercase
     /// hex digits), when it carried a `traceparent`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace_id: Option<String>,
+    /// What the caller calls the key, for a person (an order id, a job
+    /// name): the reservation API's `label`, at most
+    /// [`ClaimedRequest::MAX_LABEL_CHARS`] characters. Never part of the
+    /// fingerprint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
 }
 
 impl ClaimedRequest {
@@ -248,7 +257,22 @@ impl ClaimedRequest {
             method: cut(method, 32).to_owned(),
             path: cut(path, 2048).to_owned(),
             trace_id: traceparent.and_then(trace_id),
+            label: None,
         }
+    }
+
+    /// The most characters a label holds (SPEC §5).
+    pub const MAX_LABEL_CHARS: usize = 200;
+
+    /// The same, with the caller's `label`.
+    pub fn labelled(self, label: Option<String>) -> ClaimedRequest {
+        ClaimedRequest { label, ..self }
+    }
+
+    /// Whether it names a request (a method and path), rather than only a
+    /// label or a trace.
+    pub fn names_a_request(&self) -> bool {
+        !self.method.is_empty()
     }
 
     /// Its stored form, unsealed: JSON.

@@ -200,6 +200,147 @@ async fn the_reservation_api_keeps_the_described_request(b: Backend) {
     assert_eq!(view["trace_id"], Value::Null);
 }
 
+/// The reserve's `label` (SPEC §5): kept with the key beside the request it
+/// described (or alone, with the reserve's trace), in the view, the list
+/// and the console's queue and key page; never part of the fingerprint
+/// (another label on a retry is the same call); sealed at rest with the
+/// request; refused, naming the field, past 200 characters or with a
+/// character that would rewrite what an operator's screen shows.
+async fn the_reservation_api_keeps_the_callers_label(b: Backend) {
+    let url = b.url();
+    let app = TestApp::new(&url, &[]).await;
+    let key = fresh_key();
+    let body = json!({
+        "request": {"method": "POST", "path": "/v1/charges", "body": {"amount": 5}},
+        "label": "order 1042 — Zoë's café",
+        "lease_seconds": 1,
+        "on_lease_expiry": "hold"
+    });
+    reserve_traced(&app, &key, &body).await;
+    let hash = hash_hex(&key);
+    let view = view_of(&app, &hash).await;
+    assert_eq!(view["label"], "order 1042 — Zoë's café");
+    assert_eq!(
+        view["request"],
+        json!({"method": "POST", "path": "/v1/charges"})
+    );
+
+    // Another label on the same call is the same call: while it runs,
+    // request-in-flight (not key-reused); the first label stays.
+    let relabelled = json!({
+        "request": {"method": "POST", "path": "/v1/charges", "body": {"amount": 5}},
+        "label": "someone else's words"
+    });
+    let again = app.reserve(&key, &relabelled.to_string()).await;
+    again.assert_problem(409, "request-in-flight");
+    assert_eq!(
+        view_of(&app, &hash).await["label"],
+        "order 1042 — Zoë's café"
+    );
+
+    // A label alone: no request, the reserve's trace.
+    let bare = fresh_key();
+    reserve_traced(
+        &app,
+        &bare,
+        &json!({"fingerprint": "fp", "label": "nightly export"}),
+    )
+    .await;
+    let view = view_of(&app, &hash_hex(&bare)).await;
+    assert_eq!(view["label"], "nightly export");
+    assert_eq!(view["request"], Value::Null);
+    assert_eq!(view["trace_id"], TRACE_ID);
+
+    // The list, the console's queue and its key page show it.
+    TestApp::outlive(1).await;
+    let list = app
+        .send("GET", "/v1/admin/keys?state=stuck", &[], None)
+        .await;
+    assert_eq!(list.status, 200, "{list:#?}");
+    assert!(
+        list.body["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["key_hash"] == hash.as_str() && k["label"] == "order 1042 — Zoë's café"),
+        "{list:#?}"
+    );
+    let queue = fragment(&app, "GET", "/console/fragments/queue", None).await;
+    assert_eq!(queue.status, 200, "{queue:#?}");
+    assert!(
+        queue.text.contains("order 1042 — Zoë&#39;s café")
+            || queue.text.contains("order 1042 — Zoë's café"),
+        "{}",
+        queue.text
+    );
+    let page = fragment(
+        &app,
+        "GET",
+        &format!("/console/fragments/keys/default/{hash}"),
+        None,
+    )
+    .await;
+    assert_eq!(page.status, 200, "{page:#?}");
+    assert!(page.text.contains("caller-label"), "{}", page.text);
+
+    // Refused, naming the field: too long (counted in characters), or
+    // holding a control character or a bidirectional override.
+    let at_most = "é".repeat(200);
+    let ok = app
+        .reserve(&fresh_key(), &json!({"label": at_most}).to_string())
+        .await;
+    assert_eq!(ok.status, 201, "200 characters are a label: {ok:#?}");
+    for (label, says) in [
+        ("x".repeat(201), "at most 200"),
+        ("order 7\u{1b}[2Jcleared".to_owned(), "U+001B"),
+        ("order 7\nforged line".to_owned(), "U+000A"),
+        ("order \u{202e}7001".to_owned(), "U+202E"),
+    ] {
+        let refused = app
+            .reserve(&fresh_key(), &json!({"label": label}).to_string())
+            .await;
+        refused.assert_problem(400, "invalid-request");
+        let detail = refused.body["detail"].as_str().unwrap();
+        assert!(
+            detail.contains("label") && detail.contains(says),
+            "{detail}"
+        );
+    }
+    drop(app);
+
+    // Sealed at rest with the request: the column holds no byte of it, and
+    // the sealing process shows it.
+    let sealing = TestApp::new(&url, &["--seal-key", SEAL_KEY]).await;
+    let sealed_key = fresh_key();
+    let needle = format!("order-{}", uuid::Uuid::new_v4().simple());
+    let body = json!({"request": {"method": "POST", "path": "/v1/charges"}, "label": needle});
+    assert_eq!(
+        sealing.reserve(&sealed_key, &body.to_string()).await.status,
+        201
+    );
+    let label_only = fresh_key();
+    let needle2 = format!("job-{}", uuid::Uuid::new_v4().simple());
+    let body = json!({"label": needle2});
+    assert_eq!(
+        sealing.reserve(&label_only, &body.to_string()).await.status,
+        201
+    );
+    assert_eq!(
+        view_of(&sealing, &sealed_hash_hex(&sealed_key)).await["label"],
+        needle.as_str()
+    );
+    assert_eq!(
+        view_of(&sealing, &sealed_hash_hex(&label_only)).await["label"],
+        needle2.as_str()
+    );
+    let raw = raw_requests(&b).await;
+    assert!(
+        raw.iter()
+            .all(|r| !holds(r, &needle) && !holds(r, &needle2)),
+        "a label is readable at rest"
+    );
+}
+
 /// Sealed at rest: the column holds no byte of the path, and the view
 /// shows it; a process without the seal key shows the key without it (no
 /// 500 for a label).
@@ -385,6 +526,7 @@ async fn the_console_shows_and_finds_keys_by_what_they_were_for(b: Backend) {
 crate::both_stores!(
     serial: [
         the_reservation_api_keeps_the_described_request,
+        the_reservation_api_keeps_the_callers_label,
         the_request_is_sealed_with_the_responses,
         the_console_shows_and_finds_keys_by_what_they_were_for,
     ],

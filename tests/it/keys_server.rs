@@ -12,6 +12,9 @@ use serde_json::{Value, json};
 use crate::common;
 use common::bin::{Served, idemgate_at};
 
+/// What the stuck keys' caller calls them (the reserve's `label`).
+const LABEL: &str = "order 1042";
+
 /// A key of tenant `default` held unknown on `served`: reserved under
 /// `hold` with a one-second lease that has run out. Its hash.
 async fn stuck_key(served: &Served, token: Option<&str>) -> String {
@@ -19,8 +22,10 @@ async fn stuck_key(served: &Served, token: Option<&str>) -> String {
     let mut req = common::http()
         .post(format!("{}/v1/reservations", served.base()))
         .header("idempotency-key", format!("\"{key}\""))
-        .json(&json!({ "lease_seconds": 1, "on_lease_expiry": "hold",
-            "request": { "method": "POST", "path": "/charges", "body": { "amount": 5 } } }));
+        .json(
+            &json!({ "lease_seconds": 1, "on_lease_expiry": "hold", "label": LABEL,
+            "request": { "method": "POST", "path": "/charges", "body": { "amount": 5 } } }),
+        );
     if let Some(token) = token {
         req = req.bearer_auth(token);
     }
@@ -85,8 +90,28 @@ async fn a_held_sqlite_file_names_the_server_command_that_works_and_it_does() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains(&hash[..12]), "{stdout}");
     assert!(stdout.contains("unknown"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("POST /charges · {LABEL}")),
+        "the label beside the request: {stdout}"
+    );
 
-    // show by prefix, and resolve, through the server.
+    // show by prefix, in words and as JSON, and resolve, through the server.
+    let mut show = idemgate_at(&url);
+    show.args([
+        "keys",
+        "show",
+        "default",
+        &hash[..10],
+        "--server",
+        &served.base(),
+    ]);
+    let (ok, stdout, stderr) = run(show);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("request         POST /charges"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("label           {LABEL}")),
+        "{stdout}"
+    );
     let mut show = idemgate_at(&url);
     show.args([
         "keys",
@@ -102,6 +127,7 @@ async fn a_held_sqlite_file_names_the_server_command_that_works_and_it_does() {
     let view: Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(view["key_hash"], hash);
     assert_eq!(view["state"], "unknown");
+    assert_eq!(view["label"], LABEL);
 
     let mut resolve = idemgate_at(&url);
     resolve.args([

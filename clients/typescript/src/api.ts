@@ -104,6 +104,12 @@ export interface ReserveOptions {
   wait?: number;
   /** What this reservation's lease ending without news means; unset, the server's default (`takeover`). */
   onLeaseExpiry?: LeaseExpiry;
+  /**
+   * What the key is, told for a person (an order id, a job name; at most 200
+   * characters): shown to operators beside the request should the key get
+   * stuck, sealed at rest with it, never part of the fingerprint.
+   */
+  label?: string;
 }
 
 export interface CommitOptions {
@@ -226,6 +232,7 @@ export class Client {
     if (options.leaseSeconds !== undefined) body["lease_seconds"] = options.leaseSeconds;
     if (options.ttlSeconds !== undefined) body["ttl_seconds"] = options.ttlSeconds;
     if (options.onLeaseExpiry !== undefined) body["on_lease_expiry"] = options.onLeaseExpiry;
+    if (options.label !== undefined) body["label"] = options.label;
     const headers: Record<string, string> = { "idempotency-key": key };
     if (options.wait !== undefined && options.wait > 0) headers["prefer"] = `wait=${options.wait}`;
     const response = await this.#call("POST", "/v1/reservations", body, headers);

@@ -260,6 +260,12 @@ export type Reconciliation<T> = { found: true; result: T } | { found: false };
 export interface GuardOptions<T> {
   request?: RequestDescription;
   fingerprint?: string;
+  /**
+   * What the key is, for the operator who may have to settle it (an order
+   * id, a job name; at most 200 characters): kept with the key, never part
+   * of the fingerprint.
+   */
+  label?: string;
   /** How long to wait for another holder (default 30 000 ms). */
   waitBudgetMs?: number;
   leaseSeconds?: number;
@@ -368,6 +374,7 @@ async function reserve<T>(client: Client, key: string, options: GuardOptions<T>)
       return await client.reserve(key, {
         ...(options.request === undefined ? {} : { request: options.request }),
         ...(options.fingerprint === undefined ? {} : { fingerprint: options.fingerprint }),
+        ...(options.label === undefined ? {} : { label: options.label }),
         ...(options.leaseSeconds === undefined ? {} : { leaseSeconds: options.leaseSeconds }),
         onLeaseExpiry: leaseExpiry(options),
         ...(wait > 0 ? { wait } : {}),

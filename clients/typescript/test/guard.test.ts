@@ -76,6 +76,18 @@ for (const store of stores) describe(store, () => {
     assert.equal(state.runs, 1);
   });
 
+  test("the guard's label is kept with the key for the operator, and is no part of the fingerprint", async () => {
+    const { state, effect } = charges();
+    const key = freshKey();
+    await guard(idem, key, effect, { request: CHARGE, label: "order 1042" });
+    const view = await adminView(server.baseUrl, key);
+    assert.equal(view["label"], "order 1042");
+    assert.deepEqual(view["request"], { method: CHARGE.method, path: CHARGE.path });
+    // Another label on a retry is the same call: replayed, not KeyReused.
+    assert.deepEqual(await guard(idem, key, effect, { request: CHARGE, label: "order 1042 (retry)" }), { charge: "ch_1", attempt: 1 });
+    assert.equal(state.runs, 1);
+  });
+
   test("four callers at once run it once and all get its result", async () => {
     const { state, effect } = charges(1000);
     const key = freshKey();

@@ -597,12 +597,19 @@ fn timeline(key: &KeyView, now: DateTime<Utc>) -> Vec<(DateTime<Utc>, bool, Mark
 }
 
 /// What the key was for: its request's method and path, or a note that the
-/// door did not say.
+/// door did not say; and beside it the caller's label, where it gave one.
 fn request_line(key: &KeyView) -> Markup {
-    match &key.request {
-        Some(r) => html! { code { (r.method) " " (r.path) } },
-        None => {
-            html! { span.muted title="claimed through the reservation API without a request, or by an older release" { "not known" } }
+    html! {
+        @match &key.request {
+            Some(r) => code { (r.method) " " (r.path) },
+            None if key.label.is_some() => {},
+            None => {
+                span.muted title="claimed through the reservation API without a request, or by an older release" { "not known" }
+            }
+        }
+        @if let Some(label) = &key.label {
+            @if key.request.is_some() { " " }
+            span.caller-label title="the caller's label" { (label) }
         }
     }
 }

@@ -223,18 +223,18 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
     }
     writeln!(
         out,
-        "{:<10} {:<10} {:<14} {:<14} {:<32} {:>7}  {:<22}  DETAIL",
-        "STATE", "AGE", "TENANT", "KEY HASH", "REQUEST", "ATTEMPT", "LEASE"
+        "{:<10} {:<10} {:<14} {:<14} {:<40} {:>7}  {:<22}  DETAIL",
+        "STATE", "AGE", "TENANT", "KEY HASH", "REQUEST · LABEL", "ATTEMPT", "LEASE"
     )?;
     for key in &all.keys {
         writeln!(
             out,
-            "{:<10} {:<10} {:<14} {:<14} {:<32} {:>7}  {:<22}  {}",
+            "{:<10} {:<10} {:<14} {:<14} {:<40} {:>7}  {:<22}  {}",
             state_word(key.state),
             words(now - key.created_at),
             short(&key.tenant),
             &key.key_hash[..12],
-            request_words(key, 32),
+            request_words(key, 40),
             key.attempt,
             lease_words(key, now),
             detail(key),
@@ -464,6 +464,9 @@ fn print_view(view: &KeyView) -> anyhow::Result<()> {
     if let Some(request) = &view.request {
         writeln!(out, "request         {} {}", request.method, request.path)?;
     }
+    if let Some(label) = &view.label {
+        writeln!(out, "label           {label}")?;
+    }
     if let Some(trace_id) = &view.trace_id {
         writeln!(out, "trace id        {trace_id}")?;
     }
@@ -527,13 +530,19 @@ fn short(tenant: &str) -> String {
     }
 }
 
-/// What the key was for, as `METHOD /path`, cut to `width` characters;
-/// `-` where it is not known.
+/// What the key was for, as `METHOD /path · label` (either alone where the
+/// other is not known), cut to `width` characters; `-` where neither is.
 fn request_words(key: &KeyView, width: usize) -> String {
-    let Some(request) = &key.request else {
-        return "-".into();
+    let request = key
+        .request
+        .as_ref()
+        .map(|r| format!("{} {}", r.method, r.path));
+    let text = match (request, &key.label) {
+        (Some(request), Some(label)) => format!("{request} · {label}"),
+        (Some(request), None) => request,
+        (None, Some(label)) => label.clone(),
+        (None, None) => return "-".into(),
     };
-    let text = format!("{} {}", request.method, request.path);
     if text.chars().count() <= width {
         text
     } else {

@@ -71,6 +71,10 @@ pub struct KeyView {
     /// with a `traceparent`: where to look for it in the traces.
     #[schema(pattern = "^[0-9a-f]{32}$")]
     pub trace_id: Option<String>,
+    /// What the caller called the key when it reserved it (the reservation
+    /// API's `label`: an order id, a job name), where it gave one.
+    #[schema(max_length = 200)]
+    pub label: Option<String>,
 }
 
 /// The request a key was for.
@@ -190,11 +194,12 @@ pub fn view(record: &Record, now: DateTime<Utc>) -> KeyView {
             by: r.by.clone(),
             at: r.at,
         }),
-        request: opened.map(|r| RequestView {
+        request: opened.filter(|r| r.names_a_request()).map(|r| RequestView {
             method: r.method.clone(),
             path: r.path.clone(),
         }),
         trace_id: opened.and_then(|r| r.trace_id.clone()),
+        label: opened.and_then(|r| r.label.clone()),
     }
 }
 

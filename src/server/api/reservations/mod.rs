@@ -179,10 +179,17 @@ async fn reserve(
     )?;
     // What the key is for, kept with its record for an operator: the
     // request the reserve described, and the trace it came in.
-    let claimed = body.request.as_ref().map(|r| {
-        let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok());
-        ClaimedRequest::new(&r.method, &r.path, traceparent)
-    });
+    // With the caller's label, kept the same way even where no request was
+    // described.
+    let label = label(body.label)?;
+    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok());
+    let claimed = match (&body.request, label) {
+        (Some(r), label) => {
+            Some(ClaimedRequest::new(&r.method, &r.path, traceparent).labelled(label))
+        }
+        (None, Some(label)) => Some(ClaimedRequest::new("", "", traceparent).labelled(Some(label))),
+        (None, None) => None,
+    };
     let fingerprint = match (body.fingerprint, body.request) {
         (Some(_), Some(_)) => {
             return Err(ApiError::InvalidRequest(
@@ -286,6 +293,40 @@ fn bounded(field: &str, given: Option<u32>, default: Duration, max: Duration) ->
             "{field} is {v}; it must be between 1 and {max}"
         ))),
     }
+}
+
+/// The caller's label as kept: none for an empty one; refused (naming the
+/// field) when it is longer than the SPEC allows or holds a character that
+/// would rewrite what an operator's terminal or page shows around it (a
+/// control character, or a bidirectional override or isolate).
+fn label(given: Option<String>) -> Result<Option<String>> {
+    let Some(label) = given.filter(|l| !l.is_empty()) else {
+        return Ok(None);
+    };
+    let max = ClaimedRequest::MAX_LABEL_CHARS;
+    let chars = label.chars().count();
+    if chars > max {
+        return Err(ApiError::InvalidRequest(format!(
+            "label holds {chars} characters; it may hold at most {max} (an order id, a job name)"
+        )));
+    }
+    if let Some(c) = label
+        .chars()
+        .find(|&c| c.is_control() || is_bidi_control(c))
+    {
+        return Err(ApiError::InvalidRequest(format!(
+            "label holds the character U+{:04X}; a label is shown to operators as it is, so \
+             control characters and bidirectional overrides are refused",
+            u32::from(c)
+        )));
+    }
+    Ok(Some(label))
+}
+
+/// The characters that reorder the text around them (Unicode's explicit
+/// bidirectional formatting characters).
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{200E}' | '\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{061C}')
 }
 
 fn fingerprint_of(req: &RequestDescription, state: &AppState) -> Result<String> {
