@@ -49,7 +49,7 @@ from kombu import Connection  # noqa: E402
 
 import celery_orders  # noqa: E402
 from idemgate_client import Client, Completed, Reserved  # noqa: E402
-from idemgate_client.celery import task_key  # noqa: E402
+from idemgate_client.celery import label_for, lease_for, task_key  # noqa: E402
 
 TESTS = Path(__file__).parent
 ORDERS = 150
@@ -105,10 +105,13 @@ class Worker:
         return children
 
     def kill_pool_process(self) -> bool:
-        """SIGKILL to one of its pool processes (the worker requeues its task)."""
-        children = self.pool_processes()
-        if not children:
-            return False
+        """SIGKILL to one of its pool processes (the worker requeues its task);
+        False if it has none within 5 s (it is starting)."""
+        deadline = time.monotonic() + 5
+        while not (children := self.pool_processes()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
         try:
             os.kill(random.choice(children), signal.SIGKILL)
         except ProcessLookupError:
@@ -267,7 +270,9 @@ def test_killed_workers_and_server_never_charge_an_order_twice(orders: Orders) -
             orders.restart_server()
             kills["idemgate server"] += 1
         worker = rng.choice(workers)
-        if rng.random() < 0.5 and worker.kill_pool_process():
+        # Both kinds, in turn: a pool process (the worker requeues its
+        # task) and a whole worker (RabbitMQ redelivers what it held).
+        if k % 2 == 0 and worker.kill_pool_process():
             kills["pool process"] += 1
         else:
             worker.kill()
@@ -381,3 +386,28 @@ def test_in_flight_is_retried_another_payload_dead_lettered_a_refusal_released(o
         assert isinstance(again, Reserved) and again.attempt == 1
         assert admin_view(orders.server.base_url, task_key(tenant="acme", task=TASK, business_id="order-same"))[
             "state"] == "completed"
+
+
+def test_the_label_and_the_lease_follow_the_task() -> None:
+    """No broker: the label idemgate accepts, and the lease from the time limits."""
+    assert label_for("orders.charge", "order-1042") == "orders.charge order-1042"
+    assert label_for("orders.charge", "o\x1b[2J\u202e1") == "orders.charge o?[2J?1"
+    assert len(label_for("orders.charge", "x" * 500)) == 200
+
+    app = celery.Celery("lease-test", set_as_current=False)
+
+    @app.task(bind=True, time_limit=120, soft_time_limit=100)
+    def limited(self: Any) -> None: ...
+
+    @app.task(bind=True, soft_time_limit=40)
+    def soft(self: Any) -> None: ...
+
+    @app.task(bind=True)
+    def unlimited(self: Any) -> None: ...
+
+    assert lease_for(limited) == 125
+    assert lease_for(soft) == 45
+    assert lease_for(unlimited) == 30
+    assert lease_for(unlimited, 7) == 7
+    app.conf.task_time_limit = 10_000
+    assert lease_for(unlimited) == 3600

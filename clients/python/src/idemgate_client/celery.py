@@ -23,8 +23,9 @@ new task id, and a key from it charges the order again. The task's
 arguments (bound to its signature, defaults applied) are the request's
 fingerprint, so the same order enqueued with another amount is
 ``key_reused``, never a second charge. The reserve carries the label
-``"<task name> <business id>"`` (cut to 200 characters), which the
-operators' views show beside the key.
+``"<task name> <business id>"`` (:func:`label_for`: cut to 200 characters,
+a control character as ``?``), which the operators' views show beside the
+key.
 
 What each outcome does:
 
@@ -86,6 +87,7 @@ import math
 import os
 import random
 import threading
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Generic, Mapping, NoReturn, ParamSpec, Protocol, Sequence, TypeVar
@@ -97,7 +99,7 @@ from .errors import KeyReused, OutcomeUnknown, Problem, ResultNotCommitted, Stor
 from .guard import DEFAULT_LEASE_SECONDS, Failure, Guard, Holding, InFlight, _verdict, classify_failure
 from .keys import derive_key
 
-__all__ = ["DeadLetter", "GuardedTask", "guarded_task", "lease_for", "task_key"]
+__all__ = ["DeadLetter", "GuardedTask", "guarded_task", "label_for", "lease_for", "task_key"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -121,6 +123,21 @@ def task_key(*, tenant: str, task: str, business_id: str, step: str | int = 1) -
     run=business_id, step=step, tool=task)``; the same for every enqueue,
     redelivery and retry of that business id, never from the task id."""
     return derive_key(tenant=tenant, run=business_id, step=step, tool=task)
+
+
+#: What idemgate refuses in a label besides control characters: Unicode's
+#: bidirectional formatting characters (they reorder what an operator reads).
+_BIDI_CONTROLS = frozenset(
+    ["\u200e", "\u200f", "\u061c"] + [chr(c) for c in range(0x202A, 0x202F)] + [chr(c) for c in range(0x2066, 0x206A)]
+)
+
+
+def label_for(task: str, business_id: str) -> str:
+    """The label a guarded task reserves with: ``"<task name> <business id>"``,
+    cut to 200 characters, a control or bidirectional formatting character
+    (which idemgate refuses in a label) shown as ``?``."""
+    text = f"{task} {business_id}"[:200]
+    return "".join("?" if unicodedata.category(c) == "Cc" or c in _BIDI_CONTROLS else c for c in text)
 
 
 @dataclass(frozen=True)
@@ -325,7 +342,7 @@ def _run(
     )
     effect: _Effect[Any] = _Effect(fn, args, kwargs)
     try:
-        return guard.run(key, effect, request=request, label=f"{task.name} {business}"[:200])
+        return guard.run(key, effect, request=request, label=label_for(task.name, business))
     except Exception as error:
         letter = _letter(settings, error, effect, key, business, task.request.id)
         if letter is not None:
