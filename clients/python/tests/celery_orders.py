@@ -1,6 +1,7 @@
 """The Celery app of tests/test_celery.py: a guarded task, ``orders.charge``,
 whose effect appends a row to a SQLite ledger (one row per execution, written
-by the effect itself), and ``orders.refuse``, whose effect never acts, run
+by the effect itself), ``orders.charge_slowly``, the same 2 s slower, and
+``orders.refuse``, whose effect never acts, run
 by real workers (``celery -A celery_orders
 worker``) on RabbitMQ.
 
@@ -12,6 +13,7 @@ ORDERS_IDEMGATE_URL, ORDERS_IDEMGATE_TOKEN, ORDERS_BROKER, ORDERS_LEASE.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import sqlite3
@@ -52,7 +54,7 @@ def create_ledger(path: str) -> None:
     db = ledger(path)
     db.execute("PRAGMA journal_mode = WAL")
     db.execute("CREATE TABLE effects (order_id TEXT, charge TEXT, amount INTEGER, pid INTEGER, at REAL)")
-    db.execute("CREATE TABLE dead_letters (order_id TEXT, reason TEXT, task_id TEXT, at REAL)")
+    db.execute("CREATE TABLE dead_letters (order_id TEXT, reason TEXT, task_id TEXT, at REAL, result TEXT)")
     db.execute("CREATE TABLE events (task_id TEXT, order_id TEXT, event TEXT, detail TEXT, at REAL)")
     db.close()
 
@@ -90,7 +92,8 @@ if "ORDERS_QUEUE" in os.environ:
     def record_dead_letter(task: Any, letter: DeadLetter) -> None:
         db = ledger(LEDGER)
         db.execute(
-            "INSERT INTO dead_letters VALUES (?, ?, ?, ?)", (letter.business_id, letter.reason, letter.task_id, time.time())
+            "INSERT INTO dead_letters VALUES (?, ?, ?, ?, ?)",
+            (letter.business_id, letter.reason, letter.task_id, time.time(), json.dumps(letter.result)),
         )
         db.close()
 
@@ -112,6 +115,25 @@ if "ORDERS_QUEUE" in os.environ:
         db.execute("INSERT INTO effects VALUES (?, ?, ?, ?, ?)", (order_id, made, amount, os.getpid(), time.time()))
         db.close()
         time.sleep(random.uniform(0.0, 0.3))
+        return {"charge": made, "order": order_id, "amount": amount}
+
+    @guarded_task(
+        app,
+        client=lambda: Client(os.environ["ORDERS_IDEMGATE_URL"], token=os.environ["ORDERS_IDEMGATE_TOKEN"], timeout=5),
+        tenant="acme",
+        business_id="order_id",
+        on_dead_letter=record_dead_letter,
+        lease_seconds=int(os.environ.get("ORDERS_LEASE", "5")),
+        max_countdown=3,
+        name="orders.charge_slowly",
+    )
+    def charge_slowly(order_id: str, amount: int) -> dict[str, Any]:
+        """As ``charge``, then 2 s before it returns (a test stops idemgate meanwhile)."""
+        made = f"ch_{uuid.uuid4().hex[:16]}"
+        db = ledger(LEDGER)
+        db.execute("INSERT INTO effects VALUES (?, ?, ?, ?, ?)", (order_id, made, amount, os.getpid(), time.time()))
+        db.close()
+        time.sleep(2)
         return {"charge": made, "order": order_id, "amount": amount}
 
     @guarded_task(

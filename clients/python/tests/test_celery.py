@@ -197,6 +197,7 @@ class Orders:
                 declared(conn.default_channel).declare()
         self.workers: list[Worker] = []
         self.db = celery_orders.ledger(str(self.ledger_path))
+        self.restarts = 0
 
     def worker(self, n: int) -> Worker:
         started = Worker(f"w{n}-{self.queue[-10:]}", self.env, self.work)
@@ -209,11 +210,13 @@ class Orders:
         return task_id
 
     def restart_server(self) -> None:
-        """idemgate killed with SIGKILL, then started again on its database and port."""
+        """idemgate killed with SIGKILL, then started again on its database and
+        port within a second."""
         self.server.process.send_signal(signal.SIGKILL)
         self.server.process.wait()
         time.sleep(random.uniform(0.2, 1.0))
-        self.server = start_server(self.database, self.work / "serve-2", port=self.port)
+        self.restarts += 1
+        self.server = start_server(self.database, self.work / f"serve-{self.restarts + 1}", port=self.port)
 
     def wait_settled(self, task_ids: set[str], within: float) -> None:
         """Until every task id came to an end and the queue has nothing ready."""
@@ -411,3 +414,46 @@ def test_the_label_and_the_lease_follow_the_task() -> None:
     assert lease_for(unlimited, 7) == 7
     app.conf.task_time_limit = 10_000
     assert lease_for(unlimited) == 3600
+
+
+def test_idemgate_away_is_a_retry_before_the_effect_and_a_dead_letter_with_the_result_after(orders: Orders) -> None:
+    """idemgate killed while an effect runs and kept away past the commit's
+    budget (the lease, 5 s): the effect's result is dead-lettered as
+    result_not_committed, with the result, never run again; a task that
+    finds idemgate away before its effect retries and, once it is back, runs."""
+    orders.worker(0)
+    slow = orders.enqueue("orders.charge_slowly", "order-unsaved", 9)
+    deadline = time.monotonic() + 30
+    while not orders.db.execute("SELECT 1 FROM effects WHERE order_id = 'order-unsaved'").fetchone():
+        assert time.monotonic() < deadline, "the slow charge never ran"
+        time.sleep(0.05)
+    server_pid = orders.server.process.pid
+    orders.server.process.send_signal(signal.SIGKILL)
+    orders.server.process.wait()
+    killed = time.monotonic()
+    later = orders.enqueue(TASK, "order-later", 11)
+    deadline = time.monotonic() + 30
+    while ("retry", "StoreUnavailable") not in _events(orders.db, later):
+        assert time.monotonic() < deadline, _events(orders.db, later)
+        time.sleep(0.2)
+    # Away past the effect's last 2 s and the commit's budget (the 5 s lease).
+    time.sleep(max(0.0, killed + 2 + 5 + 2 - time.monotonic()))
+    orders.restarts += 1
+    orders.server = start_server(orders.database, orders.work / "serve-back", port=orders.port)
+    assert orders.server.process.pid != server_pid
+    orders.wait_settled({slow, later}, within=60)
+
+    effects = Counter(row[0] for row in orders.db.execute("SELECT order_id FROM effects"))
+    assert effects == {"order-unsaved": 1, "order-later": 1}, effects
+    (reason, result), = orders.db.execute(
+        "SELECT reason, result FROM dead_letters WHERE order_id = 'order-unsaved'").fetchall()
+    charge = orders.db.execute("SELECT charge FROM effects WHERE order_id = 'order-unsaved'").fetchone()[0]
+    assert reason == "result_not_committed" and json.loads(result)["charge"] == charge
+    assert _events(orders.db, later)[-1][0] == "success"
+    time.sleep(1)
+    in_dlq = {letter["task_id"]: letter["order"] for letter in _dead_lettered(orders.broker, orders.queue)}
+    assert in_dlq == {slow: "order-unsaved"}, in_dlq
+    # The key is not completed: an operator completes it with the letter's result.
+    view = admin_view(orders.server.base_url, task_key(tenant="acme", task="orders.charge_slowly",
+                                                       business_id="order-unsaved"))
+    assert view["state"] in ("in_flight", "unknown"), view
