@@ -14,6 +14,7 @@ from idemgate_client import (
     AsyncClient,
     Client,
     Completed,
+    Guard,
     InvalidRequest,
     KeyReused,
     LeaseLost,
@@ -242,3 +243,26 @@ def test_the_async_client(server):
                 await idem.mark_unknown(uuid.uuid4(), "the provider timed out")
 
     asyncio.run(flow())
+
+
+def test_a_label_is_kept_beside_the_key_and_never_fingerprinted(server, idem):
+    """SPEC §5: the reserve's label is shown to an operator beside the key
+    (GET /v1/admin/keys/{tenant}/{key_hash}); another label on the same
+    request is the same request (a replay, never key-reused)."""
+    from conftest import admin_view
+
+    key = fresh_key()
+    first = idem.reserve(key, request=CHARGE, label="orders.charge order-1042")
+    assert isinstance(first, Reserved)
+    assert admin_view(server.base_url, key).get("label") == "orders.charge order-1042"
+    idem.commit(first.reservation_id, status=201, body=json.dumps({"charge": "ch_1"}))
+    again = idem.reserve(key, request=CHARGE, label="another label")
+    assert isinstance(again, Completed) and again.replayed
+    assert admin_view(server.base_url, key).get("label") == "orders.charge order-1042"
+    # The guard passes it through; without one, none is sent.
+    guarded = fresh_key()
+    assert Guard(idem).run(guarded, lambda holding: {"ok": True}, request=CHARGE, label="a job") == {"ok": True}
+    assert admin_view(server.base_url, guarded).get("label") == "a job"
+    plain = fresh_key()
+    Guard(idem).run(plain, lambda holding: 1, request=CHARGE)
+    assert admin_view(server.base_url, plain).get("label") is None

@@ -36,6 +36,10 @@ const SOURCES: &[Source] = &[
         markdown: include_str!("../../../docs/layer.md"),
     },
     Source {
+        slug: "queue-consumers",
+        markdown: include_str!("../../../docs/queue-consumers.md"),
+    },
+    Source {
         slug: "policy-and-errors",
         markdown: include_str!("../../../docs/policy-and-errors.md"),
     },

@@ -193,6 +193,7 @@ def _reserve_body(
     lease_seconds: int | None,
     ttl_seconds: int | None,
     on_lease_expiry: LeaseExpiry | None,
+    label: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if request is not None:
@@ -205,6 +206,8 @@ def _reserve_body(
         body["ttl_seconds"] = ttl_seconds
     if on_lease_expiry is not None:
         body["on_lease_expiry"] = on_lease_expiry
+    if label is not None:
+        body["label"] = label
     return body
 
 
@@ -264,8 +267,9 @@ def _reserve_call(
     ttl_seconds: int | None,
     wait: int | None,
     on_lease_expiry: LeaseExpiry | None,
+    label: str | None,
 ) -> _Call[Reservation]:
-    body = _reserve_body(request, fingerprint, lease_seconds, ttl_seconds, on_lease_expiry)
+    body = _reserve_body(request, fingerprint, lease_seconds, ttl_seconds, on_lease_expiry, label)
     return _Call("POST", "/v1/reservations", _reservation, _headers(key, wait), body)
 
 
@@ -367,6 +371,7 @@ class Client:
         ttl_seconds: int | None = None,
         wait: int | None = None,
         on_lease_expiry: LeaseExpiry | None = None,
+        label: str | None = None,
     ) -> Reservation:
         """Reserves ``key`` (``Reserved``) or returns its stored response (``Completed``).
 
@@ -379,9 +384,14 @@ class Client:
         ``on_lease_expiry`` says what this reservation's lease ending without
         a commit or release means (see :data:`LeaseExpiry`); unset, the
         server's default (``takeover``).
+
+        ``label`` (at most 200 characters) tells the key apart for a person:
+        an order id, a job's name. The operators' views show it beside the
+        request; it is never part of the fingerprint, and is sent only when
+        given.
         """
         return self._do(
-            _reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait, on_lease_expiry)
+            _reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait, on_lease_expiry, label)
         )
 
     def commit(
@@ -468,9 +478,10 @@ class AsyncClient:
         ttl_seconds: int | None = None,
         wait: int | None = None,
         on_lease_expiry: LeaseExpiry | None = None,
+        label: str | None = None,
     ) -> Reservation:
         return await self._do(
-            _reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait, on_lease_expiry)
+            _reserve_call(key, request, fingerprint, lease_seconds, ttl_seconds, wait, on_lease_expiry, label)
         )
 
     async def commit(

@@ -456,6 +456,7 @@ class Guard:
         request: Mapping[str, Any] | None = None,
         fingerprint: str | None = None,
         reconcile: Callable[[Holding], Reconciled[T] | None] | None = None,
+        label: str | None = None,
     ) -> T:
         """The effect's result for ``key``: run now, or stored by an earlier run.
 
@@ -465,12 +466,15 @@ class Guard:
         attempt's effect happened) commits and returns that result without
         running the effect; ``None`` (it did not) runs the effect.
 
+        ``label`` is sent with the reserve (:meth:`Client.reserve`): what a
+        person sees beside the key, an order id or a job's name.
+
         Raises :class:`InFlight` (held past the wait budget) or
         :class:`~idemgate_client.OutcomeUnknown` without running the effect:
         both for the dead-letter queue, never for a retry under a new key.
         """
         expiry = _lease_expiry(self.on_lease_expiry, reconcile is not None)
-        reserved = self._reserve(key, request, fingerprint, expiry)
+        reserved = self._reserve(key, request, fingerprint, expiry, label)
         if isinstance(reserved, Completed):
             return self.decode(reserved.response.text())  # type: ignore[no-any-return]
         if reserved.attempt > 1 and reconcile is None and expiry == "hold":
@@ -571,7 +575,12 @@ class Guard:
         return decorate
 
     def _reserve(
-        self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None, expiry: LeaseExpiry
+        self,
+        key: str,
+        request: Mapping[str, Any] | None,
+        fingerprint: str | None,
+        expiry: LeaseExpiry,
+        label: str | None = None,
     ) -> Reserved | Completed:
         started = time.monotonic()
         while True:
@@ -583,6 +592,7 @@ class Guard:
                     lease_seconds=self.lease_seconds,
                     wait=_wait_for(self.wait_budget, started),
                     on_lease_expiry=expiry,
+                    label=label,
                 )
             except RequestInFlight as busy:
                 time.sleep(_pause(key, busy, self.wait_budget, started))
@@ -638,6 +648,7 @@ class AsyncGuard:
         request: Mapping[str, Any] | None = None,
         fingerprint: str | None = None,
         reconcile: Callable[[AsyncHolding], Awaitable[Reconciled[T] | None]] | None = None,
+        label: str | None = None,
     ) -> T:
         """The effect's result for ``key``: run now, or stored by an earlier run.
 
@@ -646,7 +657,7 @@ class AsyncGuard:
         is committed and returned without running the effect.
         """
         expiry = _lease_expiry(self.on_lease_expiry, reconcile is not None)
-        reserved = await self._reserve(key, request, fingerprint, expiry)
+        reserved = await self._reserve(key, request, fingerprint, expiry, label)
         if isinstance(reserved, Completed):
             return self.decode(reserved.response.text())  # type: ignore[no-any-return]
         if reserved.attempt > 1 and reconcile is None and expiry == "hold":
@@ -707,7 +718,12 @@ class AsyncGuard:
             _settle_failed(error, failed, verdict)
 
     async def _reserve(
-        self, key: str, request: Mapping[str, Any] | None, fingerprint: str | None, expiry: LeaseExpiry
+        self,
+        key: str,
+        request: Mapping[str, Any] | None,
+        fingerprint: str | None,
+        expiry: LeaseExpiry,
+        label: str | None = None,
     ) -> Reserved | Completed:
         started = time.monotonic()
         while True:
@@ -719,6 +735,7 @@ class AsyncGuard:
                     lease_seconds=self.lease_seconds,
                     wait=_wait_for(self.wait_budget, started),
                     on_lease_expiry=expiry,
+                    label=label,
                 )
             except RequestInFlight as busy:
                 await asyncio.sleep(_pause(key, busy, self.wait_budget, started))
