@@ -121,7 +121,11 @@ pub enum ApiError {
     #[error("{0}")]
     FirstSentTooOld(String),
     /// 422 key-reused.
-    #[error("this key was already used with a different request payload")]
+    #[error(
+        "this key was already used with a different request payload; a key names one \
+         operation: send this request under a new key, or send the first request's payload \
+         unchanged to get its result (a retry must repeat the request as it was)"
+    )]
     KeyReused,
     /// 413 payload-too-large.
     #[error("{0}")]

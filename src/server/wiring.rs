@@ -3,11 +3,8 @@
 
 use std::sync::Arc;
 
-use anyhow::Context;
-use tokio::net::TcpListener;
-
 use crate::server::api::{self, AppState};
-use crate::server::config::{AdminMode, Checked, ConfigError, ServeArgs};
+use crate::server::config::{AdminMode, Checked, ServeArgs};
 use crate::server::{console, open, serve, tls};
 use crate::store::Store;
 
@@ -71,10 +68,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     open::check_database_url(&args.store)?;
     // The listener before the store: a start that fails for its address
     // leaves no new database behind.
-    let listener = TcpListener::bind(args.listen).await.context(ConfigError {
-        setting: "listen",
-        problem: "cannot listen there".into(),
-    })?;
+    let listener = serve::listen(args.listen, "listen").await?;
     let (store, opened) = open::open_for_serving(&args.store, !args.run.no_migrate).await?;
     let state = app_state(&args, checked, store.clone());
     if state.tokens.is_empty() {

@@ -103,9 +103,14 @@ async fn other_payload_is_422_in_flight_and_completed(b: Backend) {
     let id = app.reserve(&key, CHARGE).await.reservation_id();
     let other =
         r#"{"request":{"method":"POST","path":"/charges","body":{"amount":501,"currency":"eur"}}}"#;
-    app.reserve(&key, other)
-        .await
-        .assert_problem(422, "key-reused");
+    let reused = app.reserve(&key, other).await;
+    reused.assert_problem(422, "key-reused");
+    // What to do next: a new key for a new request, or the first payload.
+    let detail = reused.body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("under a new key") && detail.contains("unchanged"),
+        "{detail}"
+    );
     // Another path, another method: another request too.
     let other_path = CHARGE.replace("/charges", "/refunds");
     app.reserve(&key, &other_path)
@@ -233,6 +238,30 @@ async fn bad_bodies_and_fields_are_400_invalid_request(b: Backend) {
             .await
             .assert_problem(400, "invalid-request");
     }
+    // A type error names its field, and for a body sent as an object, what
+    // to send instead.
+    let object = app
+        .act(&id, "commit", r#"{"status":200,"body":{"json":"object"}}"#)
+        .await;
+    let detail = object.body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("the field `body`") && detail.contains("body_base64"),
+        "{detail}"
+    );
+    let nested = app
+        .reserve(&fresh_key(), r#"{"request":{"method":7,"path":"/"}}"#)
+        .await;
+    nested.assert_problem(400, "invalid-request");
+    let detail = nested.body["detail"].as_str().unwrap();
+    assert!(detail.contains("the field `request.method`"), "{detail}");
+    let ttl = app.reserve(&fresh_key(), r#"{"ttl_seconds":"soon"}"#).await;
+    assert!(
+        ttl.body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("`ttl_seconds`"),
+        "{ttl:#?}"
+    );
     app.act(&id, "checkpoint", r#"{"recovery_point":""}"#)
         .await
         .assert_problem(400, "invalid-request");

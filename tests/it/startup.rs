@@ -51,6 +51,17 @@ async fn a_start_refused_for_its_address_creates_no_database() {
         let said = refused(cmd).await;
         assert!(said.contains(&addr), "{args:?}: {said}");
         assert!(said.contains("cannot listen there"), "{args:?}: {said}");
+        // What to do next: the setting to change, and that another process
+        // holds the address.
+        let flag =
+            if args.last() == Some(&addr.as_str()) && args[args.len() - 2] == "--admin-listen" {
+                "--admin-listen"
+            } else {
+                "--listen"
+            };
+        assert!(said.contains(flag), "{args:?}: {flag} not named: {said}");
+        assert!(said.contains("another process listens"), "{args:?}: {said}");
+        assert!(!said.contains("os error"), "{args:?}: {said}");
         assert!(!path.exists(), "{args:?} left {} behind", path.display());
     }
 }

@@ -698,6 +698,10 @@ async fn unusable_tls_settings_refuse_the_start_naming_the_setting() {
         err.contains("IDEMGATE_TLS_KEY") || err.contains("--tls-key"),
         "{err}"
     );
+    assert!(
+        err.contains("needed, since") && !err.contains("is not set"),
+        "{err}"
+    );
     let err = refusal(&files, &[("IDEMGATE_TLS_KEY", key)], &serve).await;
     assert!(
         err.contains("IDEMGATE_TLS_CERT") || err.contains("--tls-cert"),

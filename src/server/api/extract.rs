@@ -46,10 +46,28 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
                 ));
             }
         };
-        serde_json::from_slice(text)
+        let mut json = serde_json::Deserializer::from_slice(text);
+        serde_path_to_error::deserialize(&mut json)
             .map(ApiJson)
-            .map_err(|e| ApiError::InvalidRequest(format!("invalid JSON body: {e}")))
+            .map_err(|e| ApiError::InvalidRequest(body_error(&e)))
     }
+}
+
+/// A body's error in words that name the field it is in (`body`, or
+/// `request.method`), where it is in one.
+fn body_error(e: &serde_path_to_error::Error<serde_json::Error>) -> String {
+    let inner = e.inner();
+    let path = e.path().to_string();
+    if path.is_empty() || path == "." {
+        return format!("invalid JSON body: {inner}");
+    }
+    let hint = if path == "body" && inner.to_string().contains("expected a string") {
+        ": a body is stored as text, so send a JSON answer as its text (\"body\": \
+         \"{\\\"id\\\":1}\"), or bytes as body_base64"
+    } else {
+        ""
+    };
+    format!("invalid JSON body: the field `{path}`: {inner}{hint}")
 }
 
 /// The tenant a request acts for: the one its bearer token belongs to.

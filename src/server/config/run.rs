@@ -215,11 +215,13 @@ impl TlsArgs {
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => missing(
                 "tls_key",
-                "is not set, but {tls_cert} is: TLS needs the certificate and its key",
+                "needed, since {tls_cert} is set: TLS needs the certificate and its key \
+                 (set both, or neither for plain HTTP)",
             ),
             (None, Some(_)) => missing(
                 "tls_cert",
-                "is not set, but {tls_key} is: TLS needs the certificate and its key",
+                "needed, since {tls_key} is set: TLS needs the certificate and its key \
+                 (set both, or neither for plain HTTP)",
             ),
             (None, None) if self.tls_client_ca.is_some() => missing(
                 "tls_client_ca",

@@ -24,9 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use axum::Router;
-use tokio::net::TcpListener;
 use tower::Layer;
 
 pub use client::ProxyClient;
@@ -191,16 +189,8 @@ pub async fn run(args: ProxyArgs, config: Option<PathBuf>) -> anyhow::Result<()>
     // The listeners before the store: a start that fails for an address
     // leaves no new database behind.
     open::check_database_url(&args.store)?;
-    let listener = TcpListener::bind(args.listen).await.context(ConfigError {
-        setting: "listen",
-        problem: "cannot listen there".into(),
-    })?;
-    let admin = TcpListener::bind(args.admin_listen)
-        .await
-        .context(ConfigError {
-            setting: "admin_listen",
-            problem: "cannot listen there".into(),
-        })?;
+    let listener = serve::listen(args.listen, "listen").await?;
+    let admin = serve::listen(args.admin_listen, "admin_listen").await?;
     let (store, opened) = open::open_for_serving(&args.store, !args.run.no_migrate).await?;
     let proxy = Proxy::build(&args, routes, store.clone())?;
     // `idemgate keys`, refused the SQLite file this process holds, then says

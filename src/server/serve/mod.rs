@@ -18,8 +18,41 @@ use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
 use crate::body::BodyIdleTimeout;
-use crate::server::config::RunArgs;
+use crate::server::config::{ConfigError, RunArgs};
 use crate::server::tls;
+
+/// A listener on `addr`, the address of the setting `setting` (`listen`,
+/// `admin_listen`); refused naming that setting, with what to do for the
+/// two causes a person meets: the address in use (another process, often
+/// an idemgate already running) and a port that needs privileges.
+pub async fn listen(
+    addr: std::net::SocketAddr,
+    setting: &'static str,
+) -> Result<TcpListener, ConfigError> {
+    TcpListener::bind(addr).await.map_err(|e| ConfigError {
+        setting,
+        problem: match e.kind() {
+            std::io::ErrorKind::AddrInUse => format!(
+                "cannot listen there: another process listens on {addr} already (an idemgate \
+                 started before? `ss -ltnp 'sport = :{}'` names it): stop it, or choose another \
+                 address with this setting",
+                addr.port()
+            ),
+            std::io::ErrorKind::PermissionDenied => format!(
+                "cannot listen there: port {} needs privileges this process lacks; choose a \
+                 port above 1023 with this setting",
+                addr.port()
+            ),
+            std::io::ErrorKind::AddrNotAvailable => {
+                "cannot listen there: no network interface of this machine has that address; \
+                 choose one it has (127.0.0.1 for this machine alone, 0.0.0.0 for every \
+                 interface)"
+                    .to_owned()
+            }
+            _ => format!("cannot listen there: {e}"),
+        },
+    })
+}
 
 /// How a listener treats its connections.
 #[derive(Debug, Clone, Copy)]
