@@ -393,20 +393,18 @@ pub async fn schema_status(args: &StoreArgs) -> anyhow::Result<crate::store::sch
         }
         #[cfg(feature = "sqlite")]
         "sqlite" => {
-            let store = crate::store::SqliteStore::open_existing(url)
-                .await
-                .map_err(|e| ConfigError {
-                    setting: "database_url",
-                    problem: format!("cannot open the SQLite database: {}", e.reason()),
-                })?;
-            let mut status = store
-                .schema_status(crate::store::SqliteStore::migrator())
-                .await
-                .map_err(|e| {
-                    anyhow::anyhow!("cannot read the SQLite database {url}: {}", e.reason())
-                })?;
+            // Read-only and without the file's lock: a file a running
+            // `serve` holds is read too (nothing is written).
+            let mut status = crate::store::SqliteStore::schema_status_of(
+                url,
+                crate::store::SqliteStore::migrator(),
+            )
+            .await
+            .map_err(|e| ConfigError {
+                setting: "database_url",
+                problem: format!("cannot read the SQLite database: {}", e.reason()),
+            })?;
             status.database = format!("the SQLite database {url}");
-            store.close().await;
             Ok(status)
         }
         _ => Err(unsupported(scheme).into()),

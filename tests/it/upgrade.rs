@@ -420,6 +420,44 @@ async fn migrate_status_on_a_sqlite_file_lists_its_migrations() {
     );
     assert!(text.contains("pending: none"), "{text}");
     assert!(text.contains("connected: not tracked"), "{text}");
+
+    // A running serve holds the file: --status, which only reads, reads it
+    // all the same, and leaves the serve answering.
+    let served = common::bin::Served::spawn(idemgate_at(&url), &["--no-migrate"]).await;
+    let out = idemgate_at(&url)
+        .args(["migrate", "--status"])
+        .output()
+        .expect("status");
+    assert!(
+        out.status.success(),
+        "refused beside a serve: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("pending: none"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let ready = common::http()
+        .get(format!("{}/readyz", served.base()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+    // A file that is not there: named, and not created.
+    let missing = dir.path().join("typo.db");
+    let out = idemgate_at(&format!("sqlite://{}", missing.display()))
+        .args(["migrate", "--status"])
+        .output()
+        .expect("status");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no SQLite database at"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!missing.exists());
+    drop(served);
 }
 
 #[tokio::test]

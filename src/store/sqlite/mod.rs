@@ -298,31 +298,35 @@ impl SqliteStore {
         &self,
         migrator: &sqlx::migrate::Migrator,
     ) -> Result<crate::store::schema::SchemaStatus> {
-        let table: Option<String> = sqlx::query_scalar(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
-        )
-        .fetch_optional(&self.direct)
-        .await
-        .map_err(classify)?;
-        let applied: Vec<(i64, String, Option<chrono::DateTime<chrono::Utc>>)> = if table.is_some()
-        {
-            sqlx::query_as(
-                "SELECT version, description, installed_on FROM _sqlx_migrations \
-                     WHERE success ORDER BY version",
-            )
-            .fetch_all(&self.direct)
-            .await
-            .map_err(classify)?
-        } else {
-            Vec::new()
-        };
-        Ok(crate::store::schema::SchemaStatus::new(
-            "the SQLite database".to_owned(),
-            migrator,
-            applied,
-            Vec::new(),
-            false,
-        ))
+        let mut conn = self.direct.acquire().await.map_err(classify)?;
+        read_schema_status(&mut *conn, migrator).await
+    }
+
+    /// As [`SqliteStore::schema_status`], read through a read-only
+    /// connection of its own without the file's lock, so that `migrate
+    /// --status`, which changes nothing, reads a file a running process
+    /// holds. A file that is not there is an error naming its path, and
+    /// nothing is created.
+    pub async fn schema_status_of(
+        url: &str,
+        migrator: &sqlx::migrate::Migrator,
+    ) -> Result<crate::store::schema::SchemaStatus> {
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::other(format!("invalid SQLite URL: {e}")).because(e))?
+            .create_if_missing(false)
+            .read_only(true)
+            .busy_timeout(BUSY_TIMEOUT);
+        if !is_in_memory(url, &options) && !options.get_filename().exists() {
+            return Err(StoreError::other(format!(
+                "no SQLite database at {}: nothing was created; check the path, or create \
+                 it with `idemgate migrate`",
+                options.get_filename().display()
+            )));
+        }
+        let mut conn = options.connect().await.map_err(classify)?;
+        let status = read_schema_status(&mut conn, migrator).await;
+        let _ = sqlx::Connection::close(conn).await;
+        status
     }
 
     /// Closes the pools and the writer, waiting for their connections to
@@ -392,6 +396,37 @@ impl SqliteStore {
 
 /// Whether `url` names an in-memory database (`sqlite::memory:`,
 /// `mode=memory`), which the writer and the readers share (shared cache).
+/// The migrations a SQLite database records, beside `migrator`'s.
+async fn read_schema_status(
+    conn: &mut sqlx::SqliteConnection,
+    migrator: &sqlx::migrate::Migrator,
+) -> Result<crate::store::schema::SchemaStatus> {
+    let table: Option<String> = sqlx::query_scalar(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+    )
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(classify)?;
+    let applied: Vec<(i64, String, Option<chrono::DateTime<chrono::Utc>>)> = if table.is_some() {
+        sqlx::query_as(
+            "SELECT version, description, installed_on FROM _sqlx_migrations \
+             WHERE success ORDER BY version",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(classify)?
+    } else {
+        Vec::new()
+    };
+    Ok(crate::store::schema::SchemaStatus::new(
+        "the SQLite database".to_owned(),
+        migrator,
+        applied,
+        Vec::new(),
+        false,
+    ))
+}
+
 fn is_in_memory(url: &str, options: &SqliteConnectOptions) -> bool {
     let name = options.get_filename().to_string_lossy();
     name == ":memory:" || name.starts_with("file:sqlx-in-memory-") || url.contains("mode=memory")
