@@ -230,7 +230,10 @@ def test_a_tool_timeout_waits_for_the_charge_instead_of_charging_again(server, o
     script = Script({"amount": 500}, {"amount": 500}, "done")
 
     async def scenario(guard: AsyncGuard) -> None:
-        agent = agent_with(script, idempotent_tool(guard), charge_body("/slow/900"), timeout=0.5)
+        # The second call must get the charge within its own timeout: it starts
+        # when the first times out (1 s) and the charge ends at 1.3 s, which
+        # leaves it 0.7 s on a busy machine (0.1 s with 0.5 s and 900 ms did not).
+        agent = agent_with(script, idempotent_tool(guard), charge_body("/slow/1300"), timeout=1.0)
         await agent.run("charge the order", deps=Deps(origin.url, order()))
 
     run(server, scenario)
