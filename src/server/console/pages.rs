@@ -608,7 +608,6 @@ fn request_line(key: &KeyView) -> Markup {
             }
         }
         @if let Some(label) = &key.label {
-            @if key.request.is_some() { " " }
             span.caller-label title="the caller's label" { (label) }
         }
     }
