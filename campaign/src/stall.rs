@@ -98,7 +98,10 @@ pub async fn run(plan: &Plan) -> anyhow::Result<bool> {
     let started = Instant::now();
     let say = |what: String| println!("stall [{:>5.1}s]: {what}", started.elapsed().as_secs_f64());
 
-    say(format!("N-1's schema ({} migrate)", plan.previous.display()));
+    say(format!(
+        "N-1's schema ({} migrate)",
+        plan.previous.display()
+    ));
     migrate(plan, &plan.previous, "previous").await?;
     say(format!("{} records", plan.keys));
     psql(plan, &fill(plan.keys)).await?;
@@ -335,7 +338,14 @@ async fn migrate(plan: &Plan, bin: &PathBuf, label: &str) -> anyhow::Result<()> 
 /// `sql` run by psql on the database; what it printed.
 async fn psql(plan: &Plan, sql: &str) -> anyhow::Result<String> {
     let out = Command::new("psql")
-        .args(["-qXAt", "-v", "ON_ERROR_STOP=1", &plan.database_url, "-c", sql])
+        .args([
+            "-qXAt",
+            "-v",
+            "ON_ERROR_STOP=1",
+            &plan.database_url,
+            "-c",
+            sql,
+        ])
         .stdin(Stdio::null())
         .output()
         .await

@@ -58,6 +58,7 @@
 -- keep their signatures, so they stay distributed.
 SET LOCAL citus.multi_shard_modify_mode TO 'sequential';
 SET LOCAL lock_timeout = '500ms';
+SET LOCAL statement_timeout = '5s';
 
 DO $migration$
 BEGIN

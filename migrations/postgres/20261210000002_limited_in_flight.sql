@@ -9,6 +9,7 @@
 -- lock_timeout bounds how long it waits on a row a commit is writing, and
 -- `idemgate migrate` runs it again when it gives up.
 SET LOCAL lock_timeout = '500ms';
+SET LOCAL statement_timeout = '30s';
 
 DO $migration$
 BEGIN

@@ -82,7 +82,10 @@ pub(super) async fn apply(
         } else {
             let mut attempt = 0;
             loop {
-                match unlocked.run_direct(Some(step.version), &mut *conn, false).await {
+                match unlocked
+                    .run_direct(Some(step.version), &mut *conn, false)
+                    .await
+                {
                     Err(MigrateError::ExecuteMigration(e, version))
                         if lock_timed_out(&e) && attempt < LOCK_RETRIES =>
                     {
@@ -246,7 +249,9 @@ pub(super) fn statements(sql: &str) -> Vec<&str> {
                 i = sql[i..].find('\n').map_or(bytes.len(), |n| i + n + 1);
             }
             b'/' if bytes.get(i + 1) == Some(&b'*') => {
-                i = sql[i + 2..].find("*/").map_or(bytes.len(), |n| i + 2 + n + 2);
+                i = sql[i + 2..]
+                    .find("*/")
+                    .map_or(bytes.len(), |n| i + 2 + n + 2);
             }
             quote @ (b'\'' | b'"') => {
                 i += 1;
@@ -324,9 +329,18 @@ mod tests {
             concurrent_index("create unique index concurrently if not exists idx_b(x)"),
             Some("idx_b".into())
         );
-        assert_eq!(concurrent_index("CREATE INDEX CONCURRENTLY idx_c ON t (x)"), None);
-        assert_eq!(concurrent_index("CREATE INDEX IF NOT EXISTS idx_d ON t (x)"), None);
-        assert_eq!(concurrent_index("DROP INDEX CONCURRENTLY IF EXISTS x"), None);
+        assert_eq!(
+            concurrent_index("CREATE INDEX CONCURRENTLY idx_c ON t (x)"),
+            None
+        );
+        assert_eq!(
+            concurrent_index("CREATE INDEX IF NOT EXISTS idx_d ON t (x)"),
+            None
+        );
+        assert_eq!(
+            concurrent_index("DROP INDEX CONCURRENTLY IF EXISTS x"),
+            None
+        );
     }
 
     #[test]

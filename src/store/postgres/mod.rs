@@ -527,13 +527,8 @@ impl PgStore {
             other => StoreError::other(other.to_string()).because(other),
         };
         conn.lock().await.map_err(failed)?;
-        let result = migrate::apply(
-            &mut conn,
-            migrator,
-            None,
-            !self.settings.transaction_pooler,
-        )
-        .await;
+        let result =
+            migrate::apply(&mut conn, migrator, None, !self.settings.transaction_pooler).await;
         let unlocked = conn.unlock().await;
         result.map_err(failed)?;
         unlocked.map_err(failed)
