@@ -6,8 +6,9 @@
 -- time: `idemgate migrate` sends each statement of a step marked so on its
 -- own (src/store/postgres/migrate.rs), without a statement_timeout, and
 -- before each CREATE INDEX CONCURRENTLY drops an index of that name that an
--- interrupted build left INVALID (IF NOT EXISTS would keep it, unusable).
--- Every statement may run again: the step is recorded once all have run.
+-- interrupted build left INVALID (IF NOT EXISTS would keep it, unusable),
+-- or skips the statement if the index is built and valid. Every statement
+-- may run again: the step is recorded once all have run.
 --
 -- On Citus each statement reaches every shard of the distributed table.
 --

@@ -17,7 +17,9 @@
 //!   table takes longer than a request's); before a `CREATE INDEX
 //!   CONCURRENTLY`, an index of that name that an interrupted build left
 //!   invalid is dropped `CONCURRENTLY`, so the build runs again rather than
-//!   `IF NOT EXISTS` keep it. The step is recorded once every statement has
+//!   `IF NOT EXISTS` keep it, and one that is built and valid is left alone
+//!   (the statement not sent: on Citus, `IF NOT EXISTS` on an index that
+//!   exists marks it invalid). The step is recorded once every statement has
 //!   run, so each must be one that may run again (`IF NOT EXISTS`, `IF
 //!   EXISTS`).
 
@@ -127,8 +129,12 @@ async fn apply_statements(
     }
     let result = async {
         for statement in statements(step.sql.as_str()) {
-            if let Some(index) = concurrent_index(statement) {
-                drop_if_invalid(conn, &index).await.map_err(failed)?;
+            if let Some(index) = concurrent_index(statement)
+                && built(conn, &index).await.map_err(failed)?
+            {
+                // Not sent again: on Citus, a CREATE INDEX CONCURRENTLY IF
+                // NOT EXISTS of an index that exists leaves it invalid.
+                continue;
             }
             let mut attempt = 0;
             loop {
@@ -170,16 +176,17 @@ async fn apply_statements(
     result
 }
 
-/// Drops `index` if an interrupted `CREATE INDEX CONCURRENTLY` left it
-/// invalid.
-async fn drop_if_invalid(conn: &mut PgConnection, index: &str) -> Result<(), sqlx::Error> {
-    let invalid: Option<bool> = sqlx::query_scalar(
-        "SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)",
+/// Whether `index` is built and valid. One that an interrupted `CREATE
+/// INDEX CONCURRENTLY` left invalid is dropped (`CONCURRENTLY`), to be built
+/// again.
+async fn built(conn: &mut PgConnection, index: &str) -> Result<bool, sqlx::Error> {
+    let valid: Option<bool> = sqlx::query_scalar(
+        "SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)",
     )
     .bind(index)
     .fetch_optional(&mut *conn)
     .await?;
-    if invalid == Some(true) {
+    if valid == Some(false) {
         tracing::warn!(
             index,
             "index {index} is invalid (a build CONCURRENTLY was interrupted): dropping it to \
@@ -190,7 +197,7 @@ async fn drop_if_invalid(conn: &mut PgConnection, index: &str) -> Result<(), sql
         )))
         .await?;
     }
-    Ok(())
+    Ok(valid == Some(true))
 }
 
 /// The index that `statement` builds, if it is a `CREATE [UNIQUE] INDEX
