@@ -27,7 +27,8 @@
 //! # The commit is a heap-only update
 //!
 //! No index reads a column the commit changes (migration
-//! `20261210000001_heap_only_commit.sql`), and the table leaves room on each
+//! `20261210000001_heap_only_commit.sql`, its indexes built `CONCURRENTLY`
+//! in `20261210000003`), and the table leaves room on each
 //! page (fillfactor 85), so PostgreSQL writes the completed row beside the
 //! in-flight one with no new index entry. That rules out an index on
 //! `state`: the keys nobody settles are found instead through what the
