@@ -5,7 +5,9 @@
 //!
 //! `run` drives a whole campaign and checks it; `check` checks a finished
 //! run's directory (or history file) on its own; `clean` removes what a run
-//! that was killed outright left behind.
+//! that was killed outright left behind; `upgrade` runs a rolling upgrade from
+//! the previous release under load, and `stall` measures how long N's
+//! `migrate` holds writes on a table of many keys.
 
 mod checker;
 mod clients;
@@ -15,6 +17,7 @@ mod history;
 mod operator;
 mod origin;
 mod run;
+mod stall;
 mod upgrade;
 
 use std::path::PathBuf;
@@ -40,6 +43,10 @@ enum Command {
     /// doors, this one's migrate in the middle, then a rollback; checked
     /// (exit 1 on any key run twice, stranded, or answered 500).
     Upgrade(UpgradeArgs),
+    /// How long N's `migrate` holds writes back: a table of many keys made
+    /// under N−1's schema, N−1 serving new keys while N migrates it; fails
+    /// if any write stalls longer than --max-stall-ms.
+    Stall(StallArgs),
     /// Remove the network namespaces and links that campaigns no longer
     /// running left behind (each run also does so when it starts).
     Clean,
@@ -124,6 +131,34 @@ struct RunArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct StallArgs {
+    /// The previous release's binary (N−1): makes the schema, serves.
+    #[arg(long)]
+    previous: PathBuf,
+    /// This release's binary (N): its `migrate` is measured.
+    #[arg(long)]
+    idemgate: PathBuf,
+    /// An empty PostgreSQL database to run on.
+    #[arg(long)]
+    database_url: String,
+    /// Records in the table before N migrates it.
+    #[arg(long, default_value_t = 1_000_000)]
+    keys: u64,
+    /// Clients, each claiming a new key and committing it, one at a time.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Seconds of writes before the migration, for the baseline.
+    #[arg(long, default_value_t = 5)]
+    baseline: u64,
+    /// The longest a write may take while N's migrate runs.
+    #[arg(long, default_value_t = 1000)]
+    max_stall_ms: u64,
+    /// Where the logs, the latencies (CSV) and the report go.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
 struct UpgradeArgs {
     /// The previous release's binary (N−1).
     #[arg(long)]
@@ -172,6 +207,30 @@ fn main() -> ExitCode {
             let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
             let code = runtime.block_on(upgrade(args));
             runtime.shutdown_timeout(Duration::from_secs(30));
+            code
+        }
+        Command::Stall(a) => {
+            let absolute = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
+            let plan = stall::Plan {
+                previous: absolute(&a.previous),
+                current: absolute(&a.idemgate),
+                database_url: a.database_url,
+                keys: a.keys,
+                concurrency: a.concurrency.max(1),
+                baseline_secs: a.baseline,
+                max_stall: Duration::from_millis(a.max_stall_ms),
+                out: a.out,
+            };
+            let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+            let code = match runtime.block_on(stall::run(&plan)) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(1),
+                Err(e) => {
+                    eprintln!("idemgate-campaign stall: the run failed: {e:#}");
+                    ExitCode::from(2)
+                }
+            };
+            runtime.shutdown_timeout(Duration::from_secs(10));
             code
         }
         Command::Run(args) => {

@@ -28,6 +28,22 @@
 --     row (new pages only; existing ones fill as before).
 --   * idempotency_keys_in_flight and idempotency_keys_unknown are dropped.
 --
+-- Three steps, none of which holds writes for long, whatever the table's
+-- size (SPEC §14; docs/operations.md, "Upgrading"):
+--
+--   1. this one: the column and the storage parameter, then the functions
+--      that write `limited`. Each ALTER is a change of the catalog only (a
+--      column with a constant default is no rewrite; fillfactor takes a
+--      lock that writes pass), taken with a short lock_timeout: behind a
+--      transaction that holds the table, the step gives up within it rather
+--      than queue every write behind itself, and `idemgate migrate` runs it
+--      again (src/store/postgres/migrate.rs).
+--   2. 20261210000002_limited_in_flight.sql: the rows in flight marked
+--      `limited`, after the functions mark every new claim.
+--   3. 20261210000003_heap_only_commit_indexes.sql: the indexes built and
+--      dropped CONCURRENTLY, outside a transaction. Until then the limit's
+--      count reads idempotency_keys_in_flight, as before.
+--
 -- An expand step: the previous release serves the database beside this one,
 -- before and after it (and after a rollback). Its statements name no index,
 -- and its claims and batches run the functions below. Without the two
@@ -41,20 +57,13 @@
 -- 20261204000001_outcome_unknown.sql, and reaches every shard; the functions
 -- keep their signatures, so they stay distributed.
 SET LOCAL citus.multi_shard_modify_mode TO 'sequential';
+SET LOCAL lock_timeout = '500ms';
+SET LOCAL statement_timeout = '5s';
 
 DO $migration$
 BEGIN
     EXECUTE 'ALTER TABLE idempotency_keys SET (fillfactor = 85)';
     EXECUTE 'ALTER TABLE idempotency_keys ADD COLUMN IF NOT EXISTS limited boolean NOT NULL DEFAULT false';
-    EXECUTE $$UPDATE idempotency_keys SET limited = true WHERE state = 'in_flight'$$;
-    EXECUTE $$CREATE INDEX IF NOT EXISTS idempotency_keys_limited
-                  ON idempotency_keys (tenant, lease_expires_at) WHERE limited$$;
-    EXECUTE $$CREATE INDEX IF NOT EXISTS idempotency_keys_lease_end
-                  ON idempotency_keys (lease_expires_at)$$;
-    EXECUTE $$CREATE INDEX IF NOT EXISTS idempotency_keys_marked_unknown
-                  ON idempotency_keys (unknown_at) WHERE unknown_at IS NOT NULL$$;
-    EXECUTE 'DROP INDEX IF EXISTS idempotency_keys_in_flight';
-    EXECUTE 'DROP INDEX IF EXISTS idempotency_keys_unknown';
 END
 $migration$;
 

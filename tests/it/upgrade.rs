@@ -553,3 +553,149 @@ async fn across_one_table_beside_an_older_process_migrate_keeps_a_compatibility_
     .expect("read");
     assert!(batch.contains("NULL::bytea"));
 }
+
+/// This release's PostgreSQL migrations before `version`.
+async fn migrations_before(version: i64) -> Migrator {
+    let mut before =
+        Migrator::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres"))
+            .await
+            .expect("the migrations");
+    before.migrations = before
+        .migrations
+        .iter()
+        .filter(|m| m.version < version)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    before.set_ignore_missing(true);
+    before
+}
+
+/// A connection named for the test (not taken for an idemgate process).
+async fn test_conn(url: &str) -> PgConnection {
+    let options: PgConnectOptions = url.parse().expect("the test URL");
+    PgConnection::connect_with(&options.application_name("the test"))
+        .await
+        .expect("connect")
+}
+
+/// SPEC §14: a step's DDL takes its lock with a short lock_timeout. Behind a
+/// transaction that holds the table for two seconds, `migrate` gives up
+/// within it and runs the step again, rather than wait in the lock's queue
+/// with every write behind it: no write waits a second, and the step
+/// applies once the transaction ends.
+#[tokio::test]
+async fn a_step_behind_a_transaction_on_the_table_gives_up_its_lock_and_runs_again_while_writes_go_on()
+ {
+    if on_citus() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let store = PgStore::connect_lazy(&db.url, &Default::default()).expect("PgStore");
+    // 0.3.0's schema.
+    store
+        .migrate_with(&migrations_before(20261210000001).await)
+        .await
+        .expect("0.3.0's schema");
+    let mut holder = test_conn(&db.url).await;
+    sqlx::raw_sql("BEGIN; SELECT count(*) FROM idempotency_keys")
+        .execute(&mut holder)
+        .await
+        .expect("a transaction that has read the table");
+    let migrating = tokio::spawn({
+        let store = store.clone();
+        async move { store.migrate().await }
+    });
+    let mut writer = test_conn(&db.url).await;
+    let held = std::time::Instant::now();
+    let mut worst = std::time::Duration::ZERO;
+    let mut writes = 0;
+    while held.elapsed() < std::time::Duration::from_secs(2) {
+        let started = std::time::Instant::now();
+        sqlx::query(
+            "INSERT INTO idempotency_keys (tenant, key_hash, state, reservation_id, attempt, \
+             created_at, expires_at) \
+             VALUES ('t', sha256(convert_to($1, 'UTF8')), 'in_flight', gen_random_uuid(), 1, \
+                     now(), now() + interval '1 hour')",
+        )
+        .bind(format!("k{writes}"))
+        .execute(&mut writer)
+        .await
+        .expect("a write");
+        worst = worst.max(started.elapsed());
+        writes += 1;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let finished_early = migrating.is_finished();
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut holder)
+        .await
+        .expect("the transaction ends");
+    assert!(
+        worst < std::time::Duration::from_millis(900),
+        "a write waited {worst:?} behind the migration ({writes} writes)"
+    );
+    assert!(
+        !finished_early,
+        "migrate did not wait for the transaction on the table: {:?}",
+        migrating.await
+    );
+    migrating
+        .await
+        .expect("the task")
+        .expect("migrate applies the step once the transaction ended");
+    let mut conn = test_conn(&db.url).await;
+    let limited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys WHERE limited AND state = 'in_flight'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("the column");
+    assert_eq!(limited, writes, "the rows in flight are marked");
+}
+
+/// An index that an interrupted `CREATE INDEX CONCURRENTLY` left invalid is
+/// dropped and built again, not kept by IF NOT EXISTS.
+#[tokio::test]
+async fn an_index_an_interrupted_concurrent_build_left_invalid_is_built_again() {
+    if on_citus() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let store = PgStore::connect_lazy(&db.url, &Default::default()).expect("PgStore");
+    store
+        .migrate_with(&migrations_before(20261210000003).await)
+        .await
+        .expect("the steps before the indexes");
+    let mut conn = test_conn(&db.url).await;
+    // What a build that failed half-way leaves: the name taken, the index
+    // invalid (and here, on the wrong column, to tell it from the new one).
+    sqlx::raw_sql(
+        "CREATE INDEX idempotency_keys_lease_end ON idempotency_keys (attempt); \
+         UPDATE pg_index SET indisvalid = false \
+          WHERE indexrelid = 'idempotency_keys_lease_end'::regclass",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("an invalid index");
+    store.migrate().await.expect("migrate");
+    let (valid, definition): (bool, String) = sqlx::query_as(
+        "SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i \
+          WHERE i.indexrelid = 'idempotency_keys_lease_end'::regclass",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("the index");
+    assert!(valid, "{definition}");
+    assert!(definition.contains("(lease_expires_at)"), "{definition}");
+    let left: Vec<String> = sqlx::query_scalar(
+        "SELECT indexrelid::regclass::text FROM pg_index \
+          WHERE indrelid = 'idempotency_keys'::regclass \
+            AND (NOT indisvalid OR indexrelid::regclass::text IN \
+                 ('idempotency_keys_in_flight', 'idempotency_keys_unknown'))",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .expect("the indexes");
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -27,7 +27,8 @@
 //! # The commit is a heap-only update
 //!
 //! No index reads a column the commit changes (migration
-//! `20261210000001_heap_only_commit.sql`), and the table leaves room on each
+//! `20261210000001_heap_only_commit.sql`, its indexes built `CONCURRENTLY`
+//! in `20261210000003`), and the table leaves room on each
 //! page (fillfactor 85), so PostgreSQL writes the completed row beside the
 //! in-flight one with no new index entry. That rules out an index on
 //! `state`: the keys nobody settles are found instead through what the
@@ -48,6 +49,7 @@ mod citus;
 mod conns;
 mod errors;
 mod hosts;
+mod migrate;
 mod rows;
 pub mod sql;
 mod store;
@@ -509,24 +511,34 @@ impl PgStore {
         }
     }
 
+    /// Applies `migrator`'s pending migrations under sqlx's migration lock,
+    /// each step without holding writes for long (the `migrate` module).
     async fn run_migrations(
         &self,
         migrator: &sqlx::migrate::Migrator,
         pool: &PgPool,
     ) -> Result<()> {
+        use sqlx::migrate::Migrate as _;
         let target = &self.conns.target;
-        match migrator.run(pool).await {
-            Ok(()) => Ok(()),
+        let mut conn = match pool.acquire().await {
+            Ok(conn) => conn,
             // The pool says only that it timed out; one direct attempt says
             // why it could not connect (refused, unknown host, bad password).
-            Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::PoolTimedOut)) => {
-                Err(self.why_no_connection().await)
+            Err(sqlx::Error::PoolTimedOut) => return Err(self.why_no_connection().await),
+            Err(e) => return Err(classify(e, target)),
+        };
+        let failed = |e: sqlx::migrate::MigrateError| match e {
+            sqlx::migrate::MigrateError::Execute(e) => classify(e, target),
+            sqlx::migrate::MigrateError::ExecuteMigration(e, version) => {
+                classify(e, target).reworded(|why| format!("migration {version}: {why}"))
             }
-            Err(sqlx::migrate::MigrateError::Execute(e)) => Err(classify(e, target)),
-            Err(sqlx::migrate::MigrateError::ExecuteMigration(e, version)) => {
-                Err(classify(e, target).reworded(|why| format!("migration {version}: {why}")))
-            }
-            Err(other) => Err(StoreError::other(other.to_string()).because(other)),
-        }
+            other => StoreError::other(other.to_string()).because(other),
+        };
+        conn.lock().await.map_err(failed)?;
+        let result =
+            migrate::apply(&mut conn, migrator, None, !self.settings.transaction_pooler).await;
+        let unlocked = conn.unlock().await;
+        result.map_err(failed)?;
+        unlocked.map_err(failed)
     }
 }

@@ -3,7 +3,8 @@
 //! rather than read from every alive key on each pruning pass.
 //!
 //! No index reads a record's state, so that a commit is heap-only
-//! (migration `20261210000001_heap_only_commit.sql`); the stuck keys are
+//! (migration `20261210000001_heap_only_commit.sql`, its indexes built in
+//! `20261210000003`); the stuck keys are
 //! found instead through what a commit does not change. A key becomes
 //! stuck when its lease ends, or when its holder marks it unknown. So each
 //! count reads the keys whose lease ended since the last count stopped

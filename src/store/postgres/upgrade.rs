@@ -221,14 +221,7 @@ impl PgStore {
         let failed = |e: sqlx::migrate::MigrateError| {
             StoreError::other(format!("migration with the compatibility write: {e}")).because(e)
         };
-        let unlocked = Migrator {
-            migrations: migrator.migrations.clone(),
-            ignore_missing: migrator.ignore_missing,
-            locking: false,
-            no_tx: migrator.no_tx,
-            table_name: migrator.table_name.clone(),
-            create_schemas: migrator.create_schemas.clone(),
-        };
+        let session_timeouts = !self.settings.transaction_pooler;
         let mut conn = self.pool.acquire().await.map_err(|e| classify(e, target))?;
         conn.lock().await.map_err(failed)?;
         let result = async {
@@ -236,8 +229,7 @@ impl PgStore {
                 let Some(step) = migrator.iter().find(|m| m.version == version) else {
                     continue;
                 };
-                unlocked
-                    .run_direct(Some(version - 1), &mut *conn, false)
+                super::migrate::apply(&mut conn, migrator, Some(version - 1), session_timeouts)
                     .await
                     .map_err(failed)?;
                 let applied: bool = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -283,8 +275,7 @@ impl PgStore {
                 .map_err(|e| classify(e, target))?;
                 tx.commit().await.map_err(|e| classify(e, target))?;
             }
-            unlocked
-                .run_direct(None, &mut *conn, false)
+            super::migrate::apply(&mut conn, migrator, None, session_timeouts)
                 .await
                 .map_err(failed)
         }
