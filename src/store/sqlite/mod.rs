@@ -299,7 +299,7 @@ impl SqliteStore {
         migrator: &sqlx::migrate::Migrator,
     ) -> Result<crate::store::schema::SchemaStatus> {
         let mut conn = self.direct.acquire().await.map_err(classify)?;
-        read_schema_status(&mut *conn, migrator).await
+        read_schema_status(&mut conn, migrator).await
     }
 
     /// As [`SqliteStore::schema_status`], read through a read-only
