@@ -97,16 +97,18 @@ if "ORDERS_QUEUE" in os.environ:
         )
         db.close()
 
-    @guarded_task(
-        app,
+    # Both tasks guard alike: the test's idemgate, the order id, the
+    # dead-letter table, a short lease and countdown.
+    guarded: dict[str, Any] = dict(
         client=lambda: Client(os.environ["ORDERS_IDEMGATE_URL"], token=os.environ["ORDERS_IDEMGATE_TOKEN"], timeout=5),
         tenant="acme",
         business_id="order_id",
         on_dead_letter=record_dead_letter,
         lease_seconds=int(os.environ.get("ORDERS_LEASE", "5")),
         max_countdown=3,
-        name="orders.charge",
     )
+
+    @guarded_task(app, name="orders.charge", **guarded)
     def charge(order_id: str, amount: int) -> dict[str, Any]:
         """Charges the order: the ledger's row is the charge (the effect)."""
         time.sleep(random.uniform(0.0, 0.3))
@@ -117,16 +119,7 @@ if "ORDERS_QUEUE" in os.environ:
         time.sleep(random.uniform(0.0, 0.3))
         return {"charge": made, "order": order_id, "amount": amount}
 
-    @guarded_task(
-        app,
-        client=lambda: Client(os.environ["ORDERS_IDEMGATE_URL"], token=os.environ["ORDERS_IDEMGATE_TOKEN"], timeout=5),
-        tenant="acme",
-        business_id="order_id",
-        on_dead_letter=record_dead_letter,
-        lease_seconds=int(os.environ.get("ORDERS_LEASE", "5")),
-        max_countdown=3,
-        name="orders.charge_slowly",
-    )
+    @guarded_task(app, name="orders.charge_slowly", **guarded)
     def charge_slowly(order_id: str, amount: int) -> dict[str, Any]:
         """As ``charge``, then 2 s before it returns (a test stops idemgate meanwhile)."""
         made = f"ch_{uuid.uuid4().hex[:16]}"
