@@ -699,3 +699,37 @@ async fn an_index_an_interrupted_concurrent_build_left_invalid_is_built_again() 
     .expect("the indexes");
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// Processes that migrate one database at once (several `serve`s starting
+/// together) take turns and none fails: a process waiting for the migration
+/// lock holds no snapshot that the holder's `CREATE INDEX CONCURRENTLY`
+/// would wait for (a blocking `pg_advisory_lock` did, and PostgreSQL
+/// killed one side of the deadlock). The lock is sqlx's: while an older
+/// release's migrator holds it, nobody migrates.
+#[tokio::test]
+async fn processes_migrating_at_once_take_turns_and_never_deadlock() {
+    use sqlx::migrate::Migrate as _;
+    let db = TestDb::new().await;
+    let mut older = test_conn(&db.url).await;
+    older.lock().await.expect("sqlx's migration lock");
+    let stores: Vec<PgStore> = (0..4)
+        .map(|_| PgStore::connect_lazy(&db.url, &Default::default()).expect("PgStore"))
+        .collect();
+    let mut all = Box::pin(futures::future::join_all(
+        stores.iter().map(|store| store.migrate()),
+    ));
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(1500), &mut all)
+            .await
+            .is_err(),
+        "a migration ran while an older release's migrator held the lock"
+    );
+    older.unlock().await.expect("unlock");
+    let results = tokio::time::timeout(std::time::Duration::from_secs(180), all)
+        .await
+        .expect("the four migrations end");
+    for result in results {
+        result.expect("each process migrates (or finds nothing to do), none deadlocks");
+    }
+    let _ = older.close().await;
+}

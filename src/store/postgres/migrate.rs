@@ -38,6 +38,62 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(u64::from(attempt.min(10)) * 200)
 }
 
+/// The id of sqlx's migration lock on the database `name` (as
+/// `sqlx-postgres` computes it), so that this release's migrator and an older
+/// release's `sqlx::migrate` exclude each other.
+fn lock_id(name: &str) -> i64 {
+    const CRC_IEEE: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISO_HDLC);
+    0x3d32ad9e * i64::from(CRC_IEEE.checksum(name.as_bytes()))
+}
+
+async fn database_lock_id(conn: &mut PgConnection) -> Result<i64, MigrateError> {
+    let name: String = sqlx::query_scalar("SELECT current_database()::text")
+        .persistent(false)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(lock_id(&name))
+}
+
+/// Takes the migration lock (the one sqlx's `Migrate::lock` takes), waiting
+/// for it by trying again every 100–300 ms rather than in one blocking
+/// `pg_advisory_lock`. A session blocked in that call keeps a snapshot
+/// open, and a `CREATE INDEX CONCURRENTLY` run by the lock's holder waits
+/// for every older snapshot to end: two processes migrating at once (two
+/// `serve`s starting) would deadlock, one of them killed by PostgreSQL.
+pub(super) async fn lock(conn: &mut PgConnection) -> Result<(), MigrateError> {
+    let id = database_lock_id(conn).await?;
+    let mut waited = Duration::ZERO;
+    loop {
+        let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(id)
+            .persistent(false)
+            .fetch_one(&mut *conn)
+            .await?;
+        if taken {
+            return Ok(());
+        }
+        if waited.is_zero() {
+            tracing::info!("another process is migrating this database; waiting for it to finish");
+        }
+        // Jittered, so that processes started together do not try in step.
+        let jitter = u64::try_from(uuid::Uuid::new_v4().as_u128() % 200).unwrap_or(0);
+        let pause = Duration::from_millis(100 + jitter);
+        tokio::time::sleep(pause).await;
+        waited += pause;
+    }
+}
+
+/// Gives the migration lock back.
+pub(super) async fn unlock(conn: &mut PgConnection) -> Result<(), MigrateError> {
+    let id = database_lock_id(conn).await?;
+    sqlx::query_scalar::<_, bool>("SELECT pg_advisory_unlock($1)")
+        .bind(id)
+        .persistent(false)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(())
+}
+
 /// Whether `e` is a lock not taken within `lock_timeout` (SQLSTATE 55P03).
 fn lock_timed_out(e: &sqlx::Error) -> bool {
     e.as_database_error()

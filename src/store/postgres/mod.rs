@@ -518,7 +518,6 @@ impl PgStore {
         migrator: &sqlx::migrate::Migrator,
         pool: &PgPool,
     ) -> Result<()> {
-        use sqlx::migrate::Migrate as _;
         let target = &self.conns.target;
         let mut conn = match pool.acquire().await {
             Ok(conn) => conn,
@@ -534,10 +533,10 @@ impl PgStore {
             }
             other => StoreError::other(other.to_string()).because(other),
         };
-        conn.lock().await.map_err(failed)?;
+        migrate::lock(&mut conn).await.map_err(failed)?;
         let result =
             migrate::apply(&mut conn, migrator, None, !self.settings.transaction_pooler).await;
-        let unlocked = conn.unlock().await;
+        let unlocked = migrate::unlock(&mut conn).await;
         result.map_err(failed)?;
         unlocked.map_err(failed)
     }

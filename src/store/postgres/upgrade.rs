@@ -216,14 +216,13 @@ impl PgStore {
     /// claim of theirs ever runs without it), then the rest; all under
     /// sqlx's migration lock.
     pub(super) async fn migrate_bridged(&self, migrator: &Migrator) -> Result<()> {
-        use sqlx::migrate::Migrate as _;
         let target = &self.conns.target;
         let failed = |e: sqlx::migrate::MigrateError| {
             StoreError::other(format!("migration with the compatibility write: {e}")).because(e)
         };
         let session_timeouts = !self.settings.transaction_pooler;
         let mut conn = self.pool.acquire().await.map_err(|e| classify(e, target))?;
-        conn.lock().await.map_err(failed)?;
+        super::migrate::lock(&mut conn).await.map_err(failed)?;
         let result = async {
             for &version in BRIDGED {
                 let Some(step) = migrator.iter().find(|m| m.version == version) else {
@@ -280,7 +279,7 @@ impl PgStore {
                 .map_err(failed)
         }
         .await;
-        let unlocked = conn.unlock().await;
+        let unlocked = super::migrate::unlock(&mut conn).await;
         result?;
         unlocked.map_err(failed)
     }
