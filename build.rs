@@ -1,6 +1,11 @@
-//! The migrations are embedded at compile time (`sqlx::migrate!`), which
-//! does not tell Cargo to watch their folder: without this, a new migration
-//! file would not be built in until something else changed.
+//! Embeds the migrations: for each store the build has, the list of its
+//! migration files (`migrations/<store>`, sorted by version) as
+//! `$OUT_DIR/migrations_<store>.rs`, each file's text by `include_str!`,
+//! which [`crate::store::embedded_migrator`] turns into sqlx's `Migrator`.
+//! This does what `sqlx::migrate!` did without sqlx's procedural macros,
+//! which compiled a second copy of both database drivers (and SQLite's C
+//! source) for the build machine. `rerun-if-changed` on the folders builds a
+//! new migration file in.
 //!
 //! It also names the schema version each store's migrations end at, for
 //! `idemgate --version` (`IDEMGATE_SCHEMA`): the newest migration's version;
@@ -15,22 +20,31 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=migrations");
+    let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default();
+    let out = std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR");
     let mut parts = Vec::new();
-    for (feature, dir, store) in [
-        (
-            "CARGO_FEATURE_POSTGRES",
-            "migrations/postgres",
-            "PostgreSQL",
-        ),
-        ("CARGO_FEATURE_SQLITE", "migrations/sqlite", "SQLite"),
+    for (feature, name, store) in [
+        ("CARGO_FEATURE_POSTGRES", "postgres", "PostgreSQL"),
+        ("CARGO_FEATURE_SQLITE", "sqlite", "SQLite"),
     ] {
         if std::env::var_os(feature).is_none() {
             continue;
         }
-        let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default();
-        if let Some(version) = newest(&Path::new(&root).join(dir)) {
-            parts.push((store, version));
+        let dir = Path::new(&root).join("migrations").join(name);
+        println!("cargo:rerun-if-changed={}", dir.display());
+        let files = migrations(&dir);
+        if let Some((version, _, _)) = files.last() {
+            parts.push((store, *version));
         }
+        let list: String = files
+            .iter()
+            .map(|(version, description, path)| {
+                format!("    ({version}, {description:?}, include_str!({path:?})),\n")
+            })
+            .collect();
+        let generated = Path::new(&out).join(format!("migrations_{name}.rs"));
+        std::fs::write(&generated, format!("&[\n{list}]\n"))
+            .unwrap_or_else(|e| panic!("cannot write {}: {e}", generated.display()));
     }
     let line = match parts.as_slice() {
         [] => "no store".to_owned(),
@@ -82,17 +96,43 @@ fn commit() -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
-/// The version (the digits before `_`) of the newest migration in `dir`.
-fn newest(dir: &Path) -> Option<u64> {
-    std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|entry| {
-            let name = entry.ok()?.file_name().into_string().ok()?;
-            name.strip_suffix(".sql")?
-                .split('_')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .max()
+/// The migrations in `dir`, as sqlx reads a folder of them: each
+/// `<VERSION>_<DESCRIPTION>.sql` file, with its version, its description
+/// (the name's `_`s as spaces) and its path, sorted by version. Other files
+/// are not migrations; a `.sql` file whose name does not start with a
+/// version, or a reversible (`.up.sql`/`.down.sql`) one, stops the build:
+/// idemgate's migrations only go forward.
+fn migrations(dir: &Path) -> Vec<(i64, String, String)> {
+    let entries = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("cannot read the migrations in {}: {e}", dir.display()));
+    let mut found = Vec::new();
+    for entry in entries {
+        let path = entry.expect("a readable migrations folder").path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let Some((version, rest)) = name.split_once('_') else {
+            continue;
+        };
+        let Some(description) = rest.strip_suffix(".sql") else {
+            continue;
+        };
+        let version: i64 = version.parse().unwrap_or_else(|_| {
+            panic!("migration {name}: expected `<VERSION>_<DESCRIPTION>.sql`, with a number for VERSION")
+        });
+        assert!(
+            !description.ends_with(".up") && !description.ends_with(".down"),
+            "migration {name}: reversible migrations are not supported; write a new forward migration"
+        );
+        let path = path
+            .canonicalize()
+            .unwrap_or_else(|e| panic!("migration {name}: {e}"));
+        let path = path
+            .to_str()
+            .unwrap_or_else(|| panic!("migration {name}: the path is not UTF-8"))
+            .to_owned();
+        found.push((version, description.replace('_', " "), path));
+    }
+    found.sort();
+    found
 }

@@ -92,6 +92,39 @@ macro_rules! key_columns {
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use key_columns;
 
+/// A struct read from a row by column name, as `#[derive(sqlx::FromRow)]`
+/// reads it: each field from the column of its name, and a field marked
+/// `@flatten` (last) read whole from the same row, as `#[sqlx(flatten)]`.
+/// Written without sqlx's procedural macros (build.rs says why).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+macro_rules! from_row {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident from $row:ty {
+            $($(#[$fmeta:meta])* $fvis:vis $field:ident : $ty:ty,)*
+            $(@flatten $flat_vis:vis $flat:ident : $flat_ty:ty,)?
+        }
+    ) => {
+        $(#[$meta])*
+        $vis struct $name {
+            $($(#[$fmeta])* $fvis $field: $ty,)*
+            $($flat_vis $flat: $flat_ty,)?
+        }
+
+        impl<'r> sqlx::FromRow<'r, $row> for $name {
+            fn from_row(row: &'r $row) -> Result<Self, sqlx::Error> {
+                use sqlx::Row as _;
+                Ok(Self {
+                    $($field: row.try_get(stringify!($field))?,)*
+                    $($flat: <$flat_ty as sqlx::FromRow<'r, $row>>::from_row(row)?,)?
+                })
+            }
+        }
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) use from_row;
+
 /// What a store is: everything the engine, the operators' commands and the
 /// maintenance tasks ask of it, each operation atomic across every process
 /// that shares the database. It is the sum of three traits, one per job:
@@ -296,6 +329,38 @@ pub async fn write_one<S: HotPath + ?Sized>(store: &S, write: &Write) -> Result<
     })
 }
 
+/// The migrations the build embedded for one store (build.rs writes
+/// `migrations_<store>.rs`: version, description, text), as the `Migrator`
+/// `sqlx::migrate!` would make of the same folder: the same versions,
+/// descriptions, checksums (SHA-384 of the text, computed here once, at
+/// first use) and `-- no-transaction` marks. Migrations a newer release
+/// applied are no reason to refuse (`ignore_missing`): a rollback to this
+/// release works on them unless one is a contract step ([`schema`]).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn embedded_migrator(
+    files: &'static [(i64, &'static str, &'static str)],
+) -> sqlx::migrate::Migrator {
+    use sqlx::migrate::{Migration, MigrationType, Migrator};
+    use std::borrow::Cow;
+    let migrations: Vec<Migration> = files
+        .iter()
+        .map(|&(version, description, sql)| {
+            Migration::new(
+                version,
+                Cow::Borrowed(description),
+                MigrationType::Simple,
+                sqlx::SqlStr::from_static(sql),
+                sql.starts_with("-- no-transaction"),
+            )
+        })
+        .collect();
+    Migrator {
+        migrations: Cow::Owned(migrations),
+        ignore_missing: true,
+        ..Migrator::DEFAULT
+    }
+}
+
 /// What of `migrator`'s migrations `applied` (the versions a database's
 /// `_sqlx_migrations` records) lacks, in words; `None` if nothing.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
@@ -316,4 +381,43 @@ pub(crate) fn missing_migrations(
             missing.join(", ")
         )
     })
+}
+
+#[cfg(all(test, feature = "sqlite", feature = "postgres"))]
+mod tests {
+    use sqlx::migrate::Migrator;
+
+    /// The build's embedded list is what sqlx itself reads from the folder
+    /// (as `sqlx::migrate!` did, and as older releases recorded each
+    /// migration's checksum in `_sqlx_migrations`): the same migrations in
+    /// the same order, with the same descriptions, checksums and
+    /// `-- no-transaction` marks.
+    #[tokio::test]
+    async fn embedded_migrations_are_what_sqlx_reads_from_the_folder() {
+        for (embedded, dir) in [
+            (&*super::postgres::MIGRATOR, "migrations/postgres"),
+            (&*super::sqlite::MIGRATOR, "migrations/sqlite"),
+        ] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+            let read = Migrator::new(path).await.expect("sqlx reads the folder");
+            let ours: Vec<_> = embedded.iter().collect();
+            let sqlx: Vec<_> = read.iter().collect();
+            assert!(ours.len() >= 9, "{dir}: {} migrations embedded", ours.len());
+            assert_eq!(ours.len(), sqlx.len(), "{dir}: how many");
+            for (a, b) in ours.iter().zip(&sqlx) {
+                assert_eq!(a.version, b.version, "{dir}");
+                assert_eq!(a.description, b.description, "{dir} {}", a.version);
+                assert_eq!(a.checksum, b.checksum, "{dir} {}", a.version);
+                assert_eq!(a.no_tx, b.no_tx, "{dir} {}", a.version);
+                assert_eq!(a.migration_type, b.migration_type, "{dir} {}", a.version);
+                assert_eq!(a.sql.as_str(), b.sql.as_str(), "{dir} {}", a.version);
+            }
+            assert!(
+                embedded.ignore_missing,
+                "{dir}: a newer release's migrations are no refusal"
+            );
+            // The one migration outside a transaction builds PostgreSQL's indexes.
+            assert_eq!(embedded.iter().any(|m| m.no_tx), dir.ends_with("postgres"));
+        }
+    }
 }

@@ -79,13 +79,15 @@ async fn has_citus(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
         .await
 }
 
-/// A table's place in Citus's metadata: `None` when it is a plain table.
-#[derive(Debug, sqlx::FromRow)]
-struct Placement {
-    /// `h` for hash-distributed; `n` for reference and local tables.
-    method: String,
-    column: Option<String>,
-    colocation: i32,
+crate::store::from_row! {
+    /// A table's place in Citus's metadata: `None` when it is a plain table.
+    #[derive(Debug)]
+    struct Placement from sqlx::postgres::PgRow {
+        /// `h` for hash-distributed; `n` for reference and local tables.
+        method: String,
+        column: Option<String>,
+        colocation: i32,
+    }
 }
 
 async fn placement(conn: &mut PgConnection, table: &str) -> Result<Option<Placement>, sqlx::Error> {
@@ -303,13 +305,15 @@ pub fn prune_shards_sql(per_shard: u32) -> String {
     )
 }
 
-/// One row of [`prune_shards_sql`].
-#[derive(Debug, sqlx::FromRow)]
-pub struct ShardsPruned {
-    pub deleted: i64,
-    pub fullest: i64,
-    pub failed: i64,
-    pub failure: Option<String>,
+crate::store::from_row! {
+    /// One row of [`prune_shards_sql`].
+    #[derive(Debug)]
+    pub struct ShardsPruned from sqlx::postgres::PgRow {
+        pub deleted: i64,
+        pub fullest: i64,
+        pub failed: i64,
+        pub failure: Option<String>,
+    }
 }
 
 impl ShardsPruned {

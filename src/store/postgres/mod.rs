@@ -38,7 +38,7 @@
 //! (their commit is the one that is not heap-only).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -66,10 +66,13 @@ use errors::{Target, classify, connect_failed};
 /// The PostgreSQL schema migrations (`migrations/postgres`). Migrations a
 /// newer release applied are no reason to refuse (a rollback to this one
 /// works on them) unless one is a contract step ([`crate::store::schema`]).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
-    ignore_missing: true,
-    ..sqlx::migrate!("./migrations/postgres")
-};
+/// Embedded by the build (build.rs), as `sqlx::migrate!` would.
+pub static MIGRATOR: LazyLock<sqlx::migrate::Migrator> = LazyLock::new(|| {
+    super::embedded_migrator(include!(concat!(
+        env!("OUT_DIR"),
+        "/migrations_postgres.rs"
+    )))
+});
 
 /// How the pool behaves; the defaults suit one idemgate process.
 #[derive(Debug, Clone)]

@@ -4,7 +4,6 @@
 //! by the helpers both stores share.
 
 use chrono::{DateTime, Utc};
-use sqlx::FromRow;
 use uuid::Uuid;
 
 use crate::store::{
@@ -12,57 +11,58 @@ use crate::store::{
     StoreError, StoredResponse,
 };
 
-/// One row of `idempotency_keys`, as [`key_columns!`](crate::store::key_columns) lists it.
-#[derive(FromRow)]
-pub(super) struct KeyRow {
-    pub(super) tenant: String,
-    pub(super) key_hash: Vec<u8>,
-    pub(super) fingerprint: Option<String>,
-    pub(super) state: String,
-    pub(super) reservation_id: Uuid,
-    pub(super) lease_expires_at: Option<DateTime<Utc>>,
-    pub(super) attempt: i32,
-    pub(super) recovery_point: Option<String>,
-    pub(super) recovery_data: Option<serde_json::Value>,
-    pub(super) response_status: Option<i32>,
-    pub(super) response_headers: Option<serde_json::Value>,
-    pub(super) response_body: Option<Vec<u8>>,
-    pub(super) created_at: DateTime<Utc>,
-    pub(super) completed_at: Option<DateTime<Utc>>,
-    pub(super) expires_at: DateTime<Utc>,
-    pub(super) on_lease_expiry: String,
-    pub(super) resolved_action: Option<String>,
-    pub(super) resolved_reason: Option<String>,
-    pub(super) resolved_by: Option<String>,
-    pub(super) resolved_at: Option<DateTime<Utc>>,
-    pub(super) unknown_reason: Option<String>,
-    pub(super) unknown_at: Option<DateTime<Utc>>,
-    pub(super) unknown_reservation_id: Option<Uuid>,
-    pub(super) request: Option<Vec<u8>>,
+crate::store::from_row! {
+    /// One row of `idempotency_keys`, as [`key_columns!`](crate::store::key_columns) lists it.
+    pub(super) struct KeyRow from sqlx::postgres::PgRow {
+        pub(super) tenant: String,
+        pub(super) key_hash: Vec<u8>,
+        pub(super) fingerprint: Option<String>,
+        pub(super) state: String,
+        pub(super) reservation_id: Uuid,
+        pub(super) lease_expires_at: Option<DateTime<Utc>>,
+        pub(super) attempt: i32,
+        pub(super) recovery_point: Option<String>,
+        pub(super) recovery_data: Option<serde_json::Value>,
+        pub(super) response_status: Option<i32>,
+        pub(super) response_headers: Option<serde_json::Value>,
+        pub(super) response_body: Option<Vec<u8>>,
+        pub(super) created_at: DateTime<Utc>,
+        pub(super) completed_at: Option<DateTime<Utc>>,
+        pub(super) expires_at: DateTime<Utc>,
+        pub(super) on_lease_expiry: String,
+        pub(super) resolved_action: Option<String>,
+        pub(super) resolved_reason: Option<String>,
+        pub(super) resolved_by: Option<String>,
+        pub(super) resolved_at: Option<DateTime<Utc>>,
+        pub(super) unknown_reason: Option<String>,
+        pub(super) unknown_at: Option<DateTime<Utc>>,
+        pub(super) unknown_reservation_id: Option<Uuid>,
+        pub(super) request: Option<Vec<u8>>,
+    }
 }
 
-#[derive(FromRow)]
-pub(super) struct ClaimRow {
-    pub(super) claimed: bool,
-    pub(super) db_now: DateTime<Utc>,
-    #[sqlx(flatten)]
-    pub(super) row: KeyRow,
+crate::store::from_row! {
+    pub(super) struct ClaimRow from sqlx::postgres::PgRow {
+        pub(super) claimed: bool,
+        pub(super) db_now: DateTime<Utc>,
+        @flatten pub(super) row: KeyRow,
+    }
 }
 
-#[derive(FromRow)]
-pub(super) struct BatchRow {
-    pub(super) ord: i32,
-    pub(super) claimed: bool,
-    pub(super) db_now: DateTime<Utc>,
-    #[sqlx(flatten)]
-    pub(super) row: KeyRow,
+crate::store::from_row! {
+    pub(super) struct BatchRow from sqlx::postgres::PgRow {
+        pub(super) ord: i32,
+        pub(super) claimed: bool,
+        pub(super) db_now: DateTime<Utc>,
+        @flatten pub(super) row: KeyRow,
+    }
 }
 
-#[derive(FromRow)]
-pub(super) struct FoundRow {
-    pub(super) db_now: DateTime<Utc>,
-    #[sqlx(flatten)]
-    pub(super) row: KeyRow,
+crate::store::from_row! {
+    pub(super) struct FoundRow from sqlx::postgres::PgRow {
+        pub(super) db_now: DateTime<Utc>,
+        @flatten pub(super) row: KeyRow,
+    }
 }
 
 impl TryFrom<FoundRow> for Found {

@@ -61,7 +61,7 @@
 //!   through SQLite's shared cache; it lives while the store does.
 
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use sqlx::ConnectOptions;
@@ -92,10 +92,10 @@ use lock::FileLock;
 /// The SQLite schema migrations (`migrations/sqlite`). Migrations a newer
 /// release applied are no reason to refuse (a rollback to this one works on
 /// them) unless one is a contract step ([`crate::store::schema`]).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
-    ignore_missing: true,
-    ..sqlx::migrate!("./migrations/sqlite")
-};
+/// Embedded by the build (build.rs), as `sqlx::migrate!` would.
+pub static MIGRATOR: LazyLock<sqlx::migrate::Migrator> = LazyLock::new(|| {
+    super::embedded_migrator(include!(concat!(env!("OUT_DIR"), "/migrations_sqlite.rs")))
+});
 
 /// How long a writer waits for another connection's write lock (another
 /// process on the same file) before the store reports itself unavailable.

@@ -3,7 +3,6 @@
 //! stores return, through the helpers they share.
 
 use chrono::{DateTime, Utc};
-use sqlx::FromRow;
 use uuid::Uuid;
 use uuid::fmt::Hyphenated;
 
@@ -40,32 +39,33 @@ pub(super) fn secs_ms(seconds: u32) -> i64 {
     i64::from(seconds) * 1000
 }
 
-#[derive(FromRow)]
-pub(super) struct KeyRow {
-    pub(super) tenant: String,
-    pub(super) key_hash: Vec<u8>,
-    pub(super) fingerprint: Option<String>,
-    pub(super) state: String,
-    pub(super) reservation_id: Hyphenated,
-    pub(super) lease_expires_at: Option<i64>,
-    pub(super) attempt: i64,
-    pub(super) recovery_point: Option<String>,
-    pub(super) recovery_data: Option<String>,
-    pub(super) response_status: Option<i64>,
-    pub(super) response_headers: Option<String>,
-    pub(super) response_body: Option<Vec<u8>>,
-    pub(super) created_at: i64,
-    pub(super) completed_at: Option<i64>,
-    pub(super) expires_at: i64,
-    pub(super) on_lease_expiry: String,
-    pub(super) resolved_action: Option<String>,
-    pub(super) resolved_reason: Option<String>,
-    pub(super) resolved_by: Option<String>,
-    pub(super) resolved_at: Option<i64>,
-    pub(super) unknown_reason: Option<String>,
-    pub(super) unknown_at: Option<i64>,
-    pub(super) unknown_reservation_id: Option<String>,
-    pub(super) request: Option<Vec<u8>>,
+crate::store::from_row! {
+    pub(super) struct KeyRow from sqlx::sqlite::SqliteRow {
+        pub(super) tenant: String,
+        pub(super) key_hash: Vec<u8>,
+        pub(super) fingerprint: Option<String>,
+        pub(super) state: String,
+        pub(super) reservation_id: Hyphenated,
+        pub(super) lease_expires_at: Option<i64>,
+        pub(super) attempt: i64,
+        pub(super) recovery_point: Option<String>,
+        pub(super) recovery_data: Option<String>,
+        pub(super) response_status: Option<i64>,
+        pub(super) response_headers: Option<String>,
+        pub(super) response_body: Option<Vec<u8>>,
+        pub(super) created_at: i64,
+        pub(super) completed_at: Option<i64>,
+        pub(super) expires_at: i64,
+        pub(super) on_lease_expiry: String,
+        pub(super) resolved_action: Option<String>,
+        pub(super) resolved_reason: Option<String>,
+        pub(super) resolved_by: Option<String>,
+        pub(super) resolved_at: Option<i64>,
+        pub(super) unknown_reason: Option<String>,
+        pub(super) unknown_at: Option<i64>,
+        pub(super) unknown_reservation_id: Option<String>,
+        pub(super) request: Option<Vec<u8>>,
+    }
 }
 
 impl KeyRow {
