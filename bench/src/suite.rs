@@ -26,6 +26,7 @@ use crate::procs::{self, Door, Proc};
 use crate::storm;
 use crate::workers::{self, ApiPair, ApiReplay, FloorPair, Keys, ProxyPost, RawPair, RawSelect};
 
+pub mod curve;
 mod probes;
 use probes::probes;
 
@@ -94,8 +95,8 @@ pub struct SuiteArgs {
     #[arg(long, env = "IDEMGATE_BENCH_CITUS_URL", hide_env_values = true)]
     pub citus_url: Option<String>,
 
-    /// Scenarios to run (default: all): sql, replay, proxy, stream, prune,
-    /// sqlite, citus, storm, floor.
+    /// Scenarios to run (default: all): sql, replay, proxy, stream, curve,
+    /// prune, sqlite, citus, storm, floor.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 
@@ -163,6 +164,12 @@ pub struct Results {
     pub syscalls: BTreeMap<String, Vec<(String, f64)>>,
     /// Each door's flamegraph, by label: the file, relative to the report.
     pub flamegraphs: BTreeMap<String, String>,
+    /// Statements running at once in the benchmark database while a
+    /// measurement of the `curve` scenario ran, one entry per run.
+    pub active: BTreeMap<String, Vec<curve::Active>>,
+    /// The share of the machine's cores busy (with anything) while a
+    /// measurement of the `curve` scenario ran, one entry per run.
+    pub busy: BTreeMap<String, Vec<f64>>,
     pub notes: Vec<String>,
 }
 
@@ -1313,7 +1320,7 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         sqlx::query(statement).execute(&pool).await?;
     }
     let wants = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
-    let pgbench = if ["sql", "proxy", "floor"].iter().any(|s| wants(s)) {
+    let pgbench = if ["sql", "proxy", "floor", "curve"].iter().any(|s| wants(s)) {
         floor::find_pgbench().await
     } else {
         None
@@ -1379,14 +1386,18 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
                 .to_owned(),
         );
     }
-    if env.pgbench.is_none() && ["sql", "proxy", "floor"].iter().any(|s| env.wants(s)) {
+    if env.pgbench.is_none()
+        && ["sql", "proxy", "floor", "curve"]
+            .iter()
+            .any(|s| env.wants(s))
+    {
         res.notes.push(
             "pgbench was not found (on the PATH or in PostgreSQL's bin directory): the measured \
              PostgreSQL floor was skipped"
                 .to_owned(),
         );
     }
-    if env.ipx.is_none() && env.wants("proxy") {
+    if env.ipx.is_none() && (env.wants("proxy") || env.wants("curve")) {
         res.notes.push(
             "idempotent-proxy-server was not available: its comparison was skipped".to_owned(),
         );
@@ -1449,6 +1460,9 @@ pub async fn run(mut args: SuiteArgs) -> anyhow::Result<(Env, Results)> {
         }
         if env.wants("stream") {
             streams(&env, origin_addr, &mut res).await?;
+        }
+        if env.wants("curve") {
+            curve::curve(&env, origin_addr, &mut res).await?;
         }
         if env.wants("sqlite") {
             sqlite(&env, &mut res).await?;

@@ -21,7 +21,10 @@ use crate::store::{Claim, KeptRequest, Record, Result, Write, Written};
 /// Transactions of batched writes at once, per process: two, so that one
 /// waiting on a row lock (a claim of a key another process's transaction
 /// holds) or on a slow statement does not hold up every other write; the
-/// other gathers what queued meanwhile.
+/// other gathers what queued meanwhile. More let writes go side by side but
+/// cost CPU per key (more transactions, each with its commit): 4 and 8 were
+/// 6 % to 18 % slower on two cores (BENCHMARKS.md, "Latency against
+/// concurrency").
 pub(super) const BATCH_WRITERS: usize = 2;
 
 impl PgStore {
