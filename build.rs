@@ -4,8 +4,8 @@
 //! which [`crate::store::embedded_migrator`] turns into sqlx's `Migrator`.
 //! This does what `sqlx::migrate!` did without sqlx's procedural macros,
 //! which compiled a second copy of both database drivers (and SQLite's C
-//! source) for the build machine. `rerun-if-changed` on the folders builds a
-//! new migration file in.
+//! source) for the build machine. `rerun-if-changed` on `migrations` (cargo
+//! watches a folder's files and subfolders) builds a new migration file in.
 //!
 //! It also names the schema version each store's migrations end at, for
 //! `idemgate --version` (`IDEMGATE_SCHEMA`): the newest migration's version;
@@ -31,7 +31,6 @@ fn main() {
             continue;
         }
         let dir = Path::new(&root).join("migrations").join(name);
-        println!("cargo:rerun-if-changed={}", dir.display());
         let files = migrations(&dir);
         if let Some((version, _, _)) = files.last() {
             parts.push((store, *version));

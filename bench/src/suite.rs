@@ -879,21 +879,18 @@ async fn proxy_door(
     res: &mut Results,
 ) -> anyhow::Result<()> {
     let fresh = Keys::Fresh(env.fresh_prefix());
-    let label = format!("{name}-new c={c}");
-    let meter = Meter {
-        proc: proc.pid(),
-        metrics: proc.metrics_addr(),
+    let new_keys = posts(addr, path, &fresh, c);
+    curve::measured(
+        env,
+        &format!("{name}-new"),
+        c,
+        &proc,
         db,
-    };
-    let costs_before = meter.before().await;
-    let before = proc.cpu_ticks();
-    let sample = measure(env, posts(addr, path, &fresh, c)).await?;
-    res.record_with_cpu(&label, sample, &proc, before);
-    let costs_after = meter.after(&costs_before).await;
-    res.record_costs(&label, &costs_before, &costs_after, sample.all_ops);
-    if proc.metrics_addr().is_some() {
-        res.record_batches(&label, &proc).await?;
-    }
+        None,
+        new_keys,
+        res,
+    )
+    .await?;
     let keys = populate_proxy(addr, path, &env.fresh_prefix(), env.args.replay_keys).await?;
     let before = proc.cpu_ticks();
     let sample = measure(env, posts(addr, path, &Keys::Replay(keys), c)).await?;

@@ -124,7 +124,7 @@ pub(super) async fn curve(env: &Env, origin: SocketAddr, res: &mut Results) -> a
 /// cost the process and the store, how the process batched its writes, and,
 /// given the benchmark database's pool, its statements running at once.
 #[allow(clippy::too_many_arguments)]
-async fn measured<W: Worker>(
+pub(super) async fn measured<W: Worker>(
     env: &Env,
     stem: &str,
     c: usize,
