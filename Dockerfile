@@ -8,6 +8,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY bench ./bench
 COPY campaign ./campaign
+COPY vendor ./vendor
 COPY src ./src
 COPY migrations ./migrations
 COPY examples ./examples

@@ -343,9 +343,17 @@ const MAX_HEAD_LINES: usize = 24_576;
 
 /// The read buffer's size and the header lines hyper makes room for, for a
 /// head of up to `max_head_bytes`: as many lines as fit in it (the shortest
-/// line, `a:` and its LF, is 3 bytes), within [`MAX_HEAD_LINES`]. hyper
-/// allocates the room for the lines on each response it parses (unwritten,
-/// so it costs an allocation of that size, not its filling).
+/// line, `a:` and its LF, is 3 bytes), within [`MAX_HEAD_LINES`].
+///
+/// hyper makes that room on every response it parses, however few lines
+/// it has: two vectors of `lines` slots of 32 bytes. As released, hyper
+/// writes every slot (`smallvec![MaybeUninit::uninit(); lines]`), about
+/// 1.5 MB per upstream answer and half the proxy's instructions per key;
+/// the hyper this binary builds (`vendor/README.md`) allocates them
+/// unwritten, so the room costs two allocations, not their filling. The
+/// bound stays where it is either way: a lower one would turn an origin's
+/// valid answer with more lines into a `502`, its key held `unknown` after
+/// the origin acted.
 fn head_limits(max_head_bytes: usize) -> (usize, usize) {
     let bytes = max_head_bytes.max(HYPER_HEAD_BYTES);
     (bytes, (bytes / 3 + 1).min(MAX_HEAD_LINES))
