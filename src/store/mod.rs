@@ -93,8 +93,10 @@ macro_rules! key_columns {
 pub(crate) use key_columns;
 
 /// A struct read from a row by column name, as `#[derive(sqlx::FromRow)]`
-/// reads it: each field from the column of its name, and a field marked
-/// `@flatten` (last) read whole from the same row, as `#[sqlx(flatten)]`.
+/// reads it: each field from the column of its name (found where the
+/// previous field's column ends, when it is there: [`column_at`]), and a
+/// field marked `@flatten` (last) read whole from the same row, as
+/// `#[sqlx(flatten)]`.
 /// Written without sqlx's procedural macros (build.rs says why).
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 macro_rules! from_row {
@@ -111,19 +113,52 @@ macro_rules! from_row {
             $($flat_vis $flat: $flat_ty,)?
         }
 
-        impl<'r> sqlx::FromRow<'r, $row> for $name {
-            fn from_row(row: &'r $row) -> Result<Self, sqlx::Error> {
+        impl $name {
+            /// Reads the struct from `row`, its columns looked for from
+            /// `*next` on ([`column_at`](crate::store::column_at)).
+            fn from_row_at(row: &$row, next: &mut usize) -> Result<Self, sqlx::Error> {
                 use sqlx::Row as _;
                 Ok(Self {
-                    $($field: row.try_get(stringify!($field))?,)*
-                    $($flat: <$flat_ty as sqlx::FromRow<'r, $row>>::from_row(row)?,)?
+                    $($field: row.try_get($crate::store::column_at(row, next, stringify!($field))?)?,)*
+                    $($flat: <$flat_ty>::from_row_at(row, next)?,)?
                 })
+            }
+        }
+
+        impl<'r> sqlx::FromRow<'r, $row> for $name {
+            fn from_row(row: &'r $row) -> Result<Self, sqlx::Error> {
+                Self::from_row_at(row, &mut 0)
             }
         }
     };
 }
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use from_row;
+
+/// The index of the column `name` in `row`, for [`from_row!`]: the column at
+/// `*next` when it has that name, else the one the row's map of names finds;
+/// `*next` moves past it. A struct's fields are its statement's columns in
+/// order ([`key_columns!`]), so a field costs one comparison of names where
+/// a look-up by name hashes the name (SipHash) into that map: 50 look-ups
+/// per proxied key on PostgreSQL, about 4,000 of its 261,000 instructions.
+/// A row whose columns come in another order is read by name, as before.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn column_at<R: sqlx::Row>(
+    row: &R,
+    next: &mut usize,
+    name: &str,
+) -> std::result::Result<usize, sqlx::Error>
+where
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+{
+    use sqlx::Column as _;
+    let i = match row.columns().get(*next) {
+        Some(column) if column.name() == name => *next,
+        _ => sqlx::ColumnIndex::index(&name, row)?,
+    };
+    *next = i + 1;
+    Ok(i)
+}
 
 /// What a store is: everything the engine, the operators' commands and the
 /// maintenance tasks ask of it, each operation atomic across every process
@@ -419,5 +454,58 @@ mod tests {
             // The one migration outside a transaction builds PostgreSQL's indexes.
             assert_eq!(embedded.iter().any(|m| m.no_tx), dir.ends_with("postgres"));
         }
+    }
+
+    super::from_row! {
+        #[derive(Debug, PartialEq)]
+        struct Inner from sqlx::sqlite::SqliteRow {
+            c: String,
+            d: Option<i64>,
+        }
+    }
+
+    super::from_row! {
+        #[derive(Debug, PartialEq)]
+        struct Outer from sqlx::sqlite::SqliteRow {
+            a: i64,
+            b: String,
+            @flatten inner: Inner,
+        }
+    }
+
+    /// `from_row!` reads each field from the column of its name whether the
+    /// statement lists the columns in the struct's order (found in place),
+    /// in another order, or with others between (found by name), and a
+    /// missing column is sqlx's error, not another column's value.
+    #[tokio::test]
+    async fn rows_are_read_by_name_in_any_order_of_columns() {
+        use sqlx::Connection as _;
+        let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let want = Outer {
+            a: 1,
+            b: "two".into(),
+            inner: Inner {
+                c: "three".into(),
+                d: None,
+            },
+        };
+        for sql in [
+            "SELECT 1 AS a, 'two' AS b, 'three' AS c, NULL AS d",
+            "SELECT NULL AS d, 'three' AS c, 'two' AS b, 1 AS a",
+            "SELECT 'x' AS z, 'two' AS b, 1 AS a, 0 AS y, 'three' AS c, NULL AS d",
+        ] {
+            let got: Outer = sqlx::query_as(sql).fetch_one(&mut conn).await.unwrap();
+            assert_eq!(got, want, "{sql}");
+        }
+        let missing = sqlx::query_as::<_, Outer>("SELECT 1 AS a, 'two' AS b, 'three' AS c")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(missing, sqlx::Error::ColumnNotFound(ref name) if name == "d"),
+            "{missing:?}"
+        );
     }
 }
