@@ -32,7 +32,9 @@ pub struct AbArgs {
     /// The idemgate binary after the change.
     #[arg(long)]
     pub after: PathBuf,
-    /// `api-pair` (serve: reserve + commit) or `proxy-new` (proxy: a new key).
+    /// `api-pair` (serve: reserve + commit), `proxy-new` (proxy: a new key)
+    /// or `proxy-replay` (proxy: a retry of one of 1,000 keys completed
+    /// before the turn).
     #[arg(long, default_value = "api-pair")]
     pub kind: String,
     /// The store: `postgres` (both sides on `--database-url`) or `sqlite`
@@ -109,8 +111,10 @@ async fn start(
 ) -> anyhow::Result<Side> {
     let door = match args.kind.as_str() {
         "api-pair" => Door::Serve,
-        "proxy-new" => Door::Proxy(origin),
-        other => anyhow::bail!("--kind: expected api-pair or proxy-new, got {other:?}"),
+        "proxy-new" | "proxy-replay" => Door::Proxy(origin),
+        other => {
+            anyhow::bail!("--kind: expected api-pair, proxy-new or proxy-replay, got {other:?}")
+        }
     };
     let (url, extra) = match store {
         // The schema is the newer binary's (see `run`); the older one serves
@@ -189,6 +193,15 @@ async fn turn(side: &mut Side, args: &AbArgs, store: &Store, round: usize) -> an
         Duration::from_secs(1),
         Duration::from_secs_f64(args.seconds),
     );
+    // Replays are of keys completed before the turn is read, as a retry
+    // finds them.
+    let keys = match args.kind.as_str() {
+        "proxy-replay" => {
+            let keys = crate::suite::populate_proxy(side.addr, "/v1/charges", &prefix, 1000);
+            Keys::Replay(keys.await?)
+        }
+        _ => Keys::Fresh(prefix.clone()),
+    };
     let before = read(side, store).await;
     let sample: Sample = if args.kind == "api-pair" {
         let w = (0..args.concurrency)
@@ -196,7 +209,6 @@ async fn turn(side: &mut Side, args: &AbArgs, store: &Store, round: usize) -> an
             .collect();
         load::run_for(w, warmup, measure).await?
     } else {
-        let keys = Keys::Fresh(prefix);
         let w = (0..args.concurrency)
             .map(|w| ProxyPost::new(side.addr, "/v1/charges", keys.clone(), w))
             .collect();

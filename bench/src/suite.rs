@@ -512,7 +512,7 @@ pub async fn populate_api(
 
 /// Sends each key once through a proxy at `path`, so that the next send of it
 /// is a replay.
-async fn populate_proxy(
+pub(crate) async fn populate_proxy(
     addr: SocketAddr,
     path: &str,
     prefix: &str,
