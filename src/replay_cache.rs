@@ -268,7 +268,7 @@ mod tests {
             response: Some(StoredResponse {
                 status: 201,
                 headers: vec![("content-type".into(), "text/plain".into())],
-                body: vec![b'x'; body],
+                body: vec![b'x'; body].into(),
             }),
             created_at: now,
             completed_at: Some(now),

@@ -433,7 +433,7 @@ impl Sealer {
         StoredResponse {
             status: response.status,
             headers: vec![(SEALED_HEADER.to_owned(), self.marker())],
-            body: self.seal_blob(&plain, &aad),
+            body: self.seal_blob(&plain, &aad).into(),
         }
     }
 
@@ -448,12 +448,13 @@ impl Sealer {
         let plain = self.open_blob(&sealed.body, &aad)?;
         let (len, rest) = plain.split_at_checked(4).ok_or(OpenError::Corrupt)?;
         let len = u32::from_be_bytes(len.try_into().map_err(|_| OpenError::Corrupt)?) as usize;
-        let (headers, body) = rest.split_at_checked(len).ok_or(OpenError::Corrupt)?;
+        let headers = rest.get(..len).ok_or(OpenError::Corrupt)?;
         let headers = serde_json::from_slice(headers).map_err(|_| OpenError::Corrupt)?;
+        // The body is the rest of the opened bytes, kept where it is.
         Ok(StoredResponse {
             status: sealed.status,
             headers,
-            body: body.to_vec(),
+            body: bytes::Bytes::from(plain).slice(4 + len..),
         })
     }
 
@@ -700,7 +701,7 @@ mod tests {
         StoredResponse {
             status: 201,
             headers: vec![("x-secret".into(), "hdr-value".into())],
-            body: b"secret body".to_vec(),
+            body: bytes::Bytes::from_static(b"secret body"),
         }
     }
 
@@ -724,7 +725,9 @@ mod tests {
         // Every single-byte change is detected.
         for i in 0..sealed.body.len() {
             let mut t = sealed.clone();
-            t.body[i] ^= 0x01;
+            let mut body = t.body.to_vec();
+            body[i] ^= 0x01;
+            t.body = body.into();
             assert!(a.open("acme", id, &t).is_err(), "byte {i}");
         }
         let mut short = sealed.clone();

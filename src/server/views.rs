@@ -254,7 +254,7 @@ pub(crate) fn stored_response(
     Ok(StoredResponse {
         status: body.status,
         headers,
-        body: bytes,
+        body: bytes.into(),
     })
 }
 
@@ -386,7 +386,7 @@ pub(super) fn completed_response(record: &Record) -> Response {
     let empty = StoredResponse {
         status: 0,
         headers: Vec::new(),
-        body: Vec::new(),
+        body: bytes::Bytes::new(),
     };
     let view = CompletedView {
         state: CompletedState::Completed,

@@ -181,8 +181,9 @@ pub struct StoredResponse {
     pub status: u16,
     /// Header lines in order, names as given.
     pub headers: Vec<(String, String)>,
-    /// Body bytes.
-    pub body: Vec<u8>,
+    /// Body bytes: cloned by a reference count, not a copy, as the answer,
+    /// the store's write and the replay cache each keep it.
+    pub body: bytes::Bytes,
 }
 
 impl StoredResponse {
@@ -206,7 +207,7 @@ impl StoredResponse {
             status: u16::try_from(status)
                 .map_err(|_| StoreError::other(format!("stored status {status}")))?,
             headers,
-            body: body.unwrap_or_default(),
+            body: body.map(bytes::Bytes::from).unwrap_or_default(),
         }))
     }
 }

@@ -162,7 +162,7 @@ fn response(tag: u8) -> StoredResponse {
     StoredResponse {
         status: 200 + u16::from(tag % 3),
         headers: vec![("x-tag".into(), tag.to_string())],
-        body: vec![tag; usize::from(tag % 5) * 100],
+        body: vec![tag; usize::from(tag % 5) * 100].into(),
     }
 }
 
@@ -360,7 +360,7 @@ async fn storm_through_batches(backend: Backend) {
                                 let response = StoredResponse {
                                     status: 201,
                                     headers: Vec::new(),
-                                    body: format!("key {key} by {t} in round {round}").into_bytes(),
+                                    body: format!("key {key} by {t} in round {round}").into(),
                                 };
                                 match engine.commit("storm", id, &response).await.expect("commit") {
                                     Ok(Committed::Now(_)) => {
@@ -603,7 +603,7 @@ async fn a_storm_of_duplicates_never_deadlocks(db: common::pg::TestDb) {
                             let response = StoredResponse {
                                 status: 201,
                                 headers: Vec::new(),
-                                body: format!("key {key}").into_bytes(),
+                                body: format!("key {key}").into(),
                             };
                             let committed = engine
                                 .commit("storm", reserved.reservation_id, &response)
@@ -639,7 +639,7 @@ async fn a_storm_of_duplicates_never_deadlocks(db: common::pg::TestDb) {
         };
         assert_eq!(
             record.response.map(|r| r.body),
-            Some(format!("key {key}").into_bytes())
+            Some(format!("key {key}").into())
         );
     }
     let stats: Vec<_> = engines.iter().map(|e| e.batch_stats()).collect();

@@ -190,7 +190,7 @@ async fn a_batch_spanning_tenants_on_two_workers_answers_each_write() {
     let response = |tag: &str| StoredResponse {
         status: 201,
         headers: vec![("x-tag".into(), tag.into())],
-        body: tag.as_bytes().to_vec(),
+        body: tag.as_bytes().to_vec().into(),
     };
     let commits = [0, 1, 3].map(|i| Write::Complete {
         tenant: claims[i].record.tenant.clone(),
@@ -672,7 +672,7 @@ async fn operators_list_and_resolve_unknown_keys_across_shards() {
         response: (action == ResolveAction::Complete).then(|| StoredResponse {
             status: 201,
             headers: vec![],
-            body: b"settled".to_vec(),
+            body: bytes::Bytes::from_static(b"settled"),
         }),
         reason: "a test on the cluster".into(),
         by: "ops".into(),
@@ -690,7 +690,7 @@ async fn operators_list_and_resolve_unknown_keys_across_shards() {
     assert_eq!(engine.store().count_stuck().await.unwrap(), 38);
     match engine.reserve(&request(3)).await.unwrap() {
         ReserveOutcome::Completed(record) => {
-            assert_eq!(record.response.unwrap().body, b"settled");
+            assert_eq!(record.response.unwrap().body, &b"settled"[..]);
             assert_eq!(record.resolution.unwrap().by, "ops");
         }
         other => panic!("{other:?}"),

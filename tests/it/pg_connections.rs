@@ -96,7 +96,7 @@ async fn a_statement_cancelled_half_way_leaves_no_desynchronised_connection() {
                 &StoredResponse {
                     status: 201,
                     headers: vec![],
-                    body: format!("body {i}").into_bytes(),
+                    body: format!("body {i}").into(),
                 },
             )
             .await

@@ -1031,7 +1031,7 @@ fn response(tag: u8) -> StoredResponse {
     StoredResponse {
         status: 200 + u16::from(tag),
         headers: vec![("x-tag".into(), tag.to_string())],
-        body: vec![tag, 0xff],
+        body: vec![tag, 0xff].into(),
     }
 }
 

@@ -63,7 +63,7 @@ fn response(tag: &str, body_len: usize) -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![("x-tag".into(), tag.into())],
-        body,
+        body: body.into(),
     }
 }
 

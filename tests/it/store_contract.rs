@@ -68,7 +68,7 @@ fn response(tag: &str) -> StoredResponse {
             ("x-tag".into(), tag.into()),
             ("x-tag".into(), "repeated \"quoted\"".into()),
         ],
-        body,
+        body: body.into(),
     }
 }
 

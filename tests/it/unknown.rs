@@ -868,7 +868,7 @@ async fn an_upgrade_keeps_what_existing_records_meant(b: Backend) {
     }
     match engine.reserve(&request(&done_hash)).await.unwrap() {
         ReserveOutcome::Completed(record) => {
-            assert_eq!(record.response.unwrap().body, b"old");
+            assert_eq!(record.response.unwrap().body, &b"old"[..]);
             assert_eq!(record.on_lease_expiry, LeaseExpiry::Takeover);
             assert!(record.resolution.is_none());
         }

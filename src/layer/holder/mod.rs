@@ -331,14 +331,22 @@ impl Holder {
                     .await,
                 res,
             ),
-            Produced::Whole(mut parts, bytes) => {
+            Produced::Whole(mut parts, read) => {
+                // One copy, which the record and the answer share: what was
+                // read may be a slice of the upstream connection's read
+                // buffer, which hyper reuses for the next answer on that
+                // connection only once no slice of it is held. Held through
+                // the commit and the answer's write, it cost a new buffer
+                // per key (10 % more CPU per proxied key, BENCHMARKS.md).
+                let body = bytes::Bytes::copy_from_slice(&read);
+                drop(read);
                 let stored = StoredResponse {
                     status: parts.status.as_u16(),
                     headers: storable(&parts.headers, &policy.store_headers_deny),
-                    body: bytes.to_vec(),
+                    body: body.clone(),
                 };
                 let settled = self.commit(stored, &mut parts.headers).await;
-                (settled, Response::from_parts(parts, Body::from(bytes)))
+                (settled, Response::from_parts(parts, Body::from(body)))
             }
             Produced::BodyFailed(why) => {
                 let e = match policy.door {

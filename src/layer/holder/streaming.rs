@@ -98,7 +98,7 @@ impl Holder {
                 let stored = StoredResponse {
                     status,
                     headers,
-                    body: concat(chunks).to_vec(),
+                    body: concat(chunks),
                 };
                 let settled = self.commit(stored, &mut ignored).await;
                 out.end();
@@ -110,7 +110,7 @@ impl Holder {
                 let stored = StoredResponse {
                     status,
                     headers,
-                    body: Vec::new(),
+                    body: Bytes::new(),
                 };
                 let settled = match self.commit(stored, &mut ignored).await {
                     SettledAs::Stored => SettledAs::Tombstone,

@@ -69,7 +69,7 @@ impl HotPath for PgStore {
                     .bind(reservation_id)
                     .bind(i32::from(response.status))
                     .bind(headers_json(&response.headers))
-                    .bind(&response.body),
+                    .bind(&response.body[..]),
             )
             .await?;
         let Some(row) = row else {
@@ -265,7 +265,7 @@ impl Queries for PgStore {
             (ResolveAction::Complete, Some(response)) => query
                 .bind(i32::from(response.status))
                 .bind(headers_json(&response.headers))
-                .bind(&response.body),
+                .bind(&response.body[..]),
             (ResolveAction::Complete, None) => {
                 return Err(StoreError::other("a completion without a response"));
             }

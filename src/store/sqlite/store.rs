@@ -269,7 +269,7 @@ impl Queries for SqliteStore {
                             by,
                             i64::from(response.status),
                             headers,
-                            response.body,
+                            &response.body[..],
                         ],
                     )?,
                     _ => key_row(

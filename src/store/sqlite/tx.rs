@@ -176,7 +176,7 @@ pub(super) fn complete_in(
                 now,
                 i64::from(response.status),
                 headers,
-                response.body,
+                &response.body[..],
             ])
         })
         .map_err(classify_rs)?;
