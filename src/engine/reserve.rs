@@ -22,8 +22,53 @@ impl Engine {
     /// lease is alive, without holding a database connection in between.
     /// In a span of its own ([`spans::CLAIM`]), which records the decision.
     pub async fn reserve(&self, req: &ReserveRequest) -> Result<ReserveOutcome, EngineError> {
+        self.reserve_looked(req, Looked::No).await
+    }
+
+    /// The decision for `req` if the replay cache holds its key's completed
+    /// record (a replay, or `422` for another payload), made at once, with
+    /// no store call and nothing claimed; `None` on a miss, counted by
+    /// [`Engine::reserve_after_miss`], which the caller then asks. A door
+    /// answers a cached replay in the request's own task with it: only a
+    /// request that may claim needs a task that outlives its client.
+    pub(crate) fn reserve_from_cache(&self, req: &ReserveRequest) -> Option<ReserveOutcome> {
+        let cache = self.replay_cache.as_ref()?;
+        let named;
+        let req = match &self.sealer {
+            None => req,
+            Some(_) => {
+                named = primary(self, req);
+                &named
+            }
+        };
+        let record = cache.get(&req.tenant, &req.key_hash)?;
+        telemetry::record_replay_cache_hit();
+        let span = spans::claim(
+            || crate::key::hash_prefix(&req.key_hash),
+            wait_ms(self, req),
+        );
+        let outcome = decide_completed(record, req.fingerprint.as_deref());
+        spans::claimed(&span, outcome.outcome().as_str(), None);
+        Some(outcome)
+    }
+
+    /// [`Engine::reserve`] of a request whose key
+    /// [`Engine::reserve_from_cache`] has just missed: the cache is not
+    /// looked in again, and the miss is counted.
+    pub(crate) async fn reserve_after_miss(
+        &self,
+        req: &ReserveRequest,
+    ) -> Result<ReserveOutcome, EngineError> {
+        self.reserve_looked(req, Looked::Missed).await
+    }
+
+    async fn reserve_looked(
+        &self,
+        req: &ReserveRequest,
+        looked: Looked,
+    ) -> Result<ReserveOutcome, EngineError> {
         let Some(sealer) = &self.sealer else {
-            return self.reserve_named(req, &[]).await;
+            return self.reserve_named(req, &[], looked).await;
         };
         // Under sealing the record's names are keyed; during a window (a
         // rotation, the time after sealing was turned on) a key may be kept
@@ -36,7 +81,7 @@ impl Engine {
             .next()
             .expect("a sealer names records one way at least");
         let others: Vec<ReserveRequest> = named.collect();
-        self.reserve_named(&primary, &others).await
+        self.reserve_named(&primary, &others, looked).await
     }
 
     /// The reservation of a call that a later round continues (an MCP call
@@ -93,14 +138,26 @@ impl Engine {
         &self,
         req: &ReserveRequest,
         others: &[ReserveRequest],
+        looked: Looked,
     ) -> Result<ReserveOutcome, EngineError> {
         let wait = req
             .wait
             .map_or(Duration::ZERO, |w| w.min(self.limits.max_wait));
-        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
-        let span = spans::claim(|| crate::key::hash_prefix(&req.key_hash), wait_ms);
+        let span = spans::claim(
+            || crate::key::hash_prefix(&req.key_hash),
+            wait_ms(self, req),
+        );
         // The store's part runs in the span; the replay cache answers at once.
-        let decision = match self.cached_outcome(req) {
+        let cached = match looked {
+            Looked::No => self.cached_outcome(req),
+            Looked::Missed => {
+                if self.replay_cache.is_some() {
+                    telemetry::record_replay_cache_miss();
+                }
+                None
+            }
+        };
+        let decision = match cached {
             Some(outcome) => Ok(outcome),
             None if wait.is_zero() => self.claim(req, others).instrument(span.clone()).await,
             None => {
@@ -348,6 +405,25 @@ const MAX_GIVE_WAY: u8 = 3;
 /// `req` with its names as `sealer` gives them under `naming`: the key hash,
 /// the fingerprint and, if derived from a credential, the tenant.
 /// `req` under the naming new records are kept under.
+/// Whether the replay cache was looked in before [`Engine::reserve`]'s own
+/// look.
+#[derive(Clone, Copy)]
+enum Looked {
+    /// Not yet: `reserve` looks.
+    No,
+    /// It was, and missed.
+    Missed,
+}
+
+/// The wait `req` asks for, as its claim span records it: within the
+/// engine's bound, in milliseconds.
+fn wait_ms(engine: &Engine, req: &ReserveRequest) -> u64 {
+    let wait = req
+        .wait
+        .map_or(Duration::ZERO, |w| w.min(engine.limits.max_wait));
+    u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)
+}
+
 fn primary(engine: &Engine, req: &ReserveRequest) -> ReserveRequest {
     match &engine.sealer {
         None => req.clone(),

@@ -80,7 +80,8 @@ impl Call {
                 Ok(None) => self.shared.engine.reserve(&request).await,
                 Err(e) => Err(e),
             },
-            None => self.shared.engine.reserve(&request).await,
+            // The request looked in the replay cache before this task.
+            None => self.shared.engine.reserve_after_miss(&request).await,
         };
         let elapsed = started.elapsed();
         let reservation = match decision {

@@ -148,22 +148,38 @@ pub(crate) async fn handle(shared: Arc<Shared>, inner: Inner, mut req: Request<B
     for value in parts.headers.get_all(header::ACCEPT_ENCODING) {
         accepted.append(header::ACCEPT_ENCODING, value.clone());
     }
-    let call = Call {
-        shared: shared.clone(),
-        tenant: tenant.clone(),
-        key_hash: key_hash.clone(),
-        on_lease_expiry: guard.on_lease_expiry,
-        inner,
-        req: Request::from_parts(parts, Body::from(body)),
+    // A replay the cache holds claims nothing: it is answered here, with no
+    // task of its own. (A later round of a call that asked for input
+    // continues its reservation, which only `Call::decide` does.)
+    let cached = match parts.extensions.get::<super::Resumes>() {
+        None => shared.engine.reserve_from_cache(&request),
+        Some(_) => None,
     };
-    let (decided_tx, decided) = oneshot::channel();
-    tokio::spawn(
-        call.decide(request, started, decided_tx)
-            .instrument(tracing::Span::current()),
-    );
-    let Ok(Decided { elapsed, decision }) = decided.await else {
-        let e = ApiError::Internal("the request task ended without a decision".into());
-        return policy.problem(e);
+    let Decided { elapsed, decision } = match cached {
+        Some(outcome) => Decided {
+            elapsed: started.elapsed(),
+            decision: Ok(Decision::Other(outcome)),
+        },
+        None => {
+            let call = Call {
+                shared: shared.clone(),
+                tenant: tenant.clone(),
+                key_hash: key_hash.clone(),
+                on_lease_expiry: guard.on_lease_expiry,
+                inner,
+                req: Request::from_parts(parts, Body::from(body)),
+            };
+            let (decided_tx, decided) = oneshot::channel();
+            tokio::spawn(
+                call.decide(request, started, decided_tx)
+                    .instrument(tracing::Span::current()),
+            );
+            let Ok(decided) = decided.await else {
+                let e = ApiError::Internal("the request task ended without a decision".into());
+                return policy.problem(e);
+            };
+            decided
+        }
     };
     let decided = elapsed;
     let decision = match decision {

@@ -160,6 +160,67 @@ async fn replay_cache_hits_and_misses_are_counted() {
     assert_value(&text, "idemgate_replay_cache_hits_total", 1.0);
 }
 
+/// Through the proxy, whose replays from the cache are answered in the
+/// request's own task: every guarded request is counted once, a hit or a
+/// miss, never both; a new key misses and charges once; its replays are
+/// the first answer, and another payload under the key is refused from the
+/// cache as from the store.
+#[tokio::test]
+async fn the_proxy_counts_each_replay_once_as_a_hit_or_a_miss() {
+    let db = TestDb::new().await;
+    let origin = Upstream::start().await;
+    let proxy = ProxyProcess::start(&db, &origin.url()).await;
+    let admin = format!("http://127.0.0.1:{}/metrics", proxy.admin);
+    let key = common::app::fresh_key();
+    let post = |body: &'static str| {
+        common::http()
+            .post(format!("{}/charges", proxy.base()))
+            .header("Idempotency-Key", format!("\"{key}\""))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let first = post(r#"{"amount":7}"#).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let charged = first.text().await.unwrap();
+    let text = metrics(admin.clone()).await;
+    assert_value(&text, "idemgate_replay_cache_misses_total", 1.0);
+    assert_value(&text, "idemgate_replay_cache_hits_total", 0.0);
+
+    for _ in 0..3 {
+        let again = post(r#"{"amount":7}"#).await.unwrap();
+        assert_eq!(again.status(), 201);
+        assert_eq!(again.headers().get("idempotent-replayed").unwrap(), "true");
+        assert_eq!(again.text().await.unwrap(), charged);
+    }
+    let other = post(r#"{"amount":8}"#).await.unwrap();
+    assert_eq!(other.status(), 422);
+    assert_eq!(
+        origin.started(&format!("\"{key}\"")),
+        1,
+        "the origin ran once"
+    );
+
+    let text = metrics(admin).await;
+    let hits = value(&text, "idemgate_replay_cache_hits_total").unwrap();
+    let misses = value(&text, "idemgate_replay_cache_misses_total").unwrap();
+    assert_eq!(hits + misses, 5.0, "one count per request:\n{text}");
+    assert!(
+        hits >= 3.0,
+        "the replays after the first come from the cache:\n{text}"
+    );
+    assert_value(
+        &text,
+        "idemgate_requests_total{mode=\"proxy\",outcome=\"replayed\"}",
+        3.0,
+    );
+    assert_value(
+        &text,
+        "idemgate_requests_total{mode=\"proxy\",outcome=\"mismatch\"}",
+        1.0,
+    );
+}
+
 /// An outage shows on /metrics with no traffic (`idemgate_store_up` 0, from
 /// the scrape's own ping) and in the answers it caused
 /// (`idemgate_store_errors_total{kind="unavailable"}`), so an alert can fire
