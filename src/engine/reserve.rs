@@ -45,7 +45,7 @@ impl Engine {
         telemetry::record_replay_cache_hit();
         let span = spans::claim(
             || crate::key::hash_prefix(&req.key_hash),
-            wait_ms(self, req),
+            millis(bounded_wait(self, req)),
         );
         let outcome = decide_completed(record, req.fingerprint.as_deref());
         spans::claimed(&span, outcome.outcome().as_str(), None);
@@ -140,13 +140,8 @@ impl Engine {
         others: &[ReserveRequest],
         looked: Looked,
     ) -> Result<ReserveOutcome, EngineError> {
-        let wait = req
-            .wait
-            .map_or(Duration::ZERO, |w| w.min(self.limits.max_wait));
-        let span = spans::claim(
-            || crate::key::hash_prefix(&req.key_hash),
-            wait_ms(self, req),
-        );
+        let wait = bounded_wait(self, req);
+        let span = spans::claim(|| crate::key::hash_prefix(&req.key_hash), millis(wait));
         // The store's part runs in the span; the replay cache answers at once.
         let cached = match looked {
             Looked::No => self.cached_outcome(req),
@@ -402,9 +397,6 @@ impl Engine {
 /// other at once, and both give way).
 const MAX_GIVE_WAY: u8 = 3;
 
-/// `req` with its names as `sealer` gives them under `naming`: the key hash,
-/// the fingerprint and, if derived from a credential, the tenant.
-/// `req` under the naming new records are kept under.
 /// Whether the replay cache was looked in before [`Engine::reserve`]'s own
 /// look.
 #[derive(Clone, Copy)]
@@ -415,15 +407,18 @@ enum Looked {
     Missed,
 }
 
-/// The wait `req` asks for, as its claim span records it: within the
-/// engine's bound, in milliseconds.
-fn wait_ms(engine: &Engine, req: &ReserveRequest) -> u64 {
-    let wait = req
-        .wait
-        .map_or(Duration::ZERO, |w| w.min(engine.limits.max_wait));
+/// The wait `req` asks for, within the engine's bound.
+fn bounded_wait(engine: &Engine, req: &ReserveRequest) -> Duration {
+    req.wait
+        .map_or(Duration::ZERO, |w| w.min(engine.limits.max_wait))
+}
+
+/// A wait as its claim span records it, in milliseconds.
+fn millis(wait: Duration) -> u64 {
     u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// `req` under the naming new records are kept under.
 fn primary(engine: &Engine, req: &ReserveRequest) -> ReserveRequest {
     match &engine.sealer {
         None => req.clone(),
@@ -438,6 +433,8 @@ fn primary(engine: &Engine, req: &ReserveRequest) -> ReserveRequest {
     }
 }
 
+/// `req` with its names as `sealer` gives them under `naming`: the key hash,
+/// the fingerprint and, if derived from a credential, the tenant.
 fn named(sealer: &Sealer, req: &ReserveRequest, naming: Naming) -> ReserveRequest {
     ReserveRequest {
         tenant: if req.tenant_from_credential {
